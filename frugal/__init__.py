@@ -1,0 +1,26 @@
+"""FRUGAL: Full-Rank Updates with GrAdient spLitting.
+
+A torch-only optimizer library. The gradient of every projectable weight is split into a small
+state-full subspace, updated with a stateful rule (AdamW, Lion, SGD with momentum), and its
+complement, updated with a state-free rule (signSGD, SGD) that keeps no optimizer state.
+
+    import frugal
+    optimizer = frugal.build_optimizer(model, "frugal", lr=1e-3, density=0.25, update_gap=200)
+    scheduler = frugal.build_scheduler(optimizer, "cosine_restarts", total_steps=200_000, cycle_length=10_000)
+"""
+from .optimizer import FRUGAL
+from .grouping import param_groups
+from .factory import OPTIMIZERS, build_optimizer
+from .memory import estimate_state_bytes, state_bytes
+from .schedules import build_scheduler
+
+__all__ = [
+    "FRUGAL",
+    "OPTIMIZERS",
+    "build_optimizer",
+    "build_scheduler",
+    "estimate_state_bytes",
+    "param_groups",
+    "state_bytes",
+]
+__version__ = "0.1.0"
