@@ -8,3 +8,88 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# --------------------------------------------------------------------------------------------------
+# Shared data fixtures (session-scoped, built once per test run in a temporary directory; nothing
+# here reads outside the repository or touches the network).
+#
+# c4_dir            Path of a directory in the original C4 layout:
+#                     en/c4-train.00000-of-01024.json.gz, en/c4-train.00001-of-01024.json.gz
+#                     (150 documents each) and en/c4-validation.00000-of-00008.json.gz (100 docs),
+#                   gzip'd JSON lines {"text", "timestamp", "url"}. Documents are sentences made
+#                   from the words of tests/assets/tinyshakespeare_slice.txt (public domain), with
+#                   lengths from a few words to ~700 (so some exceed 256 tokens and get truncated).
+#                   Use it as data.path for the c4 source.
+# c4_texts          {"train": [...300 texts in file order...], "validation": [...100 texts...]}.
+# t5_tokenizer_dir  Path of a T5-style tokenizer directory: a sentencepiece unigram model
+#                   (spiece.model, 1000 pieces, T5 id layout pad=0 eos=1 unk=2, no bos) trained on the
+#                   c4_dir texts, plus tokenizer_config.json, so both transformers.T5Tokenizer and
+#                   AutoTokenizer load it (len(tokenizer) == 1100: 1000 pieces + 100 <extra_id_N>).
+#                   Pair it with a model/vocab of 1000 ids (data: model_vocab_size=1000).
+# --------------------------------------------------------------------------------------------------
+import gzip as _gzip
+import json as _json
+import random as _random
+import re as _re
+from pathlib import Path as _Path
+
+import pytest as _pytest
+
+ASSETS = _Path(__file__).parent / "assets"
+TOKENIZER_VOCAB = 1000
+
+
+def make_documents(n: int, seed: int) -> list[str]:
+    """n varied documents: sentences of Shakespeare's words, 1 to ~50 sentences each."""
+    words = _re.findall(r"[A-Za-z']+", (ASSETS / "tinyshakespeare_slice.txt").read_text())
+    rng = _random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = []
+        for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 21, 34, 50])):
+            s = " ".join(rng.choice(words) for _ in range(rng.randint(3, 14)))
+            sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", "!", "?"]))
+        docs.append(" ".join(sentences))
+    return docs
+
+
+@_pytest.fixture(scope="session")
+def c4_texts() -> dict:
+    return {"train": make_documents(300, seed=1), "validation": make_documents(100, seed=2)}
+
+
+@_pytest.fixture(scope="session")
+def c4_dir(tmp_path_factory, c4_texts) -> _Path:
+    root = tmp_path_factory.mktemp("c4")
+    (root / "en").mkdir()
+    shards = {
+        "en/c4-train.00000-of-01024.json.gz": c4_texts["train"][:150],
+        "en/c4-train.00001-of-01024.json.gz": c4_texts["train"][150:],
+        "en/c4-validation.00000-of-00008.json.gz": c4_texts["validation"],
+    }
+    for name, texts in shards.items():
+        with _gzip.open(root / name, "wt", encoding="utf-8") as f:
+            for i, text in enumerate(texts):
+                row = {"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.org/{name}/{i}"}
+                f.write(_json.dumps(row) + "\n")
+    return root
+
+
+@_pytest.fixture(scope="session")
+def t5_tokenizer_dir(tmp_path_factory, c4_texts) -> _Path:
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("t5_tokenizer")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(c4_texts["train"] + c4_texts["validation"]) + "\n")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(root / "spiece"), vocab_size=TOKENIZER_VOCAB,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False,
+        character_coverage=1.0, minloglevel=2, num_threads=1,
+    )
+    corpus.unlink()
+    (root / "spiece.vocab").unlink(missing_ok=True)
+    (root / "tokenizer_config.json").write_text(
+        _json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": 100, "model_max_length": 512})
+    )
+    return root
