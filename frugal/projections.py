@@ -1,0 +1,186 @@
+"""How the state-full subspace is chosen.
+
+Every selection here is a pure function of ``(seed, window, parameter identity)`` drawn from a
+local ``torch.Generator``: the global RNG is never read or advanced. That is what lets every
+data-parallel rank pick the same subspace without communication, and a resumed run pick the
+subspace the uninterrupted run would have picked (``window = step // update_gap``).
+
+Projections fall into three kinds, which the optimizer treats differently:
+
+* ``block``: whole tensors are state-full or state-free. Nothing is projected at all.
+* coordinate projections (``column``, ``row``, ``randk``, ``randperm``): a set of coordinates
+  along one dimension (or of the flattened tensor, for ``randk``) is state-full. Projecting is a
+  gather, projecting back a scatter, and the state lives in the gathered (reduced) shape.
+* matrix projections (``svd``, ``random``): a semi-orthogonal matrix ``Q`` (``s x r``, orthonormal
+  columns) on the smaller side ``s`` of the (logical) ``m x n`` weight, as in GaLore's ``std``
+  mode: for ``m >= n`` the reduced gradient is ``G @ Q`` (``m x r``), otherwise ``Q^T @ G``
+  (``r x n``).
+
+"Logical" orientation: a GPT-2 ``Conv1D`` weight is stored ``(in, out)``; with ``transposed=True``
+it is treated as its transpose so that ``column`` means an input feature, as for ``nn.Linear``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_ORDERS = ("ascending", "descending", "random", "mirror")
+COORDINATE = ("column", "row", "randk", "randperm")
+MATRIX = ("svd", "random")
+PROJECTIONS = ("block",) + COORDINATE + MATRIX
+
+_MASK64 = (1 << 64) - 1
+
+
+def round_half_up(x: float) -> int:
+    """``round`` as people mean it (0.5 -> 1), not Python's banker's rounding (0.5 -> 0)."""
+    return int(math.floor(x + 0.5 + 1e-9))
+
+
+def mix_seed(*values: int) -> int:
+    """Hash integers into a 63-bit seed (splitmix64 finaliser), so nearby windows and parameters
+    get unrelated streams instead of overlapping ones."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h & ((1 << 63) - 1)
+
+
+def generator(seed: int, window: int, ident: int = -1) -> torch.Generator:
+    """A private CPU generator for one (seed, window, parameter) triple."""
+    return torch.Generator(device="cpu").manual_seed(mix_seed(seed, window, ident))
+
+
+def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int) -> list[int]:
+    """Positions (0..L-1) of the state-full blocks in ``window``; k = round-half-up(density * L).
+
+    ascending: window w holds {(w*k + j) mod L : j < k}; descending: the same counted from the
+    top (position L-1 down); mirror: the same walk over the sequence 0, L-1, 1, L-2, ... so that
+    blocks come in pairs from both ends (an odd k simply takes one more element of the walk);
+    random: k distinct blocks drawn from a generator seeded by (seed, w).
+    """
+    if order not in BLOCK_ORDERS:
+        raise ValueError(f"Unknown block_order {order!r}; valid choices: {', '.join(BLOCK_ORDERS)}")
+    L = num_blocks
+    k = min(L, round_half_up(density * L))
+    if k == 0 or L == 0:
+        return []
+    if order == "random":
+        perm = torch.randperm(L, generator=generator(seed, window))
+        return sorted(perm[:k].tolist())
+    walk = [(window * k + j) % L for j in range(k)]
+    if order == "descending":
+        return sorted(L - 1 - i for i in walk)
+    if order == "mirror":
+        seq = [(i // 2) if i % 2 == 0 else L - 1 - i // 2 for i in range(L)]
+        return sorted(seq[i] for i in walk)
+    return sorted(walk)
+
+
+def logical_shape(shape: torch.Size | tuple, transposed: bool) -> tuple[int, int]:
+    m, n = shape[0], shape[1]
+    return (n, m) if transposed else (m, n)
+
+
+def matrix_side(shape, transposed: bool) -> str:
+    """GaLore's ``std`` rule: project on the smaller side (``right`` = columns when m >= n)."""
+    m, n = logical_shape(shape, transposed)
+    return "right" if m >= n else "left"
+
+
+def coordinate_dim(projection: str, shape, transposed: bool) -> int | None:
+    """Stored dimension along which a coordinate projection selects (None = flattened, randk)."""
+    if projection == "randk":
+        return None
+    if projection == "randperm":
+        projection = "column" if matrix_side(shape, transposed) == "right" else "row"
+    logical = 1 if projection == "column" else 0
+    return 1 - logical if transposed else logical
+
+
+def coordinate_count(projection: str, shape, transposed: bool, density: float) -> int:
+    """Number of state-full coordinates: round(density * n_columns) for column (likewise row),
+    round(density * numel) for randk, round(density * min(m, n)) for randperm (GaLore's rank)."""
+    if projection == "randperm":
+        return round_half_up(density * min(shape[0], shape[1]))
+    dim = coordinate_dim(projection, shape, transposed)
+    size = math.prod(shape) if dim is None else shape[dim]
+    return round_half_up(density * size)
+
+
+def coordinate_indices(projection, shape, transposed, density, seed, window, ident, device=None):
+    """Sorted int64 indices of the state-full coordinates (sorted for memory locality)."""
+    dim = coordinate_dim(projection, shape, transposed)
+    size = math.prod(shape) if dim is None else shape[dim]
+    k = coordinate_count(projection, shape, transposed, density)
+    idx = torch.randperm(size, generator=generator(seed, window, ident))[:k].sort().values
+    return idx.to(device) if device is not None else idx
+
+
+def matrix_rank(shape, density: float) -> int:
+    return round_half_up(density * min(shape[0], shape[1]))
+
+
+def matrix_projection(projection, grad, transposed, density, seed, window, ident) -> torch.Tensor:
+    """The ``s x r`` orthonormal-column matrix Q. svd: the top-r singular vectors of the current
+    gradient on the smaller side (GaLore); random: QR of a seeded Gaussian (gradient-free)."""
+    g = grad.t() if transposed else grad
+    side = matrix_side(grad.shape, transposed)
+    r = matrix_rank(grad.shape, density)
+    if projection == "svd":
+        # At least fp32 (bf16 has no SVD), as galore-torch does; fp64 stays fp64.
+        work = g.to(torch.promote_types(g.dtype, torch.float32))
+        U, _, Vh = torch.linalg.svd(work, full_matrices=False)
+        q = Vh[:r].t() if side == "right" else U[:, :r]
+    elif projection == "random":
+        s = g.shape[1] if side == "right" else g.shape[0]
+        gauss = torch.randn(s, max(r, 1), generator=generator(seed, window, ident), dtype=torch.float64)
+        q = torch.linalg.qr(gauss).Q[:, :r]
+    else:
+        raise ValueError(f"Unknown matrix projection {projection!r}; valid choices: {', '.join(MATRIX)}")
+    return q.contiguous().to(device=grad.device, dtype=grad.dtype)
+
+
+def project(grad: torch.Tensor, projection: str, transposed: bool, subspace: torch.Tensor) -> torch.Tensor:
+    """The state-full (reduced) part of ``grad``; ``subspace`` is the index tensor or Q."""
+    if projection in MATRIX:
+        g = grad.t() if transposed else grad
+        return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
+    dim = coordinate_dim(projection, grad.shape, transposed)
+    if dim is None:
+        return grad.reshape(-1).index_select(0, subspace)
+    return grad.index_select(dim, subspace)
+
+
+def project_back(reduced: torch.Tensor, shape, projection: str, transposed: bool,
+                 subspace: torch.Tensor) -> torch.Tensor:
+    """The full-shape tensor whose state-full part is ``reduced`` and whose complement is zero."""
+    if projection in MATRIX:
+        side = matrix_side(shape, transposed)
+        full = reduced @ subspace.t() if side == "right" else subspace @ reduced
+        return full.t() if transposed else full
+    out = torch.zeros(shape, dtype=reduced.dtype, device=reduced.device)
+    dim = coordinate_dim(projection, shape, transposed)
+    if dim is None:
+        out.view(-1).index_copy_(0, subspace, reduced)
+    else:
+        out.index_copy_(dim, subspace, reduced)
+    return out
+
+
+def reduced_shape(projection: str, shape, transposed: bool, density: float) -> tuple[int, ...]:
+    """Shape of the state of one tensor under a coordinate or matrix projection."""
+    if projection in MATRIX:
+        m, n = logical_shape(shape, transposed)
+        r = matrix_rank(shape, density)
+        return (m, r) if matrix_side(shape, transposed) == "right" else (r, n)
+    k = coordinate_count(projection, shape, transposed, density)
+    dim = coordinate_dim(projection, shape, transposed)
+    if dim is None:
+        return (k,)
+    return tuple(k if d == dim else s for d, s in enumerate(shape))
