@@ -1,0 +1,154 @@
+"""Optimizer-state memory: measured (`state_bytes`) and predicted (`estimate_state_bytes`).
+
+The paper's claim is about memory, so both numbers are first-class. `state_bytes` counts every
+tensor the optimizer holds in `optimizer.state` (moments, projection matrices, index tensors, step
+counters). `estimate_state_bytes` is the analytic count of Appendix D, computed from parameter
+shapes alone, so it works on a model built on the `meta` device (a 7B model costs nothing):
+
+- AdamW: two moments per parameter (8 bytes/param in fp32).
+- blockwise: the non-projectable tensors' moments plus those of round(density * L) whole layers.
+- column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
+  columns (rows; elements for randk).
+- svd / random (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
+  Appendix D's layout: the projection matrix on the larger side (max(m, n) x r) and the moments on
+  the smaller side (min(m, n) x r), 26/24 = 13/12 of the coordinate projections' cost for LLaMA.
+  This is the layout behind Table 2's GaLore column. (galore-torch and `frugal.FRUGAL` follow
+  GaLore's code instead, which keeps the projection on the smaller side and the moments on the
+  larger: pass `svd_layout="implementation"` to count that, e.g. 0.57 GiB instead of Table 2's
+  0.54 GiB for GaLore on LLaMA-130M.)
+
+Everything is counted in the parameter dtype (fp32 in the paper's mixed-precision setup). The
+small bookkeeping tensors of the implementation (step counters, column/row indices) are counted
+exactly too, so that on a real model `state_bytes(opt)` after the first step equals the estimate
+for the block, column and randk projections; they are far below Table 2's 0.01 GiB resolution.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import projections as proj
+from .factory import optimizer_groups, resolve
+
+_INDEX_BYTES = 8  # int64 index tensors (torch's index_select / index_copy_ take int64)
+_STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor held in `optimizer.state`, measured (any optimizer)."""
+    return sum(_tensor_bytes(state) for state in optimizer.state.values())
+
+
+def _defaults() -> dict:
+    """FRUGAL's constructor defaults (read from its signature, so they cannot drift)."""
+    import inspect
+
+    from .optimizer import FRUGAL
+
+    sig = inspect.signature(FRUGAL.__init__)
+    return {k: v.default for k, v in sig.parameters.items()
+            if v.default is not inspect.Parameter.empty}
+
+
+def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int:
+    from .rules import STATE_FULL
+
+    groups, hp = optimizer_groups(model, name, hp)
+    hp = {**_defaults(), **hp}
+    choices = {"state_full": tuple(STATE_FULL), "projection": proj.PROJECTIONS,
+               "block_order": proj.BLOCK_ORDERS, "block_granularity": ("layer", "tensor")}
+    for key, valid in choices.items():  # the same check FRUGAL makes, before any counting
+        if hp[key] not in valid:
+            raise ValueError(f"Invalid {key}: {hp[key]!r}; valid choices: {', '.join(valid)}")
+    rule = STATE_FULL[hp["state_full"]]
+    n_moments = len(rule.state_names)
+    step_bytes = _STEP_BYTES if rule.counts_steps else 0
+    projection, density = hp["projection"], hp["density"]
+
+    def full(p: torch.Tensor) -> int:  # a tensor wholly state-full
+        return n_moments * p.numel() * p.element_size() + step_bytes
+
+    total = 0
+    projectable: list[tuple[dict, torch.Tensor]] = []
+    for group in groups:
+        if group.get("always_state_free"):
+            continue
+        if group.get("projectable"):
+            projectable += [(group, p) for p in group["params"]]
+        else:
+            total += sum(full(p) for p in group["params"])
+
+    if projection == "block":
+        for p in _active_block_tensors(projectable, hp):
+            total += full(p)
+        return total
+
+    for group, p in projectable:
+        transposed = group.get("transposed", False)
+        elem = p.element_size()
+        if projection in proj.COORDINATE:
+            k = proj.coordinate_count(projection, p.shape, transposed, density)
+            if k == 0:
+                continue
+            reduced = math.prod(proj.reduced_shape(projection, p.shape, transposed, density))
+            total += n_moments * reduced * elem + step_bytes + _coordinate_index_bytes(projection, k)
+        elif projection in proj.MATRIX:
+            r = proj.matrix_rank(p.shape, density)
+            if r == 0:
+                continue
+            small, large = sorted(p.shape)
+            if svd_layout == "paper":
+                total += (large * r + n_moments * small * r) * elem + step_bytes
+            else:
+                total += (small * r + n_moments * large * r) * elem + step_bytes
+        else:
+            raise ValueError(f"Unknown projection {projection!r}; valid choices: {sorted(proj.PROJECTIONS)}")
+    return total
+
+
+def _coordinate_index_bytes(projection: str, k: int) -> int:
+    """Index tensors the optimizer keeps for a coordinate projection (see frugal/optimizer.py):
+    column/row/randperm keep their int64 indices (k of them, tiny next to the moments); randk keeps
+    none, since its indices would cost as much as the moments: it regenerates them from the seed."""
+    return 0 if projection == "randk" else k * _INDEX_BYTES
+
+
+def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], hp: dict) -> list[torch.Tensor]:
+    """Projectable tensors state-full in the first window (window 0), as the optimizer picks them."""
+    if hp["block_granularity"] == "tensor":
+        units = [[p] for _, p in projectable]
+    else:
+        by_block: dict = {}
+        for group, p in projectable:
+            by_block.setdefault(group.get("block"), []).append(p)
+        units = [by_block[b] for b in sorted(by_block, key=lambda b: (b is None, b))]
+    chosen = proj.select_blocks(hp["block_order"], len(units), hp["density"], 0, hp["seed"])
+    return [p for i in chosen for p in units[i]]
+
+
+def estimate_state_bytes(model: nn.Module, name: str, svd_layout: str = "paper", **hparams) -> int:
+    """Analytic optimizer-state bytes of `build_optimizer(model, name, **hparams)` (Appendix D).
+
+    Works on `meta`-device models. For block projection it counts the blocks of the first window
+    (with equal-sized layers, as in LLaMA and GPT-2, every window costs the same). `svd_layout`
+    ("paper" or "implementation") chooses how svd/random projections are counted (module docstring).
+    """
+    if svd_layout not in ("implementation", "paper"):
+        raise ValueError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
+    name, hp = resolve(name, hparams)
+    if name == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return sum(2 * p.numel() * p.element_size() + _STEP_BYTES for p in params)
+    return _frugal_bytes(model, name, hp, svd_layout)

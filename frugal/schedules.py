@@ -1,0 +1,143 @@
+"""Learning-rate schedules of the paper, as multipliers of the peak LR for `LambdaLR`.
+
+The paper's pre-training default (Appendix A.1, from the GaLore recipe) is cosine with restarts:
+every cycle of `cycle_length` steps starts with a linear warmup over `warmup_fraction` of the cycle
+and then decays along a cosine to `min_lr_ratio` of the peak; the next cycle warms up again. A fresh
+warmup after each restart matters for FRUGAL: a restart is a sudden LR jump for the signSGD part,
+whose step size does not shrink with the gradient.
+
+Warmup is linear from 0 (the first step of every cycle has multiplier 0, like the reference code's
+near-zero first steps). Each schedule is a pure function `step -> multiplier`; the lambdas are
+`functools.partial` objects of module-level functions, so they pickle and `LambdaLR.state_dict()`
+holds plain numbers only.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+SCHEDULE_CHOICES = ("constant", "cosine", "cosine_restarts")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    # Integral floats are accepted because YAML/CLI overrides such as 1e4 arrive as floats.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= {minimum})")
+    return value
+
+
+def _check_fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number in [0, 1])")
+    return float(value)
+
+
+def _warmup_steps(length: int, warmup_fraction, warmup_steps) -> int:
+    """Warmup length within one cycle of `length` steps: explicit steps win over the fraction."""
+    if warmup_steps is not None:
+        steps = _check_int("warmup_steps", warmup_steps, 0)
+        if steps > length:
+            raise ValueError(f"Invalid warmup_steps: {steps} (longer than the cycle of {length} steps)")
+        return steps
+    return int(round(_check_fraction("warmup_fraction", warmup_fraction) * length))
+
+
+def cosine_multiplier(step: int, *, cycle_length: int, warmup_steps: int, min_lr_ratio: float,
+                      restart: bool) -> float:
+    """Multiplier of the peak LR at `step` (0-based): warmup then cosine to `min_lr_ratio`.
+
+    With `restart`, the step is taken modulo `cycle_length` (every cycle re-warms); without, the
+    multiplier stays at `min_lr_ratio` after the single cycle ends.
+    """
+    if restart:
+        t = step % cycle_length
+    elif step >= cycle_length:
+        return min_lr_ratio
+    else:
+        t = step
+    if t < warmup_steps:
+        return t / warmup_steps
+    decay_steps = max(1, cycle_length - warmup_steps)
+    progress = (t - warmup_steps) / decay_steps
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def constant_multiplier(step: int, *, warmup_steps: int) -> float:
+    """Linear warmup to the peak, then the peak for ever."""
+    if step < warmup_steps:
+        return step / warmup_steps
+    return 1.0
+
+
+def cosine_restarts(total_steps: int, cycle_length: int | None = None, warmup_fraction: float = 0.1,
+                    min_lr_ratio: float = 0.1, warmup_steps: int | None = None) -> Callable[[int], float]:
+    """The paper's default: cosine cycles of `cycle_length` steps (default: one cycle over
+    `total_steps`), each with its own linear warmup, decaying to `min_lr_ratio` of the peak."""
+    _check_int("total_steps", total_steps, 1)
+    cycle_length = total_steps if cycle_length is None else _check_int("cycle_length", cycle_length, 1)
+    return functools.partial(
+        cosine_multiplier,
+        cycle_length=cycle_length,
+        warmup_steps=_warmup_steps(cycle_length, warmup_fraction, warmup_steps),
+        min_lr_ratio=_check_fraction("min_lr_ratio", min_lr_ratio),
+        restart=True,
+    )
+
+
+def cosine(total_steps: int, warmup_fraction: float = 0.1, min_lr_ratio: float = 0.1,
+           warmup_steps: int | None = None) -> Callable[[int], float]:
+    """One cosine cycle over `total_steps` with linear warmup (Table 7 of the paper; 3B runs)."""
+    _check_int("total_steps", total_steps, 1)
+    return functools.partial(
+        cosine_multiplier,
+        cycle_length=total_steps,
+        warmup_steps=_warmup_steps(total_steps, warmup_fraction, warmup_steps),
+        min_lr_ratio=_check_fraction("min_lr_ratio", min_lr_ratio),
+        restart=False,
+    )
+
+
+def constant(total_steps: int, warmup_fraction: float = 0.1,
+             warmup_steps: int | None = None) -> Callable[[int], float]:
+    """Constant LR after a linear warmup over `warmup_fraction` of `total_steps` (Table 6)."""
+    _check_int("total_steps", total_steps, 1)
+    return functools.partial(
+        constant_multiplier, warmup_steps=_warmup_steps(total_steps, warmup_fraction, warmup_steps)
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Callable[[int], float]]] = {
+    "constant": constant,
+    "cosine": cosine,
+    "cosine_restarts": cosine_restarts,
+}
+
+
+def build_lambda(name: str, total_steps: int, **kwargs) -> Callable[[int], float]:
+    """The pure multiplier function of schedule `name` (validated)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
+    factory = SCHEDULES[name]
+    allowed = set(factory.__code__.co_varnames[: factory.__code__.co_argcount]) - {"total_steps"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ValueError(
+            f"Schedule {name!r} does not take {unknown}; valid keyword arguments: {sorted(allowed)}"
+        )
+    return factory(total_steps, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int,
+                    **kwargs) -> torch.optim.lr_scheduler.LambdaLR:
+    """A `LambdaLR` over every param group of `optimizer` following schedule `name`.
+
+    Names: "cosine_restarts" (kwargs cycle_length, warmup_fraction=0.1, min_lr_ratio=0.1),
+    "cosine" (warmup_fraction=0.1, min_lr_ratio=0.1), "constant" (warmup_fraction=0.1); all
+    accept `warmup_steps` (overrides the fraction). Call `scheduler.step()` once per optimizer step.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, build_lambda(name, total_steps, **kwargs))

@@ -1,0 +1,115 @@
+"""build_optimizer: the registry, the presets, and clear errors for bad input."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from frugal import FRUGAL, OPTIMIZERS, build_optimizer, state_bytes
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=4, vocab_size=64, max_position_embeddings=32,
+    ))
+
+
+def _grads(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_registry_names():
+    assert {"adamw", "frugal", "galore", "badam", "signsgd", "sgd", "lion", "sgdm"} <= set(OPTIMIZERS)
+
+
+def test_adamw_is_fused_torch_adamw(llama):
+    opt = build_optimizer(llama, "adamw", lr=3e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1, seed=3)
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert group["fused"] is True
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 1e-6, 0.1)
+    assert len(group["params"]) == len(list(llama.parameters()))
+
+
+def test_frugal_and_presets(llama):
+    opt = build_optimizer(llama, "frugal", density=0.5, update_gap=10, state_free_modules=["norms"])
+    assert isinstance(opt, FRUGAL)
+    assert opt.defaults["density"] == 0.5 and opt.defaults["update_gap"] == 10
+    assert sum(bool(g.get("always_state_free")) for g in opt.param_groups) == 1
+    galore = build_optimizer(llama, "galore", density=0.25)
+    d = galore.defaults
+    assert (d["projection"], d["state_free"], d["reset_state"], d["projectable_lr_scale"], d["update_gap"]) == \
+        ("svd", "none", "keep", 0.25, 200)
+    badam = build_optimizer(llama, "badam")
+    d = badam.defaults
+    assert (d["projection"], d["state_free"], d["block_order"]) == ("block", "none", "descending")
+    # presets are defaults: Table 12's GaLore+Lion overrides the state-full rule
+    assert build_optimizer(llama, "galore", state_full="lion").defaults["state_full"] == "lion"
+
+
+def test_signsgd_is_stateless_sign_descent():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))  # no transformer blocks
+    before = [p.detach().clone() for p in model.parameters()]
+    _grads(model)
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt = build_optimizer(model, "signsgd", lr=0.1)
+    opt.step()
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g.sign())
+    assert state_bytes(opt) == 0
+
+
+def test_lion_and_sgdm_are_pure_state_full_rules():
+    model = torch.nn.Linear(6, 4)
+    p0 = model.weight.detach().clone()
+    _grads(model)
+    g = model.weight.grad.clone()
+    opt = build_optimizer(model, "lion", lr=0.01)
+    opt.step()
+    # first Lion step from zero momentum: sign((1 - beta1) g) = sign(g)
+    torch.testing.assert_close(model.weight.detach(), p0 - 0.01 * g.sign())
+    assert state_bytes(opt) == 4 * (24 + 4)  # one momentum per parameter
+    model2 = torch.nn.Linear(6, 4)
+    p0 = model2.weight.detach().clone()
+    _grads(model2)
+    g = model2.weight.grad.clone()
+    opt = build_optimizer(model2, "sgdm", lr=0.5, momentum=0.9)
+    opt.step()
+    torch.testing.assert_close(model2.weight.detach(), p0 - 0.5 * 0.1 * g)
+
+
+@pytest.mark.parametrize("name, hparams, match", [
+    ("adam", {}, r"'adam'.*\['adamw', 'badam', 'frugal', 'galore', 'lion', 'sgd', 'sgdm', 'signsgd'\]"),
+    ("frugal", {"density": 1.5}, r"density: 1\.5.*\[0, 1\]"),
+    ("frugal", {"density": -0.1}, r"density: -0\.1"),
+    ("frugal", {"update_gap": 0}, r"update_gap: 0.*>= 1"),
+    ("galore", {"update_gap": 2.5}, r"update_gap: 2\.5"),
+    ("frugal", {"lr": -1e-3}, r"lr: -0\.001.*>= 0"),
+    ("adamw", {"lr": -1.0}, r"lr: -1\.0"),
+    ("adamw", {"density": 0.25}, r"'adamw' does not take \['density'\].*valid keys"),
+    ("signsgd", {"betas": (0.9, 0.99)}, r"does not take \['betas'\]"),
+    ("frugal", {"projection": "qr"}, r"'qr'.*block.*column.*randk.*svd"),
+    ("frugal", {"state_full": "adam"}, r"'adam'.*adamw.*lion.*sgdm"),
+    ("frugal", {"block_order": "shuffled"}, r"'shuffled'.*ascending.*descending"),
+    ("frugal", {"state_free_modules": ["head"]}, r"'head'.*embeddings.*norms.*output"),
+    ("adamw", {"betas": (0.9, 1.2)}, r"index 1: 1\.2"),
+])
+def test_bad_input(llama, name, hparams, match):
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(llama, name, **hparams)
+
+
+def test_frugal_needs_transformer_blocks():
+    with pytest.raises(ValueError, match="pass the groups yourself"):
+        build_optimizer(torch.nn.Linear(3, 3), "frugal")
+
+
+def test_frugal_step_on_llama_runs(llama):
+    opt = build_optimizer(llama, "frugal", density=0.25, update_gap=2)
+    for seed in range(3):
+        _grads(llama, seed)
+        opt.step()
+    assert opt.active_blocks() == [2]  # descending: window 1 holds the block below the top one
