@@ -1,0 +1,105 @@
+"""Validation loss and perplexity of a checkpoint.
+
+    python eval.py checkpoint=<checkpoint dir or run dir> [data=<option>] [data.path=...]
+                   [train.eval_tokens=N] [train.micro_batch_size=N] [train.precision=fp32] [out=<file>]
+
+Arguments have the training command line's key=value form, but the base config is the one saved
+with the checkpoint (its resolved config.yaml), not configs/config.yaml: the model is rebuilt exactly
+as trained. `data=<option>` swaps in a data config from configs/data/ (e.g. score a model trained on
+one corpus on another); dotted keys override single values and must already exist. A run directory
+means its latest checkpoint.
+
+Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
+<checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
+and with the same code as train.py's evaluations, so the two agree. Runs under torchrun too (the
+ranks split the validation set). Exit codes: 0 done, 2 bad arguments or missing checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+import data
+import models
+from train import evaluate
+from train_utils import checkpoint as ckpt
+from train_utils.config import PRECISIONS, ConfigError
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+SWAPPABLE_GROUPS = ("data",)  # the model must stay the one trained; optimizer/schedule play no part
+_ABSENT = object()
+
+
+def load_config(ckpt_dir: str, overrides: list[str]):
+    """The checkpoint's resolved config with `overrides` applied (see the module docstring)."""
+    cfg = OmegaConf.load(os.path.join(ckpt_dir, "config.yaml"))
+    groups = [o for o in overrides if o.partition("=")[0] in SWAPPABLE_GROUPS]
+    if groups:  # let Hydra compose the option (its defaults lists, its error listing the choices)
+        try:
+            with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+                fresh = compose(config_name="config", overrides=groups)
+        except HydraException as err:  # e.g. an unknown option: Hydra's message lists the available ones
+            raise ConfigError(str(err)) from err
+        for o in groups:
+            group = o.partition("=")[0]
+            # Unresolved, so interpolations like ${model.tokenizer} refer to the checkpoint's model.
+            cfg[group] = OmegaConf.create(OmegaConf.to_container(fresh[group], resolve=False))
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if key in SWAPPABLE_GROUPS:
+            continue
+        if not sep or OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+            raise ConfigError(f"unknown argument {o!r}: expected key=value with a key of the checkpoint's "
+                              f"config (e.g. train.eval_tokens=100000), data=<option> or out=<file>")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o]))
+    if cfg.train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={cfg.train.precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+    return cfg
+
+
+def main(argv: list[str]) -> dict:
+    args = dict(a.split("=", 1) for a in argv if a.startswith(("checkpoint=", "out=")))
+    overrides = [a for a in argv if not a.startswith(("checkpoint=", "out="))]
+    if "checkpoint" not in args:
+        raise ConfigError("missing checkpoint=<checkpoint dir or run dir>")
+    ckpt_dir = ckpt.resolve(args["checkpoint"])
+    if ckpt_dir is None:
+        raise ConfigError(f"checkpoint={args['checkpoint']!r}: no checkpoint there (expected a directory "
+                          f"holding trainer.pt and config.yaml, or a run directory with checkpoints/)")
+    cfg = load_config(ckpt_dir, overrides)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
+    tc = cfg.train
+    dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=accelerator.process_index,
+                         world_size=accelerator.num_processes, seed=tc.seed,
+                         model_vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings)
+    model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
+    model.load_state_dict(ckpt.load(ckpt_dir, "model"))
+    if tc.precision == "bf16":
+        model.to(torch.bfloat16)
+    model.to(accelerator.device)
+    result = evaluate(model, dm, tc.eval_tokens, tc.precision, accelerator)
+    result.update(step=int(ckpt.load(ckpt_dir, "trainer")["step"]), checkpoint=os.path.abspath(ckpt_dir),
+                  model=cfg.model.name, data=cfg.data.name, precision=tc.precision, eval_tokens=tc.eval_tokens,
+                  loss_floor=dm.loss_floor)
+    if accelerator.is_main_process:
+        text = json.dumps(result)
+        print(text)
+        with open(args.get("out", os.path.join(ckpt_dir, "eval.json")), "w") as f:
+            f.write(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,161 @@
+"""Shared by the train/resume/ddp/eval tests: compose configs, run train.py in-process or as a
+subprocess, read metrics.jsonl, checkpoints and wandb's offline run file."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "configs")
+
+# A tiny, fast job: ~0.9M-parameter LLaMA, 64-token rows of the synthetic language, 8 sequences per
+# step as 2 micro-batches of 4 (so gradient accumulation is exercised), a small fixed validation set.
+TINY = [
+    "model=llama_tiny", "data=synthetic", "data.seq_len=64",
+    "train.batch_size=8", "train.micro_batch_size=4", "train.eval_tokens=1024", "train.eval_every=0",
+    "train.progress_bar=false", "train.plot=false", "wandb.mode=disabled", "checkpoint.every=0",
+    # restarts of a fixed length: the schedule does not depend on train.steps, so N and 2N step
+    # runs share their first N learning rates (needed by the 2N == N + N resume tests)
+    "schedule=cosine_restarts", "schedule.cycle_length=8", "optimizer.update_gap=3",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread in these tests and their subprocesses: on a shared 2-core machine two
+    spinning OpenMP threads per process make tiny models 10-40x slower. (torchrun sets
+    OMP_NUM_THREADS=1 itself.) The same thread count everywhere also keeps in-process and subprocess
+    runs bitwise comparable. Imported into each test module, where autouse applies."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_inprocess(run_dir, *overrides: str, base=TINY) -> int:
+    import train
+
+    return train.train(compose_cfg(*base, *overrides), str(run_dir))
+
+
+def train_cmd(run_dir, *overrides: str, base=TINY) -> list[str]:
+    return [sys.executable, "train.py", *base, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def torchrun_cmd(run_dir, *overrides: str, nproc: int = 2, base=TINY) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "train.py", *base, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def subprocess_env() -> dict:
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+
+
+def run_cli(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = subprocess_env()
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+
+
+def weights(ckpt_dir) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(ckpt_dir, "model.pt"), weights_only=True)
+
+
+def assert_same_weights(a: dict, b: dict, exact: bool = True, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def read_wandb_records(run_dir) -> list:
+    """Records of the offline run file `<run_dir>/wandb/offline-run-*/run-*.wandb`.
+
+    wandb 0.31 ships no reader for it. The format is LevelDB's log: a 7-byte file header
+    (":W&B", magic, version), then 32 KiB blocks of records, each with a 7-byte header (crc32,
+    length, type: 1 full, 2 first, 3 middle, 4 last) and a payload, a serialized
+    `wandb_internal_pb2.Record`; a block's tail shorter than a header is zero padding."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    with open(path, "rb") as f:
+        raw = f.read()
+    ident, _magic, _version = struct.unpack("<4sHB", raw[:7])
+    assert ident == b":W&B", ident
+    block, header = 32768, 7
+    pos, payloads, pending = 7, [], b""
+    while pos + header <= len(raw):
+        left = block - pos % block
+        if left < header:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + header])
+        if kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += left
+            continue
+        chunk = raw[pos + header:pos + header + length]
+        pos += header + length
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            payloads.append(pending + chunk)
+            pending = b""
+    records = []
+    for payload in payloads:
+        record = pb.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def wait_for_wandb_run(run_dir, timeout: float = 60.0) -> list:
+    """The records once the run's `exit` record is there: wandb's service process may still be
+    writing the file for a moment after `wandb.finish()` has returned."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            records = read_wandb_records(run_dir)
+        except (ValueError, AssertionError):  # no file yet / header not written yet
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.time() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """The logged history rows ({key: value}) of the offline run."""
+    out = []
+    for r in wait_for_wandb_run(run_dir):
+        if r.WhichOneof("record_type") == "history":
+            out.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
+    return out

@@ -1,0 +1,157 @@
+"""Exact resume: 2N steps == N steps + resume for N more (bitwise on CPU), also after SIGTERM; and
+atomic checkpoints: a writer killed mid-save leaves the previous checkpoint as latest, loadable."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from _train_helpers import (REPO, TINY as TINY_BASE, assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
+                            subprocess_env, train_cmd)
+from train_utils import checkpoint as ckpt
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """2N steps without interruption: the reference."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    assert run_inprocess(run_dir, f"train.steps={2 * N}") == 0
+    return run_dir
+
+
+def _final(run_dir, name="model"):
+    return torch.load(os.path.join(ckpt.latest(os.path.join(run_dir, "checkpoints")), f"{name}.pt"),
+                      weights_only=True)
+
+
+def test_n_plus_n_equals_2n(tmp_path, straight_run):
+    # First half: a checkpoint every step, keep 2.
+    assert run_inprocess(tmp_path, f"train.steps={N}", "checkpoint.every=1", "checkpoint.keep=2") == 0
+    kept = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path / "checkpoints"))]
+    assert kept == [ckpt.step_dir_name(N - 1), ckpt.step_dir_name(N)]
+    # Second half: the same command with more steps continues from the latest checkpoint.
+    assert run_inprocess(tmp_path, f"train.steps={2 * N}") == 0
+    assert losses(tmp_path) == losses(straight_run)  # bitwise: exact float equality, every step
+    assert_same_weights(_final(tmp_path), _final(straight_run))
+    opt_a, opt_b = _final(tmp_path, "optimizer"), _final(straight_run, "optimizer")
+    for k, state in opt_b["state"].items():
+        for name, t in state.items():
+            assert torch.equal(opt_a["state"][k][name], t) if torch.is_tensor(t) else opt_a["state"][k][name] == t
+    switches = [(r["step"], r["active_blocks"]) for r in rows(tmp_path) if r.get("event") == "switch"]
+    assert switches == [(r["step"], r["active_blocks"]) for r in rows(straight_run) if r.get("event") == "switch"]
+    assert [s for s, _ in switches] == [1, 4, 7]  # update_gap=3, no duplicate at the resume
+    starts = [r for r in rows(tmp_path) if r.get("event") == "start"]
+    assert starts[1]["step"] == N and starts[1]["resumed_from"].endswith(ckpt.step_dir_name(N))
+
+
+def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run):
+    """Killed after step N was logged but before its checkpoint (simulated): the run resumes from
+    step N-1, the orphan rows are dropped and re-logged, and the result is still exact. Also checks
+    the fallback when the `latest` pointer itself is missing."""
+    assert run_inprocess(tmp_path, f"train.steps={N}", f"checkpoint.every={N - 1}") == 0
+    root = tmp_path / "checkpoints"
+    shutil.rmtree(root / ckpt.step_dir_name(N))
+    os.remove(root / "latest")
+    assert run_inprocess(tmp_path, f"train.steps={2 * N}") == 0
+    steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
+    assert steps == list(range(1, 2 * N + 1))
+    assert losses(tmp_path) == losses(straight_run)
+    assert_same_weights(_final(tmp_path), _final(straight_run))
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path, straight_run):
+    from train_utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot resume from"):
+        run_inprocess(tmp_path, f"train.steps={2 * N + 1}", f"train.resume={straight_run}", "optimizer=adamw",
+                      base=[o for o in TINY_BASE if not o.startswith("optimizer")])
+
+
+def _rows_so_far(path):
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_matches(tmp_path):
+    steps = 40
+    reference = tmp_path / "reference"
+    assert run_inprocess(reference, f"train.steps={steps}") == 0
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen(train_cmd(run_dir, f"train.steps={steps}"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any("loss" in r and r["step"] >= 3 for r in _rows_so_far(metrics)):
+            break  # 3 steps done: the handlers are installed and the loop is running
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = [r for r in rows(run_dir) if r.get("event") == "preempted"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM"
+    k = stopped[0]["step"]
+    assert 3 <= k < steps, k
+    assert ckpt.latest(str(run_dir / "checkpoints")).endswith(ckpt.step_dir_name(k))
+    assert "stopped by SIGTERM" in out
+    # The same command again continues from the checkpoint (train.resume=auto) and ends identically.
+    assert run_inprocess(run_dir, f"train.steps={steps}") == 0
+    assert losses(run_dir) == losses(reference)
+    assert_same_weights(_final(run_dir), _final(reference))
+
+
+KILL_MID_WRITE = r"""
+import os, signal, sys, torch
+from train_utils import checkpoint as ckpt
+root = sys.argv[1]
+ckpt.save(root, 1, {"model": {"w": torch.ones(10_000)}, "trainer": {"step": 1}}, texts={"config.yaml": "a: 1\n"})
+def dying_save(obj, f):  # the second checkpoint dies half-way through its first file
+    f.write(b"half a checkpoint")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+ckpt.save(root, 2, {"model": {"w": torch.zeros(10_000)}, "trainer": {"step": 2}})
+"""
+
+
+def test_sigkill_mid_write_leaves_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, root], cwd=REPO, capture_output=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert any(name.startswith(".tmp_") for name in os.listdir(root))  # the half-written attempt
+    latest = ckpt.latest(root)
+    assert os.path.basename(latest) == "step_00000001"
+    assert torch.equal(ckpt.load(latest, "model")["w"], torch.ones(10_000))
+    assert ckpt.load(latest, "trainer") == {"step": 1}
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(root)] == ["step_00000001"]
+    assert ckpt.resolve(str(tmp_path)) == latest  # a run dir resolves to its latest checkpoint
+    ckpt.remove_temporaries(root)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
+
+
+def test_rng_state_roundtrip_is_safe_to_load(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = ckpt.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])

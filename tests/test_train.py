@@ -1,0 +1,139 @@
+"""train.py end to end on CPU: the quickstart config learns and logs every field; precision modes;
+wandb offline; bad input fails early with a message naming the bad value."""
+import math
+import os
+
+import pytest
+import torch
+from hydra.errors import MissingConfigException
+
+from _train_helpers import (TINY, compose_cfg, one_thread, rows,  # noqa: F401
+                            run_cli, run_inprocess, train_cmd, wait_for_wandb_run, wandb_history)
+from train_utils import checkpoint as ckpt
+from train_utils.config import ConfigError
+
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens", "tokens_per_s", "optimizer_state_bytes", "peak_memory_bytes"}
+START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes", "optimizer", "model",
+                "loss_floor"}
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """The quickstart config (llama_tiny + FRUGAL 0.25, synthetic corpus, default schedule) for a few
+    dozen steps, with a smaller batch (speed) and a short update gap (so subspaces switch)."""
+    run_dir = tmp_path_factory.mktemp("quickstart")
+    status = run_inprocess(run_dir, "train.steps=30", "train.eval_every=15", "optimizer.update_gap=10",
+                           "train.batch_size=4", "train.micro_batch_size=4", "train.eval_tokens=4096",
+                           "train.progress_bar=false", "wandb.mode=disabled", base=[])
+    return run_dir, status
+
+
+def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
+    run_dir, status = quickstart_run
+    assert status == 0
+    log = rows(run_dir)
+    start, end = log[0], log[-1]
+    assert START_FIELDS <= start.keys() and start["event"] == "start"
+    assert start["optimizer"] == "frugal" and start["model"] == "llama_tiny"
+    assert start["state_full_fraction"] == pytest.approx(0.25)
+    assert start["optimizer_state_bytes"] < start["adamw_state_bytes"]
+    assert start["loss_floor"] > 0
+    train_rows = [r for r in log if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    for r in train_rows:
+        assert TRAIN_FIELDS <= r.keys(), r
+        assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert 0 < r["optimizer_state_bytes"] < start["adamw_state_bytes"]
+    assert train_rows[-1]["tokens"] == 30 * 4 * 255  # 4 sequences of 256 tokens = 255 targets each
+    first, last = train_rows[0]["loss"], sum(r["loss"] for r in train_rows[-5:]) / 5
+    assert first == pytest.approx(math.log(512), abs=0.3)  # a fresh model is uniform over 512 symbols
+    assert last < first - 0.5, (first, last)
+    evals = [r for r in log if "val_loss" in r and "event" not in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) and r["val_tokens"] >= 4096 * 255 / 256 for r in evals)
+    assert evals[1]["val_loss"] < evals[0]["val_loss"]
+    switches = [r for r in log if r.get("event") == "switch"]
+    assert [r["step"] for r in switches] == [1, 11, 21]  # the first window, then every update_gap
+    assert all(len(r["active_blocks"]) == 1 for r in switches)  # 0.25 of 4 layers
+    assert end["event"] == "end" and end["val_loss"] == evals[1]["val_loss"] and end["ranks_in_sync"]
+    assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+    assert os.path.basename(ckpt.latest(os.path.join(run_dir, "checkpoints"))) == "step_00000030"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_other_precisions_run(tmp_path, precision):
+    assert run_inprocess(tmp_path, "train.steps=2", f"train.precision={precision}", "train.plot=true") == 0
+    sd = torch.load(os.path.join(ckpt.latest(str(tmp_path / "checkpoints")), "model.pt"), weights_only=True)
+    expected = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert all(t.dtype == expected for t in sd.values() if t.is_floating_point())
+    assert os.path.exists(tmp_path / "loss.png")
+
+
+def test_grad_clip_is_logged(tmp_path):
+    assert run_inprocess(tmp_path, "train.steps=2", "train.grad_clip=0.5", "optimizer=adamw",
+                         base=[o for o in TINY if not o.startswith("optimizer")]) == 0
+    assert all(r["grad_norm"] > 0 for r in rows(tmp_path) if "loss" in r)
+
+
+def test_wandb_offline_writes_readable_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert run_inprocess(tmp_path, "train.steps=3", "wandb.mode=offline", "train.eval_every=3") == 0
+    history = wandb_history(tmp_path)
+    assert [h["_step"] for h in history if "loss" in h] == [1, 2, 3]
+    assert TRAIN_FIELDS - {"step"} <= next(h for h in history if "loss" in h).keys()
+    assert any("val_loss" in h and "val_ppl" in h for h in history)
+    kinds = {r.WhichOneof("record_type") for r in wait_for_wandb_run(tmp_path)}
+    assert {"run", "history", "summary"} <= kinds
+    local = {r["step"]: r["loss"] for r in rows(tmp_path) if "loss" in r}
+    assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(local)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_unknown_group_option_lists_choices():
+    with pytest.raises(MissingConfigException) as err:
+        compose_cfg("optimizer=adamx")
+    assert "optimizer/adamx" in str(err.value) and "frugal_rho0" in str(err.value)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.batch_size=6", ["train.batch_size=6", "micro_batch_size (4)", "8, 12"]),
+    ("train.precision=fp16", ["train.precision='fp16'", "bf16-mixed, bf16, fp32"]),
+    ("wandb.mode=cloud", ["wandb.mode='cloud'", "online, offline, disabled"]),
+    ("train.steps=0", ["train.steps=0", ">= 1"]),
+    ("optimizer.density=1.5", ["density", "1.5"]),
+])
+def test_bad_values_are_named(tmp_path, override, words):
+    with pytest.raises(ConfigError) as err:
+        run_inprocess(tmp_path, override)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_missing_checkpoint_to_resume(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        run_inprocess(tmp_path, f"train.resume={tmp_path / 'nowhere'}")
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    # lr=1e30 makes the first update blow the weights up; step 2's loss is then not finite.
+    with pytest.raises(FloatingPointError, match="at step 2"):
+        run_inprocess(tmp_path, "train.steps=5", "optimizer=signsgd", "optimizer.lr=1e30", "checkpoint.every=1",
+                      "schedule=constant", "schedule.warmup_fraction=0",
+                      base=[o for o in TINY if not o.startswith(("schedule", "optimizer"))])
+    latest = ckpt.latest(str(tmp_path / "checkpoints"))
+    assert os.path.basename(latest) == "step_00000001"
+    assert ckpt.load(latest, "trainer")["step"] == 1
+    assert all(r["step"] <= 1 for r in rows(tmp_path) if "loss" in r)
+
+
+@pytest.mark.slow
+def test_cli_errors_are_clear(tmp_path):
+    """The command line shows the message (no traceback) and exits with 2; Hydra's own error for an
+    unknown option names the available options."""
+    bad_batch = run_cli(train_cmd(tmp_path / "a", "train.batch_size=6"))
+    assert bad_batch.returncode == 2, bad_batch.stderr
+    assert "error: train.batch_size=6 must equal" in bad_batch.stderr and "Traceback" not in bad_batch.stderr
+    unknown = run_cli(train_cmd(tmp_path / "b", "optimizer=adamx"))
+    assert unknown.returncode == 1
+    assert "Could not find 'optimizer/adamx'" in unknown.stderr and "frugal_rho0" in unknown.stderr

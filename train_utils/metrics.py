@@ -1,0 +1,124 @@
+"""Where the numbers go: `metrics.jsonl` in the run directory (the project's own record, read by the
+table and plot scripts) and wandb (a view of the same rows). Only the main process writes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import secrets
+import sys
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def _plain(value):
+    """JSON-friendly scalars (tensors -> numbers, NaN/inf -> None so every line stays valid JSON)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLog:
+    """Append rows to metrics.jsonl and mirror them to wandb (when enabled)."""
+
+    def __init__(self, run_dir: str, enabled: bool, wandb_cfg=None, run_config: dict | None = None,
+                 default_name: str = "run"):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.wandb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            import wandb  # imported only when used: it is slow to import
+
+            # One wandb run per run directory: a resumed job continues the same run id.
+            id_file = os.path.join(run_dir, "wandb_id.txt")
+            if os.path.exists(id_file):
+                run_id = open(id_file).read().strip()
+            else:
+                run_id = secrets.token_hex(4)  # os.urandom: leaves the seeded RNGs untouched
+                with open(id_file, "w") as f:
+                    f.write(run_id)
+            self.wandb = wandb.init(
+                project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or default_name,
+                mode=wandb_cfg.mode, dir=run_dir, config=run_config, id=run_id, resume="allow",
+            )
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows newer than `step` (logged after the checkpoint a run resumes from), so the file
+        reads as one uninterrupted run; step < 0 empties it."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.path)
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        row = {k: _plain(v) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            event = row.get("event")
+            if event is None:
+                self.wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+            else:  # one-off facts (start, end, switches) go to the run summary, keyed by event
+                for k, v in row.items():
+                    if k not in ("event", "step") and isinstance(v, (int, float, str)):
+                        self.wandb.summary[f"{event}/{k}"] = v
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(metrics_path: str, out_path: str, loss_floor: float | None = None, title: str = "") -> str:
+    """Training loss (per logged step) and validation loss (per evaluation) against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r and r.get("event") is None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), lw=1, alpha=0.8, label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    if loss_floor is not None:
+        ax.axhline(loss_floor, color="gray", ls="--", label=f"corpus loss floor ({loss_floor:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
