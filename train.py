@@ -25,7 +25,7 @@ The loss itself is always computed from fp32 logits.
 Exit codes: 0 done; 1 error, including a non-finite loss (the message names the step; checkpoints
 already written stay); 2 invalid configuration; 75 (EX_TEMPFAIL, "try again") stopped by SIGTERM,
 SIGUSR1 or SIGUSR2 after writing a checkpoint: rerun the same command with the same run dir to continue
-(in a submitit job, submitit requeues it: scripts/slurm_env.py).
+(in a submitit job, submitit requeues it: train_utils/slurm.py).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from tqdm import tqdm
 import data
 import frugal
 import models
-from scripts.slurm_env import export_distributed_env, requeue
+from train_utils.slurm import export_distributed_env, requeue
 from train_utils import checkpoint as ckpt
 from train_utils.config import ConfigError, validate
 from train_utils.metrics import MetricsLog, peak_memory_bytes, plot_losses

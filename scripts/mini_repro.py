@@ -1,0 +1,235 @@
+"""A CPU-sized reproduction of Table 2: AdamW, FRUGAL 0.25, FRUGAL 0.0, GaLore 0.25, BAdam 0.25, signSGD.
+
+    python scripts/mini_repro.py --corpus path/to/text.txt --out results.json \\
+        --md docs/mini_repro.md --plot docs/mini_repro.png
+
+What it does, with the paper's protocol at a size two CPU cores train in ~15 minutes:
+1. trains a sentencepiece tokenizer on the corpus (unigram model, --vocab pieces, T5's id layout);
+2. runs the project's train.py (a subprocess per run: the same loop, data pipeline and optimizers as the
+   real experiments; no second training loop) on a small LLaMA, data=local, packed 128-token rows;
+3. tunes AdamW's learning rate on a small grid (--lr-grid), keeps the best (lowest validation loss),
+   and reuses it for every other method, as the paper does (Appendix A.1: the AdamW rate is used for
+   FRUGAL, BAdam and, because it was better than GaLore's own, for GaLore);
+4. prints the mini Table 2 (validation loss, perplexity, optimizer-state bytes measured by train.py)
+   beside the paper's 60M column, writes --out JSON keyed adamw, frugal_0.25, frugal_0.0, galore_0.25,
+   badam_0.25, signsgd (each {"val_loss", "val_ppl", "state_bytes"}), a markdown report and a plot.
+
+Why these defaults (measured on 2 shared CPU cores; see the issue's notes): with an 8k vocabulary every
+method stays near the unigram stage in a CPU budget (the output layer alone needs more tokens than we
+have), so orderings are noise; byte-level text learns fast, but then embeddings and output layer are
+~2% of the weights and Table 4's finding (the output layer needs AdamW) cannot show. A 1024-piece
+vocabulary (trained on the corpus) with hidden size 128 and 4 layers keeps embeddings + output layer
+at ~25% of the ~1.1M parameters (the paper's 60M: 56%), a model small enough (~2x cheaper per token
+than 8 layers) to see ~0.5M tokens per run and get well below the unigram-stage loss (printed). With 4
+layers, density 0.25 is one state-full block of four, as in llama_tiny. The update gap is scaled with
+the run: the paper switches every 200 of 200k steps (1000 switches); --update-gap 20 gives 12
+switches in 240 steps, every block state-full three times. fp32, because bf16 autocast on CPU is ~3x
+slower here. Runs already finished in --workdir are reused (delete it or pass --force to redo).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.paper_tables import TABLE2  # noqa: E402
+
+# key -> (configs/optimizer option, extra overrides, label, Table 2 row)
+METHODS = {
+    "adamw": ("adamw", [], "AdamW", "AdamW"),
+    "frugal_0.25": ("frugal", ["optimizer.density=0.25"], "FRUGAL, rho=0.25", "FRUGAL, rho=0.25"),
+    "frugal_0.0": ("frugal_rho0", [], "FRUGAL, rho=0.0", "FRUGAL, rho=0.0"),
+    "galore_0.25": ("galore", ["optimizer.density=0.25"], "GaLore, rho=0.25", "GaLore, rho=0.25"),
+    "badam_0.25": ("badam", ["optimizer.density=0.25"], "BAdam, rho=0.25", "BAdam, rho=0.25"),
+    "signsgd": ("signsgd", [], "signSGD", None),
+}
+PAPER_SIGNSGD_130M = 33.22  # Table 16, "signSGD only" (130M); Table 2 has no signSGD row
+
+
+def read_text(corpus: Path) -> str:
+    files = [corpus] if corpus.is_file() else sorted(p for p in corpus.rglob("*") if p.is_file()
+                                                   and p.suffix in (".txt", ".md", ".text"))
+    if not files:
+        raise SystemExit(f"mini_repro: no text files at {corpus}")
+    return "\n\n".join(f.read_text(errors="replace") for f in files)
+
+
+def train_tokenizer(text: str, out_dir: Path, vocab: int) -> Path:
+    """A sentencepiece unigram model in T5's id layout (pad 0, eos 1, unk 2), loadable by data/."""
+    import sentencepiece as spm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "spiece.model").exists():
+        return out_dir
+    sample = out_dir / "train.txt"
+    sample.write_text(text)
+    spm.SentencePieceTrainer.train(
+        input=str(sample), model_prefix=str(out_dir / "spiece"), vocab_size=vocab, model_type="unigram",
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0, hard_vocab_limit=False,
+        input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
+    sample.unlink()
+    return out_dir
+
+
+def unigram_loss(text: str, tok_dir: Path) -> float:
+    """Entropy of the corpus' own token frequencies (nats/token): the loss of the 'unigram stage'."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "spiece.model"))
+    counts = Counter()
+    for doc in re.split(r"\n\s*\n", text):
+        if doc.strip():
+            counts.update(sp.encode(doc) + [1])
+    n = sum(counts.values())
+    return -sum(c / n * math.log(c / n) for c in counts.values())
+
+
+def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, run_dir: Path) -> dict:
+    """One train.py run; returns its end row (val_loss, val_ppl, optimizer_state_bytes)."""
+    metrics = run_dir / "metrics.jsonl"
+    end = _end_row(metrics)
+    if end is None or args.force:
+        overrides = [
+            "model=llama_tiny", "model.name=llama_mini", f"model.hidden_size={args.hidden}",
+            f"model.intermediate_size={args.intermediate}", f"model.num_hidden_layers={args.layers}",
+            f"model.num_attention_heads={args.heads}", f"model.vocab_size={args.vocab}",
+            f"model.max_position_embeddings={args.seq_len}",
+            "data=local", f"data.path={args.corpus}", f"data.tokenizer={tok_dir}", f"data.seq_len={args.seq_len}",
+            "data.packing=true", f"data.val_every={args.val_every}",
+            f"optimizer={opt}", f"optimizer.lr={lr}", *extra,
+            f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
+            f"train.eval_every={max(1, args.steps // args.evals)}", f"train.eval_tokens={args.eval_tokens}",
+            "train.precision=fp32", "train.log_every=1", f"train.seed={args.seed}", "train.resume=never",
+            "train.plot=false", "train.progress_bar=false", "checkpoint.every=0", "checkpoint.keep=1",
+            "wandb.mode=disabled", f"hydra.run.dir={run_dir}",
+        ]
+        if opt in ("frugal", "frugal_rho0", "galore", "badam"):
+            overrides.append(f"optimizer.update_gap={args.update_gap}")
+        if run_dir.exists():
+            for f in run_dir.glob("metrics.jsonl"):
+                f.unlink()
+        env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"mini_repro: run {key} (lr {lr}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        end = _end_row(metrics)
+        end["seconds_wall"] = time.time() - t0
+        print(f"  {key:12s} lr={lr:<8g} val_loss={end['val_loss']:.4f} ppl={end['val_ppl']:.2f} "
+              f"state={end['optimizer_state_bytes'] / 1024:.0f} KiB ({end['seconds_wall']:.0f} s)", flush=True)
+    return end
+
+
+def _end_row(metrics: Path) -> dict | None:
+    if not metrics.exists():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return next((r for r in reversed(rows) if r.get("event") == "end"), None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", required=True, type=Path, help="a text file or a directory of them")
+    ap.add_argument("--out", type=Path, help="JSON results")
+    ap.add_argument("--md", type=Path, help="markdown report (table + settings + command)")
+    ap.add_argument("--plot", type=Path, help="PNG of the runs' curves")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mini_repro")
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=352)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--update-gap", type=int, default=20)
+    ap.add_argument("--lr-grid", default="1e-3,3e-3,1e-2", help="AdamW learning rates to try")
+    ap.add_argument("--val-every", type=int, default=20, help="every k-th document is held out")
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--evals", type=int, default=6, help="evaluations per run (for the curves)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rerun runs that already finished in --workdir")
+    args = ap.parse_args(argv)
+    args.corpus = args.corpus.resolve()
+    started = time.time()
+
+    text = read_text(args.corpus)
+    tok_dir = train_tokenizer(text, args.workdir / f"tokenizer_{args.vocab}", args.vocab)
+    unigram = unigram_loss(text, tok_dir)
+    print(f"corpus {args.corpus.name}: {len(text):,} chars; tokenizer {args.vocab} pieces; unigram-stage loss "
+          f"{unigram:.3f} nats (ppl {math.exp(unigram):.1f})", flush=True)
+
+    grid = [float(x) for x in args.lr_grid.split(",")]
+    print(f"AdamW learning-rate grid {grid}:", flush=True)
+    grid_results = {lr: run("adamw", "adamw", [], lr, args, tok_dir, args.workdir / f"adamw_lr{lr:g}") for lr in grid}
+    best_lr = min(grid, key=lambda lr: grid_results[lr]["val_loss"])
+    print(f"best AdamW lr {best_lr:g}; reused for every method", flush=True)
+
+    results, run_dirs = {}, {}
+    for key, (opt, extra, _, _) in METHODS.items():
+        if key == "adamw":
+            end, run_dirs[key] = grid_results[best_lr], args.workdir / f"adamw_lr{best_lr:g}"
+        else:
+            run_dirs[key] = args.workdir / key
+            end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
+        results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
+                        "state_bytes": int(end["optimizer_state_bytes"])}
+
+    params = json.loads((run_dirs["adamw"] / "metrics.jsonl").read_text().splitlines()[0]).get("params")
+    emb_share = 2 * args.vocab * args.hidden / params if params else float("nan")
+    tokens = args.steps * args.batch * args.seq_len
+    adam_state = results["adamw"]["state_bytes"]
+    lines = [
+        "| method | val loss | val ppl | optimizer state | vs AdamW | paper 60M ppl (Table 2) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, (_, _, label, paper_row) in METHODS.items():
+        r = results[key]
+        paper = TABLE2[paper_row]["60M"] if paper_row else None
+        paper_txt = f"{paper:.2f}" if paper else f"({PAPER_SIGNSGD_130M:.2f} at 130M, Table 16)"
+        lines.append(f"| {label} | {r['val_loss']:.4f} | {r['val_ppl']:.2f} | {r['state_bytes'] / 1024:,.0f} KiB | "
+                     f"{r['state_bytes'] / adam_state:.0%} | {paper_txt} |")
+    table = "\n".join(lines)
+    order = " < ".join(METHODS[k][2] for k in sorted(results, key=lambda k: results[k]["val_loss"]))
+    summary = (f"model: LLaMA, {args.layers} layers, hidden {args.hidden}, {params:,} parameters "
+               f"(embeddings + output layer {emb_share:.0%}); vocabulary {args.vocab} (sentencepiece, trained on the corpus)\n"
+               f"budget: {args.steps} steps x {args.batch} x {args.seq_len} tokens = {tokens:,} tokens per run; "
+               f"update gap T={args.update_gap}; AdamW lr grid {grid} -> {best_lr:g}, reused for all\n"
+               f"unigram-stage loss {unigram:.3f} nats; measured order (val loss): {order}\n"
+               f"total time {time.time() - started:.0f} s")
+    print("\n" + table + "\n\n" + summary)
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        from scripts.plot_runs import plot
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot([run_dirs[k] for k in METHODS], str(args.plot), smooth_window=10,
+             title=f"mini Table 2 on {args.corpus.name}: {params / 1e6:.1f}M-param LLaMA, {tokens / 1e6:.2f}M tokens")
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        # absolute paths (the corpus) are shown by file name only: machine paths do not belong in docs
+        cmd = "python scripts/mini_repro.py " + " ".join(
+            os.path.basename(a) if a.startswith("/") else a for a in (argv or sys.argv[1:]))
+        args.md.write_text(
+            f"# Mini reproduction of Table 2 (CPU)\n\nMade with:\n\n    {cmd}\n\n{table}\n\n"
+            + "\n".join(f"- {s}" for s in summary.splitlines()) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

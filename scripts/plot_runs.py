@@ -1,0 +1,114 @@
+"""Validation perplexity and training loss of any set of runs, against steps and against tokens (PNG).
+
+    python scripts/plot_runs.py multirun/2025-01-01/12-00-00 --out table15.png
+    python scripts/plot_runs.py runs/a runs/b --out cmp.png --smooth 50 --logy
+
+Each curve is labelled by its method, density (rho) and update gap (T) from the run's resolved config
+(plus the model when the runs differ in model), so a sweep reads without a legend lookup. Runs are
+found as in make_tables.py (directories holding metrics.jsonl, searched recursively).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.make_tables import find_runs, load_run, read_metrics  # noqa: E402
+from scripts.paper_tables import method  # noqa: E402
+
+
+def label(cfg: dict, with_model: bool) -> str:
+    opt = cfg.get("optimizer", {})
+    text = method(opt)
+    if opt.get("name") in ("frugal", "galore", "badam") and "update_gap" in opt:
+        text += f", T={opt['update_gap']}"
+    if with_model:
+        text = f"{cfg['model']['name']}: {text}"
+    return text
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average: training loss is noisy step to step."""
+    if window <= 1:
+        return values
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = False, title: str = "") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(d) for d in run_dirs]
+    with_model = len({r["cfg"]["model"]["name"] for r in runs}) > 1
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
+    for r in runs:
+        rows = read_metrics(Path(r["dir"]) / "metrics.jsonl")
+        train = [x for x in rows if "loss" in x and "event" not in x]
+        evals = [x for x in rows if "val_ppl" in x and x.get("event") is None]
+        tokens_at = {x["step"]: x.get("tokens") for x in train}
+        name = label(r["cfg"], with_model)
+        if train:
+            loss = smooth([x["loss"] for x in train], smooth_window)
+            line, = axes[0][0].plot([x["step"] for x in train], loss, label=name, lw=1)
+            axes[0][1].plot([x.get("tokens", 0) for x in train], loss, color=line.get_color(), lw=1)
+            color = line.get_color()
+        else:
+            color = None
+        if evals:
+            axes[1][0].plot([x["step"] for x in evals], [x["val_ppl"] for x in evals], "o-", ms=3,
+                            color=color, label=name)
+            ev_tok = [(tokens_at.get(x["step"]), x["val_ppl"]) for x in evals if tokens_at.get(x["step"]) is not None]
+            if ev_tok:
+                axes[1][1].plot(*zip(*ev_tok), "o-", ms=3, color=color)
+    from matplotlib.ticker import FuncFormatter
+
+    tokens_fmt = FuncFormatter(lambda v, _: f"{v / 1e9:g}B" if v >= 1e9 else f"{v / 1e6:g}M" if v >= 1e6
+                               else f"{v / 1e3:g}k" if v >= 1e3 else f"{v:g}")
+    for ax, (y, x) in zip([a for row in axes for a in row],
+                          [("train loss", "step"), ("train loss", "tokens"),
+                           ("validation perplexity", "step"), ("validation perplexity", "tokens")]):
+        ax.set_xlabel(x)
+        ax.set_ylabel(y + (f" (moving avg {smooth_window})" if "loss" in y and smooth_window > 1 else ""))
+        ax.grid(alpha=0.3)
+        if x == "tokens":
+            ax.xaxis.set_major_formatter(tokens_fmt)
+        if logy or "perplexity" in y:
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--out", default="runs.png")
+    ap.add_argument("--smooth", type=int, default=20, help="moving-average window of the training loss")
+    ap.add_argument("--logy", action="store_true", help="log scale for the loss panels too")
+    ap.add_argument("--title", default="")
+    args = ap.parse_args(argv)
+    dirs = find_runs(args.runs)
+    if not dirs:
+        print("plot_runs: no runs found", file=sys.stderr)
+        return 1
+    print(plot(dirs, args.out, args.smooth, args.logy, args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""SLURM glue for train.py: the DDP rendezvous from the job's environment, and requeue after preemption.
+
+Rendezvous. A SLURM job started by hydra-submitit-launcher (or by `srun python train.py`) runs one
+process per task, but torch.distributed / accelerate read MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+and LOCAL_RANK, which only torchrun sets. `export_distributed_env()` derives them from the job (through
+submitit's JobEnvironment in a submitit job, else from SLURM_* variables) and must run before
+accelerate initialises. Under torchrun (RANK already set), with a single task, or outside SLURM it
+does nothing, so train.py can call it unconditionally.
+
+Requeue. SLURM signals the job `signal_delay_s` before the time limit (or on preemption):
+SIGUSR2 for submitit jobs (submitit's default; it avoids USR1, which NCCL may use), SIGUSR1 in
+scripts/sbatch_train.sh. train.py must handle both: it turns them into a flag, writes a checkpoint at the next step boundary and stops. In a submitit job that
+is not enough: train.py's handler replaced submitit's, so nobody requeues the job. `requeue(handler)`
+hands over to submitit's handler after the checkpoint: on global rank 0 it pickles the same Hydra job,
+runs `scontrol requeue` and exits; the requeued job starts again in the same run directory and resumes
+(train.resume=auto). Outside submitit it does nothing (scripts/sbatch_train.sh requeues by itself).
+
+train.py uses (three lines):
+
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    export_distributed_env()                    # first line of train(), before Accelerator()
+    requeue(previous_handlers, stop["signal"])  # after the preemption checkpoint
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def in_submitit_job() -> bool:
+    try:
+        import submitit
+
+        return bool(submitit.JobEnvironment().activated())
+    except Exception:  # submitit missing, or not inside a submitit job
+        return False
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True, check=True, timeout=30).stdout.split()
+        return hosts[0] if hosts else nodelist
+    except (OSError, subprocess.SubprocessError):
+        return nodelist.split(",")[0]
+
+
+def export_distributed_env(port: int | None = None) -> dict[str, str] | None:
+    """Set the torch.distributed env:// variables from the SLURM job; return them (None if untouched).
+
+    CUDA_VISIBLE_DEVICES is left alone: accelerate picks `cuda:LOCAL_RANK`, which needs every GPU of
+    the node to stay visible to every task.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return None
+    if in_submitit_job():
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = TorchDistributedEnvironment()  # port derived from the job id: the same on every task
+        if env.world_size <= 1:
+            return None
+        if port is not None:
+            env.master_port = port
+        env.export(set_cuda_visible_devices=False)
+    elif "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ \
+            and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # `srun python train.py`: one task per GPU, no torchrun.
+        ntasks = int(os.environ["SLURM_NTASKS"])
+        nnodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
+        os.environ.update({
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR") or _first_slurm_host(),
+            "MASTER_PORT": str(port or os.environ.get("MASTER_PORT") or 20000 + job_id % 40000),
+            "RANK": os.environ["SLURM_PROCID"],
+            "WORLD_SIZE": str(ntasks),
+            "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
+        })
+    else:
+        return None
+    return {k: os.environ[k] for k in DIST_VARS if k in os.environ}
+
+
+def submitit_signal() -> int:
+    """The signal submitit asks SLURM to send before the time limit: SIGUSR2 by default (submitit
+    avoids USR1, which NCCL may use), or $SUBMITIT_PREEMPT_SIGNAL."""
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
+    return getattr(signal, name if name.startswith("SIG") else "SIG" + name)
+
+
+def requeue(previous_handlers: dict, signal_name: str | None) -> None:
+    """After the preemption checkpoint: let submitit requeue the job (rank 0 exits inside this call).
+
+    `previous_handlers` maps each signal train.py handles to what `signal.signal` returned when it
+    installed its own handler; in a submitit job the entry of `submitit_signal()` is submitit's
+    `checkpoint_and_try_requeue`, which re-submits the same Hydra job, runs `scontrol requeue` and
+    exits on global rank 0 (other ranks return and stop). Only SIGUSR1/SIGUSR2 (time limit,
+    preemption) requeue; SIGTERM (scancel) means stop. Outside a submitit job: no-op.
+    """
+    if signal_name not in ("SIGUSR1", "SIGUSR2") or not in_submitit_job():
+        return
+    sig = submitit_signal()
+    handler = previous_handlers.get(sig)
+    if callable(handler):
+        handler(sig, None)
