@@ -77,9 +77,13 @@ def main(argv: list[str]) -> dict:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     tc = cfg.train
-    dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=accelerator.process_index,
-                         world_size=accelerator.num_processes, seed=tc.seed,
-                         model_vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings)
+    try:  # e.g. data=c4 offline without a local tokenizer, or a data.path that does not exist
+        dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, seed=tc.seed,
+                             model_vocab_size=cfg.model.vocab_size,
+                             max_positions=cfg.model.max_position_embeddings)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from err
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
     model.load_state_dict(ckpt.load(ckpt_dir, "model"))
     if tc.precision == "bf16":

@@ -158,7 +158,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         model = accelerator.prepare_model(raw_model)  # to the device; DDP wrapper when world > 1
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
         scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps, **sched_cfg)
-    except ValueError as err:  # bad names/values in model/, data/, optimizer/, schedule/ configs
+    # Bad names/values in model/, data/, optimizer/, schedule/ configs; a missing data.path or a
+    # tokenizer that cannot be loaded offline (OSError): the messages say what to pass instead.
+    except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
 
     # ---- resume: weights, optimizer state, schedule, each rank's data position, RNG states.

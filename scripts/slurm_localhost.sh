@@ -104,7 +104,9 @@ case "$cmd" in
   install)
     need_root
     command -v apt-get >/dev/null || die "apt-get not found: install Slurm (slurmctld, slurmd, client) and munge by hand"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y slurmctld slurmd slurm-client munge
+    # A fresh machine has no package lists (or stale ones): refresh them first.
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge
     ;;
   up)
     need_root

@@ -128,7 +128,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_errors_are_clear(tmp_path):
+def test_cli_errors_are_clear(tmp_path, c4_dir):
     """The command line shows the message (no traceback) and exits with 2; Hydra's own error for an
     unknown option names the available options."""
     bad_batch = run_cli(train_cmd(tmp_path / "a", "train.batch_size=6"))
@@ -137,3 +137,10 @@ def test_cli_errors_are_clear(tmp_path):
     unknown = run_cli(train_cmd(tmp_path / "b", "optimizer=adamx"))
     assert unknown.returncode == 1
     assert "Could not find 'optimizer/adamx'" in unknown.stderr and "frugal_rho0" in unknown.stderr
+    missing = run_cli(train_cmd(tmp_path / "c", "data=local", f"data.path={tmp_path / 'no_such_corpus'}"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert "no_such_corpus" in missing.stderr and "does not exist" in missing.stderr
+    # The Hub is unreachable (HF_HUB_OFFLINE=1): the error names the tokenizer and how to pass a local one.
+    offline = run_cli(train_cmd(tmp_path / "d", "data=c4", f"data.path={c4_dir}", "data.tokenizer=t5-base"))
+    assert offline.returncode == 2 and "Traceback" not in offline.stderr, offline.stderr
+    assert "t5-base" in offline.stderr and "data.tokenizer=" in offline.stderr
