@@ -53,6 +53,20 @@ def test_preset_composes_with_paper_settings(preset):
     assert cfg.train.batch_size % cfg.train.micro_batch_size == 0
 
 
+# The paper's learning rates (Appendix A.1 and the GaLore reference recipe): the best AdamW rate for
+# every method, except GaLore, which keeps its own 0.01 (with update scale 0.25).
+PAPER_LR = {"adamw": 1e-3, "frugal": 1e-3, "badam": 1e-3, "galore": 1e-2, "signsgd": 1e-3}
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "table5_3b"])  # 3B: one lr (5e-4) for all
+@pytest.mark.parametrize("method", sorted(PAPER_LR))
+def test_preset_keeps_each_methods_paper_lr(preset, method):
+    cfg = _compose([f"experiment={preset}", f"optimizer={method}"])
+    # Table 12 pins the AdamW rate for its Lion runs (GaLore + Lion included): see the preset.
+    expected = 1e-3 if preset == "table12_lion" else PAPER_LR[method]
+    assert cfg.optimizer.lr == pytest.approx(expected), (preset, method, cfg.optimizer.lr)
+
+
 def _sweep_runs(preset):
     """Override lists covering every value of every axis of the preset's multirun.
 
