@@ -114,6 +114,12 @@ def seed_everything(seed: int) -> None:
 
 def find_resume(resume: str, ckpt_root: str) -> str | None:
     if resume == "never":
+        # Starting over in a directory that holds checkpoints would mix two runs' metrics and let a
+        # later resume=auto pick up the old run's weights.
+        if ckpt.list_checkpoints(ckpt_root):
+            raise ConfigError(f"train.resume=never, but {ckpt_root} already holds checkpoints (latest: "
+                              f"{ckpt.latest(ckpt_root)}); use a new hydra.run.dir, train.resume=auto to "
+                              f"continue that run, or delete its checkpoints")
         return None
     if resume == "auto":
         return ckpt.latest(ckpt_root)
@@ -292,7 +298,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log({"event": "preempted", "step": step, "signal": signame})
                 bar.close()
                 say(f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. "
-                    f"Run the same command again (train.resume=auto) to continue.")
+                    f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto).")
                 requeue(previous_handlers, stop["signal"])  # submitit jobs: submitit requeues (rank 0 exits)
                 return EXIT_PREEMPTED
 

@@ -155,3 +155,21 @@ def test_rng_state_roundtrip_is_safe_to_load(tmp_path):
     ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_resume_never_refuses_a_run_dir_with_checkpoints(straight_run):
+    from train_utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        run_inprocess(straight_run, f"train.steps={N}", "train.resume=never")
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    """A directory that also holds higher-numbered checkpoints (a run resumed from an earlier one):
+    the new checkpoint survives pruning and `latest` names it."""
+    root = str(tmp_path)
+    for step in (900, 1000):
+        ckpt.save(root, step, {"trainer": {"step": step}}, keep=2)
+    written = ckpt.save(root, 100, {"trainer": {"step": 100}}, keep=2)
+    assert os.path.isdir(written) and ckpt.latest(root) == written
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(root)] == [ckpt.step_dir_name(s) for s in (100, 1000)]

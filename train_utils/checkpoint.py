@@ -52,7 +52,7 @@ def _fsync_dir(path: str) -> None:
 
 def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int = 2) -> str:
     """Write `files` (name -> object for torch.save) and `texts` (name -> str) as checkpoint `step`
-    under `root`, atomically; then point `latest` at it and delete all but the newest `keep`."""
+    under `root`, atomically; then point `latest` at it and prune the oldest others so that `keep` remain."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")
@@ -82,7 +82,10 @@ def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int
         os.fsync(f.fileno())
     os.replace(pointer_tmp, os.path.join(root, LATEST))
     _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+    # Prune the oldest, but never the checkpoint just written (the one `latest` names), even when
+    # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint).
+    others = [c for c in list_checkpoints(root) if c != final]
+    for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
