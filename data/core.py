@@ -219,7 +219,7 @@ class DataModule:
         """This rank's share of the fixed validation set, as a list of batches.
 
         The set is the first validation documents (in the split's fixed order, never shuffled) whose
-        non-pad tokens reach ``eval_tokens``, built into rows exactly like training rows; row i
+        non-pad target tokens (what the loss scores: all but each row's first) reach ``eval_tokens``, built into rows exactly like training rows; row i
         belongs to rank ``i % world_size``. The last batch may be smaller than micro_batch_size.
         Callers weight the loss by label counts so the ranks' means combine exactly.
         """
@@ -229,7 +229,7 @@ class DataModule:
             rows, total = [], 0
             for row, n, _ in doc_rows(docs, self.seq_len, self.packing, self.source.pad_id):
                 rows.append((row.astype(np.int32), n))
-                total += n
+                total += max(n - 1, 0)  # scored targets: a row's first token is never predicted
                 if total >= eval_tokens:
                     break
             if total < eval_tokens:

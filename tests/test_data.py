@@ -221,12 +221,12 @@ def test_validation_set_is_fixed_disjoint_and_token_counted(c4_dir, t5_tokenizer
     assert same(a0, b0)  # independent of the training seed
     r0, r1 = rows_of(a0), rows_of(a1)
     assert not set(r0) & set(r1)
-    counts = [len(r) for r in r0 + r1]
-    assert sum(counts) >= 6000
+    targets = [len(r) - 1 for r in r0 + r1]  # scored tokens: all but each row's first
+    assert sum(targets) >= 6000
     single = build_data(c4_cfg(c4_dir, t5_tokenizer_dir), micro_batch_size=4, model_vocab_size=VOCAB)
     all_rows = rows_of(single.val_batches(6000))
     assert sorted(all_rows) == sorted(r0 + r1)
-    assert sum(len(r) for r in all_rows[:-1]) < 6000  # the first documents, and no more than needed
+    assert sum(len(r) - 1 for r in all_rows[:-1]) < 6000  # the first documents, and no more than needed
 
 
 # -------------------------------------------------------------------------------------- synthetic

@@ -13,7 +13,7 @@ from train_utils import checkpoint as ckpt
 from train_utils.config import ConfigError
 
 TRAIN_FIELDS = {"step", "loss", "lr", "tokens", "tokens_per_s", "optimizer_state_bytes", "peak_memory_bytes"}
-START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes", "optimizer", "model",
+START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes_estimate", "optimizer", "model",
                 "loss_floor"}
 
 
@@ -36,7 +36,7 @@ def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
     assert START_FIELDS <= start.keys() and start["event"] == "start"
     assert start["optimizer"] == "frugal" and start["model"] == "llama_tiny"
     assert start["state_full_fraction"] == pytest.approx(0.25)
-    assert start["optimizer_state_bytes"] < start["adamw_state_bytes"]
+    assert start["optimizer_state_bytes_estimate"] < start["adamw_state_bytes"]
     assert start["loss_floor"] > 0
     train_rows = [r for r in log if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 31))
@@ -50,7 +50,7 @@ def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
     assert last < first - 0.5, (first, last)
     evals = [r for r in log if "val_loss" in r and "event" not in r]
     assert [r["step"] for r in evals] == [15, 30]
-    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) and r["val_tokens"] >= 4096 * 255 / 256 for r in evals)
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) and r["val_tokens"] >= 4096 for r in evals)
     assert evals[1]["val_loss"] < evals[0]["val_loss"]
     switches = [r for r in log if r.get("event") == "switch"]
     assert [r["step"] for r in switches] == [1, 11, 21]  # the first window, then every update_gap
