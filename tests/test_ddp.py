@@ -9,7 +9,9 @@ from train_utils import checkpoint as ckpt
 N = 3
 # Global batch 8 = 2 sequences per micro-batch x 2 accumulation steps x 2 ranks (no_sync exercised);
 # the single-process reference gets 8 = 4 x 2 x 1 from the shared TINY settings.
-DDP = ["train.micro_batch_size=2", "train.eval_every=3"]
+# grad_clip far above any norm changes nothing but logs the global gradient norm: FRUGAL's AdamW and
+# signSGD ignore the gradient's scale, so the norm is what shows a wrong loss scaling across ranks.
+DDP = ["train.micro_batch_size=2", "train.eval_every=3", "train.grad_clip=1e9"]
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +29,14 @@ def test_ranks_identical_and_match_single_process(ddp_run, tmp_path):
     assert log[0]["world_size"] == 2 and log[0]["accumulation"] == 2
     end = log[-1]
     assert end["event"] == "end" and end["ranks_in_sync"] is True  # every rank's weights identical
-    assert run_inprocess(tmp_path, "train.eval_every=3", f"train.steps={2 * N}") == 0
+    assert run_inprocess(tmp_path, "train.eval_every=3", "train.grad_clip=1e9", f"train.steps={2 * N}") == 0
     single, ddp = losses(tmp_path), losses(ddp_run)
     assert single.keys() == ddp.keys()
     # Same data (the ranks' rows interleave into the single process's rows), same token weighting;
     # only the order of float additions differs.
     assert ddp == pytest.approx(single, abs=2e-3)
+    norms = lambda run: [r["grad_norm"] for r in rows(run) if "grad_norm" in r]
+    assert len(norms(ddp_run)) == 2 * N and norms(ddp_run) == pytest.approx(norms(tmp_path), rel=1e-2)
     val = {r["step"]: r["val_loss"] for r in rows(tmp_path) if "val_loss" in r and "event" not in r}
     val_ddp = {r["step"]: r["val_loss"] for r in log if "val_loss" in r and "event" not in r}
     assert val_ddp == pytest.approx(val, abs=2e-3)
