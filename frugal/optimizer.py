@@ -81,9 +81,10 @@ class FRUGAL(Optimizer):
 
     Subspaces are pure functions of (seed, window, parameter position) drawn from private
     generators, so data-parallel ranks and resumed runs agree without communication. With
-    ``state_free="signsgd"`` (and for ``svd``/``random`` projections) ``step`` overwrites the
-    gradients in place (with their sign, or the residual) instead of allocating temporaries on
-    the hot path: read the gradients before stepping.
+    ``state_free="signsgd"`` (eager path; see :func:`frugal.rules.signsgd_` for the opt-in
+    compiled one) and for ``svd``/``random`` projections ``step`` overwrites the gradients in
+    place (with their sign, or the residual) instead of allocating temporaries on the hot path:
+    read the gradients before stepping.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -348,11 +349,19 @@ class FRUGAL(Optimizer):
         dim = proj.coordinate_dim(projection, p.shape, transposed)
         # The state-free rule then runs on the whole tensor and the copy-back (after it)
         # overwrites the state-full coordinates: no pass to zero them in the gradient.
+        # Gathers: torch.take / torch.gather beat index_select by ~1.5x on CPU for flat (randk)
+        # and inner-dimension (column of a row-major weight) selections; rows are contiguous
+        # slices, for which index_select is a memcpy per row. Same values either way.
         if dim is None:
             flat = p.view(-1)
-            target = flat.index_select(0, idx)
-            g_red = g.reshape(-1).index_select(0, idx)
+            target = torch.take(flat, idx)
+            g_red = torch.take(g, idx)
             post.append(lambda: flat.scatter_(0, idx, target))  # much faster than 1-D index_copy_
+        elif dim == p.dim() - 1 and p.dim() > 1:
+            expanded = idx.expand(*p.shape[:-1], idx.numel())
+            target = torch.gather(p, dim, expanded)
+            g_red = torch.gather(g, dim, expanded)
+            post.append(lambda: p.index_copy_(dim, idx, target))
         else:
             target = p.index_select(dim, idx)
             g_red = g.index_select(dim, idx)
