@@ -72,8 +72,13 @@ class FRUGAL(Optimizer):
     ``random`` and ``randperm`` use rank round(:math:`\rho\min(m, n)`) on the smaller side.
     ``reset_state`` decides what the state-full rule sees after a change of subspace: fresh
     state (``reset``), the old state re-projected (``reproject``, Appendix C), or the stale
-    state as it is (``keep``, GaLore). What stays in the state-full set always keeps its state
-    (Algorithm 1 line 7 is the identity for an unchanged projection), so density 1 is AdamW.
+    state as it is (``keep``, GaLore). An unchanged projection leaves the state unchanged
+    (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that stays state-full
+    keeps its state and only entering blocks start fresh. For coordinate projections (column,
+    row, randk, randperm) a new window draws a new coordinate set, i.e. a changed projection:
+    ``reset`` starts the whole reduced state fresh (the paper's reset, Appendix C), while
+    ``reproject`` carries over the moments of coordinates that stay selected (exact for
+    coordinate bases) and keeps the tensor's step counter; selecting all or none keeps the state.
 
     Param-group keys: ``projectable`` (split this group's tensors), ``block`` (its layer index),
     ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free`` (update the
