@@ -98,6 +98,7 @@ def main(argv: list[str]) -> dict:
         print(text)
         with open(args.get("out", os.path.join(ckpt_dir, "eval.json")), "w") as f:
             f.write(text + "\n")
+    accelerator.end_training()  # destroy the process group before exit (see train.py)
     return result
 
 

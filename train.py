@@ -336,6 +336,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         metrics.close()
         for s, handler in previous_handlers.items():
             signal.signal(s, handler)
+        # Tear the process group down before the interpreter exits: gloo's threads dying with the
+        # process while a peer is still connected can abort that peer (std::terminate, SIGABRT).
+        accelerator.end_training()
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

@@ -54,3 +54,50 @@ def test_ddp_resume_is_exact(ddp_run, tmp_path):
     assert losses(tmp_path) == losses(ddp_run)
     assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
                         weights(ckpt.latest(str(ddp_run / "checkpoints"))))
+
+
+def test_signal_to_one_rank_stops_all_ranks_at_one_step_and_resume_matches(tmp_path):
+    """SLURM may deliver its pre-timeout signal to one task first: every rank must stop after the
+    same step, with one checkpoint holding both ranks' positions, and the resumed run must end exactly
+    as an uninterrupted one."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from _train_helpers import REPO, subprocess_env
+
+    steps = 30
+    reference = tmp_path / "reference"
+    done = run_cli(torchrun_cmd(reference, *DDP, f"train.steps={steps}"))
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen(torchrun_cmd(run_dir, *DDP, f"train.steps={steps}"), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()[:-1]  # the last line may be half-written
+            if any('"loss"' in line and json.loads(line)["step"] >= 3 for line in lines):
+                break
+        time.sleep(0.02)
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "train.py" in " ".join(c.cmdline())]
+    assert len(workers) == 2, [c.cmdline() for c in workers]
+    workers[-1].send_signal(signal.SIGUSR1)  # one rank only
+    out, err = proc.communicate(timeout=180)
+    stopped = [r for r in rows(run_dir) if r.get("event") == "preempted"]
+    assert len(stopped) == 1, err[-4000:]
+    k = stopped[0]["step"]
+    assert 3 <= k < steps
+    trainer = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")), "trainer")
+    assert trainer["step"] == k and len(trainer["data"]) == 2
+
+    resumed = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={steps}"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert losses(run_dir) == losses(reference)
+    assert_same_weights(weights(ckpt.latest(str(run_dir / "checkpoints"))),
+                        weights(ckpt.latest(str(reference / "checkpoints"))))
