@@ -300,6 +300,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 bar.close()
                 say(f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. "
                     f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto).")
+                accelerator.wait_for_everyone()  # see the end of the loop: no rank tears down early
                 requeue(previous_handlers, stop["signal"])  # submitit jobs: submitit requeues (rank 0 exits)
                 return EXIT_PREEMPTED
 
@@ -330,15 +331,16 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         say(f"  optimizer state {state / mib:.2f} MiB vs {adamw_bytes / mib:.2f} MiB for AdamW "
             f"({state / max(adamw_bytes, 1):.0%})")
         say(f"  run dir {run_dir}: metrics.jsonl, checkpoints/" + (", loss.png" if tc.plot else ""))
+        # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
+        # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
+        accelerator.wait_for_everyone()
         return 0
     finally:
         bar.close()
         metrics.close()
         for s, handler in previous_handlers.items():
             signal.signal(s, handler)
-        # Tear the process group down before the interpreter exits: gloo's threads dying with the
-        # process while a peer is still connected can abort that peer (std::terminate, SIGABRT).
-        accelerator.end_training()
+        accelerator.end_training()  # destroy the process group before the interpreter exits
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

@@ -62,7 +62,7 @@ def torchrun_cmd(run_dir, *overrides: str, nproc: int = 2, base=TINY) -> list[st
 
 def subprocess_env() -> dict:
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
 def run_cli(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
