@@ -10,12 +10,14 @@ complement, updated with a state-free rule (signSGD, SGD) that keeps no optimize
 """
 from .optimizer import FRUGAL
 from .grouping import param_groups
-from .factory import OPTIMIZERS, build_optimizer
+from .hparams import HyperparameterError
+from .registry import OPTIMIZERS, build_optimizer
 from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
 
 __all__ = [
     "FRUGAL",
+    "HyperparameterError",
     "OPTIMIZERS",
     "build_optimizer",
     "build_scheduler",

@@ -29,8 +29,10 @@ import math
 import torch
 from torch import nn
 
+from . import hparams
+from .hparams import HyperparameterError
 from . import projections as proj
-from .factory import optimizer_groups, resolve
+from .registry import optimizer_groups, resolve
 
 _INDEX_BYTES = 8  # int64 index tensors (torch's index_select / index_copy_ take int64)
 _STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
@@ -51,27 +53,11 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(_tensor_bytes(state) for state in optimizer.state.values())
 
 
-def _defaults() -> dict:
-    """FRUGAL's constructor defaults (read from its signature, so they cannot drift)."""
-    import inspect
-
-    from .optimizer import FRUGAL
-
-    sig = inspect.signature(FRUGAL.__init__)
-    return {k: v.default for k, v in sig.parameters.items()
-            if v.default is not inspect.Parameter.empty}
-
-
 def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int:
     from .rules import STATE_FULL
 
-    groups, hp = optimizer_groups(model, name, hp)
-    hp = {**_defaults(), **hp}
-    choices = {"state_full": tuple(STATE_FULL), "projection": proj.PROJECTIONS,
-               "block_order": proj.BLOCK_ORDERS, "block_granularity": ("layer", "tensor")}
-    for key, valid in choices.items():  # the same check FRUGAL makes, before any counting
-        if hp[key] not in valid:
-            raise ValueError(f"Invalid {key}: {hp[key]!r}; valid choices: {', '.join(valid)}")
+    groups, hp = optimizer_groups(model, name, hp)  # hp is validated by resolve()
+    hp = {**hparams.defaults(), **hp}
     rule = STATE_FULL[hp["state_full"]]
     n_moments = len(rule.state_names)
     step_bytes = _STEP_BYTES if rule.counts_steps else 0
@@ -146,7 +132,7 @@ def estimate_state_bytes(model: nn.Module, name: str, svd_layout: str = "paper",
     ("paper" or "implementation") chooses how svd/random projections are counted (module docstring).
     """
     if svd_layout not in ("implementation", "paper"):
-        raise ValueError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
+        raise HyperparameterError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
     name, hp = resolve(name, hparams)
     if name == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]

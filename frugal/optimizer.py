@@ -8,42 +8,11 @@ import torch
 from torch.optim import Optimizer
 
 from . import projections as proj
+from .hparams import HyperparameterError, validate
 from .rules import STATE_FREE, STATE_FULL
 
-RESET_MODES = ("reset", "reproject", "keep")
-GRANULARITIES = ("layer", "tensor")
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
-_CHOICES = {
-    "projection": proj.PROJECTIONS, "state_full": tuple(STATE_FULL), "state_free": tuple(STATE_FREE),
-    "reset_state": RESET_MODES, "block_order": proj.BLOCK_ORDERS, "block_granularity": GRANULARITIES,
-}
 _BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed")
-
-
-def _validate(g: dict) -> None:
-    """Reject bad hyperparameters before any work is done, naming the value and what is valid."""
-    for key, choices in _CHOICES.items():
-        if g[key] not in choices:
-            raise ValueError(f"Invalid {key}: {g[key]!r}; valid choices: {', '.join(choices)}")
-    if not (isinstance(g["lr"], (int, float)) and g["lr"] >= 0):
-        raise ValueError(f"Invalid lr: {g['lr']!r} (must be a number >= 0)")
-    betas = g["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2), each in [0, 1))")
-    for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} (must be in [0, 1))")
-    for key in ("eps", "weight_decay", "state_free_lr_scale", "projectable_lr_scale"):
-        if not g[key] >= 0.0:
-            raise ValueError(f"Invalid {key}: {g[key]!r} (must be >= 0)")
-    if not 0.0 <= g["density"] <= 1.0:
-        raise ValueError(f"Invalid density: {g['density']!r} (must be in [0, 1])")
-    if isinstance(g["update_gap"], bool) or not isinstance(g["update_gap"], int) or g["update_gap"] < 1:
-        raise ValueError(f"Invalid update_gap: {g['update_gap']!r} (must be an integer >= 1)")
-    if not 0.0 <= g["momentum"] < 1.0:
-        raise ValueError(f"Invalid momentum: {g['momentum']!r} (must be in [0, 1))")
-    if isinstance(g["seed"], bool) or not isinstance(g["seed"], int):
-        raise ValueError(f"Invalid seed: {g['seed']!r} (must be an integer)")
 
 
 class FRUGAL(Optimizer):
@@ -97,14 +66,14 @@ class FRUGAL(Optimizer):
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
                  momentum=0.9, seed=0):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
                         state_full=state_full, state_free=state_free,
                         state_free_lr_scale=state_free_lr_scale,
                         projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
                         block_order=block_order, block_granularity=block_granularity,
                         momentum=momentum, seed=seed)
-        _validate(defaults)
+        defaults = validate(defaults)
         self._layout = None
         self._index_cache: dict[int, tuple[int, torch.Tensor]] = {}
         super().__init__(params, defaults)
@@ -118,16 +87,16 @@ class FRUGAL(Optimizer):
         # One step counter for the whole optimizer (it fixes the window), kept in every group
         # as a plain int so that state_dict() round-trips it.
         group.setdefault("step", self.param_groups[0].get("step", 0) if len(self.param_groups) > 1 else 0)
-        _validate(group)
+        group.update(validate({k: group[k] for k in self.defaults}))
         if group["projectable"] and not group["always_state_free"]:
             p2 = group["projection"] not in ("block", "randk")
             for p in group["params"]:
                 if p2 and p.dim() != 2:
-                    raise ValueError(f"projection {group['projection']!r} needs 2-D tensors, got shape "
+                    raise HyperparameterError(f"projection {group['projection']!r} needs 2-D tensors, got shape "
                                      f"{tuple(p.shape)}; valid choices for other shapes: block, randk")
             if (group["projection"] == "block" and group["block_granularity"] == "layer"
                     and group["block"] is None):
-                raise ValueError("A projectable group with projection 'block' and block_granularity "
+                raise HyperparameterError("A projectable group with projection 'block' and block_granularity "
                                  "'layer' needs its layer index as group key 'block' (or use "
                                  "block_granularity='tensor')")
         self._layout = None
@@ -163,7 +132,7 @@ class FRUGAL(Optimizer):
             for g in groups:
                 for k in _BLOCK_SHARED:
                     if g[k] != hp[k]:
-                        raise ValueError(f"All block-projected groups must share {k}: got {hp[k]!r} "
+                        raise HyperparameterError(f"All block-projected groups must share {k}: got {hp[k]!r} "
                                          f"and {g[k]!r}")
             tensor_level = hp["block_granularity"] == "tensor"
             for gi, g in enumerate(self.param_groups):

@@ -1,4 +1,4 @@
-"""`build_optimizer(model, name, **hparams)`: every optimizer of the paper behind one registry.
+"""The optimizer registry: `build_optimizer(model, name, **hparams)` for every optimizer of the paper.
 
 Most entries are presets of FRUGAL, because the paper's baselines are points of its design space:
 
@@ -28,22 +28,22 @@ training loop can forward them uniformly (`seed` is ignored where nothing is ran
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-from .grouping import STATE_FREE_MODULE_CHOICES, param_groups
+from . import hparams
+from .grouping import param_groups
+from .hparams import HyperparameterError
 
-# Hyperparameters of the FRUGAL constructor (the contract's signature).
-FRUGAL_KEYS = (
-    "lr", "betas", "eps", "weight_decay", "density", "update_gap", "projection", "state_full",
-    "state_free", "state_free_lr_scale", "projectable_lr_scale", "reset_state", "block_order",
-    "block_granularity", "momentum", "seed",
-)
 COMMON_KEYS = ("lr", "weight_decay", "seed")
-ALL_STATE_FREE = tuple(STATE_FREE_MODULE_CHOICES)
+# Besides FRUGAL's own hyperparameters, FRUGAL-based entries take `state_free_modules` (param_groups).
+GROUPING_KEYS = ("state_free_modules",)
+
+
+def _frugal_keys() -> tuple[str, ...]:
+    return tuple(hparams.defaults())
 
 
 class _Spec:
@@ -51,24 +51,29 @@ class _Spec:
     its parameters are grouped: "blocks" (param_groups: projectable transformer-block weights),
     "all_state_free" or "all_state_full" (one group; needs no recognisable transformer blocks)."""
 
-    def __init__(self, preset: dict | None, keys: tuple[str, ...], doc: str, layout: str = "blocks"):
+    def __init__(self, preset: dict | None, keys, doc: str, layout: str = "blocks"):
         self.preset = preset
-        self.keys = tuple(sorted(set(keys) | set(COMMON_KEYS)))
+        self._keys = keys  # a tuple, or "frugal": every FRUGAL hyperparameter (resolved lazily)
         self.doc = doc
         self.layout = layout
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        keys = _frugal_keys() + GROUPING_KEYS if self._keys == "frugal" else self._keys
+        return tuple(sorted(set(keys) | set(COMMON_KEYS)))
 
 
 _SPECS: dict[str, _Spec] = {
     "adamw": _Spec(None, ("betas", "eps"), "torch.optim.AdamW (fused/foreach)"),
-    "frugal": _Spec({}, FRUGAL_KEYS + ("state_free_modules",), "FRUGAL, Algorithm 1"),
+    "frugal": _Spec({}, "frugal", "FRUGAL, Algorithm 1"),
     "galore": _Spec(
         {"projection": "svd", "state_free": "none", "reset_state": "keep",
          "projectable_lr_scale": 0.25, "update_gap": 200},
-        FRUGAL_KEYS + ("state_free_modules",), "GaLore: SVD projection, no state-free update",
+        "frugal", "GaLore: SVD projection, no state-free update",
     ),
     "badam": _Spec(
         {"projection": "block", "state_free": "none", "block_order": "descending"},
-        FRUGAL_KEYS + ("state_free_modules",), "BAdam: blockwise, inactive blocks frozen",
+        "frugal", "BAdam: blockwise, inactive blocks frozen",
     ),
     # The pure baselines are FRUGAL with one group: every tensor state-free (no state at all) or
     # every tensor state-full and never reset (the state-full rule alone).
@@ -82,55 +87,8 @@ _SPECS: dict[str, _Spec] = {
 }
 
 
-def _number(name: str, value, *, low=None, high=None, high_open=False) -> float:
-    """`value` as a finite number in [low, high] (or [low, high)); else a ValueError that names
-    the value and the valid range."""
-    if low is not None and high is not None:
-        valid = f"a number in [{low:g}, {high:g}{')' if high_open else ']'}"
-    else:
-        valid = f"a number >= {low:g}" if low is not None else "a finite number"
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    ok = ok and (low is None or value >= low)
-    ok = ok and (high is None or value < high or (value == high and not high_open))
-    if not ok:
-        raise ValueError(f"Invalid {name}: {value!r} (expected {valid})")
-    return value
-
-
-def _validate(hparams: dict) -> dict:
-    """Check the numeric hyperparameters early, naming the bad value and the valid range.
-
-    Names of projections, rules and orders are checked by FRUGAL itself, which knows its choices.
-    """
-    out = dict(hparams)
-    if "lr" in out:
-        out["lr"] = float(_number("lr", out["lr"], low=0))
-    if "density" in out:
-        out["density"] = float(_number("density", out["density"], low=0, high=1))
-    if "update_gap" in out:
-        gap = out["update_gap"]
-        if isinstance(gap, float) and gap.is_integer():
-            gap = int(gap)
-        if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
-            raise ValueError(f"Invalid update_gap: {gap!r} (expected an integer >= 1)")
-        out["update_gap"] = gap
-    for key in ("weight_decay", "eps", "state_free_lr_scale", "projectable_lr_scale"):
-        if key in out:
-            out[key] = float(_number(key, out[key], low=0))
-    if "momentum" in out:
-        out["momentum"] = float(_number("momentum", out["momentum"], low=0, high=1, high_open=True))
-    if "betas" in out:
-        betas = tuple(out["betas"])
-        if len(betas) != 2:
-            raise ValueError(f"Invalid betas: {out['betas']!r} (expected two numbers in [0, 1))")
-        out["betas"] = tuple(
-            float(_number(f"beta parameter at index {i}", b, low=0, high=1, high_open=True))
-            for i, b in enumerate(betas)
-        )
-    if "seed" in out:
-        seed = out["seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"Invalid seed: {seed!r} (expected an integer)")
+def _validate(hp: dict) -> dict:
+    out = hparams.validate(hp)
     if "state_free_modules" in out:
         modules = out["state_free_modules"]
         modules = () if modules is None else (modules,) if isinstance(modules, str) else tuple(modules)
@@ -138,23 +96,47 @@ def _validate(hparams: dict) -> dict:
     return out
 
 
-def resolve(name: str, hparams: Mapping) -> tuple[str, dict]:
+_ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
+
+
+def defaults(name: str) -> dict:
+    """Every key entry `name` accepts, with its default: the one source of optimizer defaults
+    (the training configs are generated from it). FRUGAL-based entries: FRUGAL's constructor
+    defaults overlaid with the entry's preset; adamw: the paper's AdamW (weight decay 0, not
+    torch's 1e-2)."""
+    spec = _spec(name)
+    if spec.preset is None:
+        return {k: _ADAMW_DEFAULTS[k] for k in spec.keys}
+    base = {**hparams.defaults(), "state_free_modules": (), **spec.preset}
+    return {k: base[k] for k in spec.keys}
+
+
+def accepted_keys(name: str) -> tuple[str, ...]:
+    """The hyperparameters entry `name` takes (a key that does not apply is an error)."""
+    return _spec(name).keys
+
+
+def _spec(name: str) -> _Spec:
+    if name not in _SPECS:
+        raise HyperparameterError(f"Unknown optimizer {name!r}; valid choices: {sorted(_SPECS)}")
+    return _SPECS[name]
+
+
+def resolve(name: str, values: Mapping) -> tuple[str, dict]:
     """(name, merged hyperparameters) after checking `name`, the keys and the numeric values.
 
     The merged dict is the preset overlaid with the caller's values; for FRUGAL-based entries it
     may contain `state_free_modules` (for `param_groups`) besides FRUGAL constructor keywords.
     Shared by `build_optimizer` and `frugal.memory.estimate_state_bytes`.
     """
-    if name not in _SPECS:
-        raise ValueError(f"Unknown optimizer {name!r}; valid choices: {sorted(_SPECS)}")
-    spec = _SPECS[name]
-    unknown = sorted(set(hparams) - set(spec.keys))
+    spec = _spec(name)
+    unknown = sorted(set(values) - set(spec.keys))
     if unknown:
-        raise ValueError(
+        raise HyperparameterError(
             f"Optimizer {name!r} does not take {unknown}; valid keys for {name!r}: {list(spec.keys)}"
         )
     merged = dict(spec.preset or {})
-    merged.update(hparams)
+    merged.update(values)
     return name, _validate(merged)
 
 
@@ -183,9 +165,7 @@ def _adamw_kernel(params: list[torch.Tensor]) -> dict:
 
 def _build_adamw(model: nn.Module, hp: dict) -> torch.optim.Optimizer:
     params = _trainable(model)
-    kwargs = {k: hp[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hp}
-    kwargs.setdefault("lr", 1e-3)
-    kwargs.setdefault("weight_decay", 0.0)  # the paper's pre-training setting, not torch's 1e-2
+    kwargs = {k: hp.get(k, _ADAMW_DEFAULTS[k]) for k in ("lr", "betas", "eps", "weight_decay")}
     return torch.optim.AdamW(params, **kwargs, **_adamw_kernel(params))
 
 
@@ -210,8 +190,8 @@ def _build_frugal(model: nn.Module, name: str, hp: dict) -> torch.optim.Optimize
 
 
 def _builder(name: str) -> Callable[..., torch.optim.Optimizer]:
-    def build(model: nn.Module, **hparams) -> torch.optim.Optimizer:
-        _, hp = resolve(name, hparams)
+    def build(model: nn.Module, **values) -> torch.optim.Optimizer:
+        _, hp = resolve(name, values)
         return _build_adamw(model, hp) if _SPECS[name].preset is None else _build_frugal(model, name, hp)
 
     build.__name__ = f"build_{name}"
@@ -230,6 +210,5 @@ def build_optimizer(model: nn.Module, name: str, **hparams) -> torch.optim.Optim
     block_granularity, state_free_modules, seed, momentum; each entry takes the subset that applies
     to it (see the module docstring). Raises ValueError naming a bad name or value and the choices.
     """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; valid choices: {sorted(OPTIMIZERS)}")
+    _spec(name)
     return OPTIMIZERS[name](model, **hparams)

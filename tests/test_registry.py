@@ -113,3 +113,42 @@ def test_frugal_step_on_llama_runs(llama):
         _grads(llama, seed)
         opt.step()
     assert opt.active_blocks() == [2]  # descending: window 1 holds the block below the top one
+
+
+# ---- one source of defaults (frugal.hparams + registry.defaults) ------------------------------------
+import frugal  # noqa: E402
+from frugal import hparams, registry  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(frugal.OPTIMIZERS))
+def test_defaults_cover_exactly_the_accepted_keys_and_build(name, llama):
+    values = registry.defaults(name)
+    assert set(values) == set(registry.accepted_keys(name))
+    frugal.build_optimizer(llama, name, **values)
+
+
+def test_frugal_defaults_are_the_constructor_defaults():
+    import inspect
+
+    sig = inspect.signature(frugal.FRUGAL.__init__)
+    expected = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    assert hparams.defaults() == expected
+    # presets overlay the constructor defaults
+    assert registry.defaults("galore")["projection"] == "svd"
+    assert registry.defaults("frugal")["projection"] == expected["projection"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"density": 1.5}, "Invalid density: 1.5"),
+    ({"update_gap": 0}, "Invalid update_gap: 0"),
+    ({"projection": "cols"}, "valid choices: block, column"),
+    ({"betas": (0.9, 1.0)}, "beta parameter at index 1"),
+    ({"lr": float("nan")}, "Invalid lr"),
+])
+def test_one_validator_for_constructor_and_registry(bad, message, llama):
+    model = llama
+    with pytest.raises(frugal.HyperparameterError, match=message):
+        frugal.build_optimizer(model, "frugal", **bad)
+    with pytest.raises(frugal.HyperparameterError, match=message):
+        frugal.FRUGAL(frugal.param_groups(model), **bad)
+    assert issubclass(frugal.HyperparameterError, ValueError)

@@ -1,0 +1,101 @@
+"""FRUGAL's hyperparameters: their defaults, valid choices and checks, declared once.
+
+The defaults are the keyword defaults of `FRUGAL.__init__` (read from its signature, so the
+constructor people read in their editor is the source); the named options and the one validator
+live here. The optimizer, the registry (`build_optimizer`), the memory estimate and the training
+configs all use these, so a bad value is reported the same way wherever it enters.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from . import projections as proj
+from .rules import STATE_FREE, STATE_FULL
+
+
+class HyperparameterError(ValueError):
+    """A bad optimizer hyperparameter: the message names the key, the value and what is valid."""
+
+
+RESET_MODES = ("reset", "reproject", "keep")
+GRANULARITIES = ("layer", "tensor")
+
+# Keys whose value is one of a fixed set of names.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "projection": proj.PROJECTIONS,
+    "state_full": tuple(STATE_FULL),
+    "state_free": tuple(STATE_FREE),
+    "reset_state": RESET_MODES,
+    "block_order": proj.BLOCK_ORDERS,
+    "block_granularity": GRANULARITIES,
+}
+
+# Numeric keys: (low, high, high_open); None = unbounded on that side.
+_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "lr": (0.0, None, False),
+    "eps": (0.0, None, False),
+    "weight_decay": (0.0, None, False),
+    "density": (0.0, 1.0, False),
+    "state_free_lr_scale": (0.0, None, False),
+    "projectable_lr_scale": (0.0, None, False),
+    "momentum": (0.0, 1.0, True),
+}
+
+
+def defaults() -> dict[str, Any]:
+    """Every FRUGAL hyperparameter with its default (the constructor's keyword defaults)."""
+    from .optimizer import FRUGAL  # late: the optimizer imports this module
+
+    sig = inspect.signature(FRUGAL.__init__)
+    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+def _range_text(low, high, high_open) -> str:
+    if low is not None and high is not None:
+        return f"a number in [{low:g}, {high:g}{')' if high_open else ']'}"
+    return f"a number >= {low:g}" if low is not None else "a finite number"
+
+
+def _number(key: str, value, low=None, high=None, high_open=False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (low is None or value >= low)
+    ok = ok and (high is None or value < high or (value == high and not high_open))
+    if not ok:
+        raise HyperparameterError(f"Invalid {key}: {value!r} (expected {_range_text(low, high, high_open)})")
+    return float(value)
+
+
+def _integer(key: str, value, low: int | None = None) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 200.0 from a YAML/CLI float is the integer 200
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise HyperparameterError(f"Invalid {key}: {value!r} (expected an integer{f' >= {low}' if low is not None else ''})")
+    return value
+
+
+def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Check and normalise the FRUGAL hyperparameters present in `hparams` (others pass through).
+
+    Returns a new dict: numbers as float/int, betas as a tuple. Raises HyperparameterError naming
+    the key, the value and the valid range or choices.
+    """
+    out = dict(hparams)
+    for key, choices in CHOICES.items():
+        if key in out and out[key] not in choices:
+            raise HyperparameterError(f"Invalid {key}: {out[key]!r}; valid choices: {', '.join(choices)}")
+    for key, (low, high, high_open) in _RANGES.items():
+        if key in out:
+            out[key] = _number(key, out[key], low, high, high_open)
+    if "update_gap" in out:
+        out["update_gap"] = _integer("update_gap", out["update_gap"], low=1)
+    if "seed" in out:
+        out["seed"] = _integer("seed", out["seed"])
+    if "betas" in out:
+        betas = out["betas"]
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise HyperparameterError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2), each in [0, 1))")
+        out["betas"] = tuple(_number(f"beta parameter at index {i}", b, 0.0, 1.0, True) for i, b in enumerate(betas))
+    return out
