@@ -28,9 +28,9 @@ from omegaconf import OmegaConf
 
 import data
 import models
-from train import evaluate
 from train_utils import checkpoint as ckpt
 from train_utils.config import PRECISIONS, ConfigError
+from train_utils.loop import evaluate
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 SWAPPABLE_GROUPS = ("data",)  # the model must stay the one trained; optimizer/schedule play no part

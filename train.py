@@ -38,15 +38,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import contextlib
 import math
-import random
 import signal
 import sys
 import time
 
 import hydra
-import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from hydra.core.hydra_config import HydraConfig
@@ -59,57 +56,13 @@ import models
 from train_utils.slurm import export_distributed_env, requeue
 from train_utils import checkpoint as ckpt
 from train_utils.config import ConfigError, validate
+from train_utils.loop import autocast, count_targets, evaluate, seed_everything, token_loss_sum
 from train_utils.metrics import MetricsLog, peak_memory_bytes, plot_losses
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint was written, run again to continue
 # scancel / preemption, and SLURM's warning before the time limit (scripts/sbatch_train.sh asks for
 # USR1, submitit for USR2).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def autocast(precision: str, device: torch.device):
-    """bf16 autocast for bf16-mixed; nothing for pure bf16 (the weights are bf16) and fp32."""
-    if precision == "bf16-mixed":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over non-pad targets (labels == -100 are ignored), in fp32.
-    Position t predicts token t+1, as in the HF models' own loss."""
-    logits = logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
-
-
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    return (labels[:, 1:] != -100).sum()
-
-
-@torch.no_grad()
-def evaluate(model, dm, eval_tokens: int, precision: str, accelerator: Accelerator) -> dict:
-    """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
-    No padding mask is needed: pads are at the end of a sequence and attention is causal."""
-    was_training = model.training
-    model.eval()
-    device = accelerator.device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
-    for batch in dm.val_batches(eval_tokens):
-        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        with autocast(precision, device):
-            logits = model(input_ids=ids, use_cache=False).logits
-        sums[0] += token_loss_sum(logits, labels).double()
-        sums[1] += count_targets(labels)
-    sums = accelerator.reduce(sums, reduction="sum")
-    model.train(was_training)
-    loss = (sums[0] / sums[1]).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1].item())}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 def find_resume(resume: str, ckpt_root: str) -> str | None:

@@ -59,15 +59,14 @@ class MetricsLog:
             )
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows newer than `step` (logged after the checkpoint a run resumes from), so the file
-        reads as one uninterrupted run; step < 0 empties it."""
+        """Drop rows newer than `step` (logged after the checkpoint a run resumes from) and a partial
+        last line, so the file reads as one uninterrupted run; step < 0 empties it."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, self.path)
 
     def log(self, row: dict) -> None:
@@ -91,9 +90,20 @@ class MetricsLog:
             self.wandb = None
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path) -> list[dict]:
+    """The rows of a metrics.jsonl file. A last line that is not valid JSON (a write cut short by a
+    kill or a full disk) is dropped; a bad line anywhere else is an error naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # the partial last line of an interrupted append
+            raise ValueError(f"{path}, line {number}: not a JSON row ({err})") from err
+    return rows
 
 
 def plot_losses(metrics_path: str, out_path: str, loss_floor: float | None = None, title: str = "") -> str:

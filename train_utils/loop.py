@@ -1,0 +1,72 @@
+"""The parts of a training step and of an evaluation that train.py and eval.py share.
+
+Loss. Every optimizer step minimises the mean next-token loss over the *global* batch: the sum of
+the per-token losses of all micro-batches on all ranks divided by the global number of non-pad target
+tokens. The token count is all-reduced before the first backward, so each micro-batch's summed loss
+is scaled by world_size / global_tokens (DDP then averages over ranks). The result does not depend on
+how the batch is split into micro-batches or ranks, and padded sequences weigh by their real tokens.
+Validation uses the same token weighting (all ranks' sums all-reduced); perplexity = exp(val loss).
+
+Precision. bf16-mixed: fp32 weights and optimizer state, bf16 autocast for the forward pass (CPU and
+GPU). bf16: the model (and hence the optimizer state) cast to bf16, no autocast. fp32: no autocast.
+The loss itself is always computed from fp32 logits.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for bf16-mixed; nothing for pure bf16 (the weights are bf16) and fp32."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over non-pad targets (labels == -100 are ignored), in fp32.
+    Position t predicts token t+1, as in the HF models' own loss."""
+    logits = logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != -100).sum()
+
+
+def to_device(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # non_blocking: from pinned memory the copy overlaps with the GPU's work; elsewhere it is a plain copy.
+    return batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate(model, dm, eval_tokens: int, precision: str, accelerator) -> dict:
+    """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
+    No padding mask is needed: pads are at the end of a sequence and attention is causal."""
+    was_training = model.training
+    model.eval()
+    device = accelerator.device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
+    for batch in dm.val_batches(eval_tokens):
+        ids, labels = to_device(batch, device)
+        with autocast(precision, device):
+            logits = model(input_ids=ids, use_cache=False).logits
+        sums[0] += token_loss_sum(logits, labels).double()
+        sums[1] += count_targets(labels)
+    sums = accelerator.reduce(sums, reduction="sum")
+    model.train(was_training)
+    loss, tokens = sums.tolist()
+    return {"val_loss": loss / tokens, "val_ppl": math.exp(min(loss / tokens, 700.0)), "val_tokens": int(tokens)}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
