@@ -36,7 +36,6 @@ import os
 # thread; sleeping ones cost little when the machine is idle. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import contextlib
 import math
 import signal
 import sys
@@ -45,7 +44,7 @@ import time
 import hydra
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -56,7 +55,7 @@ import models
 from train_utils.slurm import export_distributed_env, requeue
 from train_utils import checkpoint as ckpt
 from train_utils.config import ConfigError, validate
-from train_utils.loop import autocast, count_targets, evaluate, seed_everything, token_loss_sum
+from train_utils.loop import end_of_run_summary, evaluate, forward_backward, ranks_in_sync, seed_everything
 from train_utils.metrics import MetricsLog, peak_memory_bytes, plot_losses
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint was written, run again to continue
@@ -164,18 +163,6 @@ def train(cfg: DictConfig, run_dir: str) -> int:
 
     previous_handlers = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
 
-    def save_checkpoint() -> None:
-        # Collective: every rank's data position and RNG state go into the one checkpoint rank 0 writes.
-        per_rank = gather_object([{"data": dm.state_dict(), "rng": ckpt.rng_state()}])
-        if is_main:
-            trainer = {"step": step, "tokens": tokens, "world_size": world, "scheduler": scheduler.state_dict(),
-                       "data": [r["data"] for r in per_rank], "rng": [r["rng"] for r in per_rank],
-                       "active_blocks": active, "config": OmegaConf.to_yaml(cfg, resolve=True)}
-            ckpt.save(ckpt_root, step, {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "trainer": trainer},
-                      texts={"config.yaml": trainer["config"]}, keep=cfg.checkpoint.keep)
-        accelerator.wait_for_everyone()  # nobody moves on (or exits) before the checkpoint exists
-
     # ---- the loop
     train_iter = dm.train_batches()
     # The state-full blocks of the last step (a fresh run logs its first window as a switch).
@@ -189,21 +176,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         while step < tc.steps:
             t0 = time.perf_counter()
             batches = [next(train_iter) for _ in range(accum)]
-            # The global target count is needed before the first backward (see the module docstring).
-            n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device),
-                                          reduction="sum").item()
-            scale = world / n_global  # DDP averages gradients over ranks; x world turns it into a sum
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for i, batch in enumerate(batches):
-                ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-                # Skip the gradient all-reduce on all but the last micro-batch: accumulate locally.
-                with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
-                    with autocast(precision, device):
-                        logits = model(input_ids=ids, use_cache=False).logits
-                    loss = token_loss_sum(logits, labels)
-                    (loss * scale).backward()
-                loss_sum += loss.detach().double()
-                del logits, loss  # free the activations' last references before the next forward
+            loss_sum, n_global = forward_backward(model, batches, accelerator, precision)
+            n_global = n_global.item()
             # One small all-reduce gives every rank the global loss and whether any rank got a signal.
             flag = torch.tensor(float(stop["signal"] is not None), dtype=torch.float64, device=device)
             stats = accelerator.reduce(torch.stack([loss_sum, flag]), reduction="sum")
@@ -246,7 +220,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(last_eval)
             stopping = stats[1].item() > 0
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                save_checkpoint()
+                ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
+                                     dm=dm, accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
+                                     config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})
             if stopping:
                 signame = stop["signal"] or "a signal on another rank"
                 metrics.log({"event": "preempted", "step": step, "signal": signame})
@@ -262,28 +238,16 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         if last_eval is None or last_eval["step"] != step:
             last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
             metrics.log(last_eval)
-        # Data parallelism must keep every rank's weights identical: a cheap check, once, at the end.
-        checksum = sum(float(p.detach().double().sum()) for p in raw_model.parameters())
-        in_sync = len(set(gather_object([checksum]))) == 1
-        if not in_sync:
-            say("WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
-        state = frugal.state_bytes(optimizer)
-        seconds = time.perf_counter() - started
-        metrics.log({"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-                     "tokens": tokens, "loss_floor": dm.loss_floor, "optimizer_state_bytes": state,
-                     "adamw_state_bytes": adamw_bytes, "seconds": seconds, "ranks_in_sync": in_sync,
-                     "weights_checksum": checksum})
+        in_sync, checksum = ranks_in_sync(raw_model)
+        end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
+               "tokens": tokens, "loss_floor": dm.loss_floor, "optimizer_state_bytes": frugal.state_bytes(optimizer),
+               "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started, "ranks_in_sync": in_sync,
+               "weights_checksum": checksum}
+        metrics.log(end)
         metrics.close()  # wandb prints its own lines at finish; the summary below comes last
         if is_main and tc.plot:
             plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
-        floor, mib = dm.loss_floor, 2.0 ** 20
-        say(f"\n{cfg.model.name} + {cfg.optimizer.name}: {step} steps, {tokens:,} tokens, {seconds:.0f} s in this run\n"
-            f"  validation loss {last_eval['val_loss']:.4f}, perplexity {last_eval['val_ppl']:.3f}")
-        if floor is not None:
-            say(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
-        say(f"  optimizer state {state / mib:.2f} MiB vs {adamw_bytes / mib:.2f} MiB for AdamW "
-            f"({state / max(adamw_bytes, 1):.0%})")
-        say(f"  run dir {run_dir}: metrics.jsonl, checkpoints/" + (", loss.png" if tc.plot else ""))
+        say(end_of_run_summary(end, cfg.model.name, cfg.optimizer.name, run_dir, tc.plot))
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()

@@ -160,3 +160,23 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, dm, accelerator, tokens: int,
+                    config_yaml: str, keep: int, extra: dict | None = None) -> str | None:
+    """Write the training state after `step` (collective: call on every rank).
+
+    Every rank's data position and RNG state go into the one checkpoint the main process writes;
+    nobody moves on (or exits) before it exists. Returns its path on the main process."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([{"data": dm.state_dict(), "rng": rng_state()}])
+    path = None
+    if accelerator.is_main_process:
+        trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
+                   "scheduler": scheduler.state_dict(), "data": [r["data"] for r in per_rank],
+                   "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
+        path = save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "trainer": trainer}, texts={"config.yaml": config_yaml}, keep=keep)
+    accelerator.wait_for_everyone()
+    return path

@@ -70,3 +70,50 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def forward_backward(model, batches: list[dict], accelerator, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the gradient of the global batch's mean token loss over this rank's `batches`.
+
+    Returns this rank's summed token loss (float64) and the global target count, both as tensors
+    (no host sync here). The count is all-reduced before the first backward (see the module docstring).
+    """
+    device = accelerator.device
+    n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device), reduction="sum")
+    scale = accelerator.num_processes / n_global.float()  # DDP averages over ranks; x world makes it a sum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(batches):
+        ids, labels = to_device(batch, device)
+        # Skip the gradient all-reduce on all but the last micro-batch: accumulate locally.
+        with accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext():
+            with autocast(precision, device):
+                logits = model(input_ids=ids, use_cache=False).logits
+            loss = token_loss_sum(logits, labels)
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+        del logits, loss  # free the activations' last references before the next forward
+    return loss_sum, n_global
+
+
+def ranks_in_sync(model) -> tuple[bool, float]:
+    """Data parallelism must keep every rank's weights identical: a cheap check (one float per rank)."""
+    from accelerate.utils import gather_object
+
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    return len(set(gather_object([checksum]))) == 1, checksum
+
+
+def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir: str, plot: bool) -> str:
+    """The console's last lines, from the run's `end` row."""
+    mib, state, adamw = 2.0 ** 20, end["optimizer_state_bytes"], end["adamw_state_bytes"]
+    lines = [f"\n{model_name} + {optimizer_name}: {end['step']} steps, {end['tokens']:,} tokens, "
+             f"{end['seconds']:.0f} s in this run",
+             f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
+    if end.get("loss_floor") is not None:
+        floor = end["loss_floor"]
+        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
+    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
+    if not end.get("ranks_in_sync", True):
+        lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
+    lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
+    return "\n".join(lines)
