@@ -48,8 +48,8 @@ def test_ddp_resume_is_exact(ddp_run, tmp_path):
     first = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={N}"))
     assert first.returncode == 0, first.stderr[-4000:]
     trainer = ckpt.load(ckpt.latest(str(tmp_path / "checkpoints")), "trainer")
-    assert trainer["world_size"] == 2 and len(trainer["data"]) == len(trainer["rng"]) == 2  # per rank
-    second = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={2 * N}"))
+    assert trainer["world_size"] == 2 and len(trainer["rng"]) == 2  # one RNG state per rank
+    second = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]"))
     assert second.returncode == 0, second.stderr[-4000:]
     assert losses(tmp_path) == losses(ddp_run)
     assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
@@ -94,7 +94,7 @@ def test_signal_to_one_rank_stops_all_ranks_at_one_step_and_resume_matches(tmp_p
     k = stopped[0]["step"]
     assert 3 <= k < steps
     trainer = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")), "trainer")
-    assert trainer["step"] == k and len(trainer["data"]) == 2
+    assert trainer["step"] == k and len(trainer["rng"]) == 2
 
     resumed = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={steps}"))
     assert resumed.returncode == 0, resumed.stderr[-4000:]

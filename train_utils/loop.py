@@ -117,3 +117,62 @@ def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir:
         lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
     lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
     return "\n".join(lines)
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss, gradient or state: the run stops before using it (the message names the
+    step and the last checkpoint, which never holds non-finite values)."""
+
+
+def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm (one foreach norm over every gradient, identical on every rank after
+    DDP's all-reduce); clips the gradients to `max_norm` in place when it is set. No host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
+    """Give this rank its own random stream (dropout masks), once the weights were initialised from
+    the shared seed: identical initial weights, different masks on every rank. The stream is part of
+    the checkpoint's per-rank RNG state, so a resume on the same process count continues it exactly."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, rank, offset]).generate_state(1, np.uint64)[0]))
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each transformer block in the backward pass instead of keeping its activations
+    (transformers' per-block checkpointing). Non-reentrant: works with autocast, and restores the
+    RNG state for the recomputation, so dropout masks are those of the forward pass."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name warns there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def activation_checkpointing_on(model) -> bool:
+    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, flag))
+
+
+def check_loop_settings(tc) -> None:
+    """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
+    activation_checkpointing); the other train keys are checked by train_utils.config.validate."""
+    from train_utils.config import ConfigError
+
+    timeout = tc.collective_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"train.collective_timeout_s={timeout!r} is invalid: expected a number of seconds > 0")
+    peak = tc.peak_flops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
+        raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
+                          f"the device's peak FLOP/s, e.g. 312e12")
+    for key in ("require_eval_tokens", "activation_checkpointing"):
+        if not isinstance(tc[key], bool):
+            raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
+    changes = tc.resume_changes
+    if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
+        raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "
+                          f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
