@@ -260,10 +260,12 @@ class _TrainStream(IterableDataset):
 
 
 def _resolve_pin_memory(value) -> bool:
+    """Pinned (page-locked) host memory lets the loop copy batches with non_blocking=True; it only
+    exists with CUDA, so ``true`` on a machine without it means false."""
     if value == "auto" or value is None:
         return torch.cuda.is_available()
     if isinstance(value, bool):
-        return value
+        return value and torch.cuda.is_available()
     raise DataConfigError(f"data.pin_memory={value!r} is invalid; choose auto, true or false")
 
 

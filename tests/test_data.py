@@ -407,5 +407,23 @@ def test_c4_from_the_hub_offline_is_one_clear_error(t5_tokenizer_dir, monkeypatc
 
 def test_pin_memory_setting():
     make = lambda value: build_data({"name": "synthetic", "seq_len": 16, "pin_memory": value}, micro_batch_size=2)
-    assert make("auto").pin_memory == torch.cuda.is_available()
-    assert make(False).pin_memory is False and make(True).pin_memory is True
+    assert make("auto").pin_memory == make(True).pin_memory == torch.cuda.is_available()
+    assert make(False).pin_memory is False
+
+
+def test_batches_come_from_a_pinning_dataloader_when_cuda_is_there(monkeypatch):
+    """No GPU here: check that the DataLoader is asked to pin (and that workers get the signal guard)."""
+    import data.stream
+
+    seen = {}
+    real = data.stream.DataLoader
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **{**kwargs, "pin_memory": False})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(data.stream, "DataLoader", recording)
+    dm = build_data({"name": "synthetic", "seq_len": 16, "num_workers": 1, "readers": 4}, micro_batch_size=2)
+    assert dm.pin_memory and take(dm, 1)[0]["input_ids"].shape == (2, 16)
+    assert seen["pin_memory"] is True and seen["worker_init_fn"] is data.stream._ignore_stop_signals
