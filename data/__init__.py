@@ -2,9 +2,9 @@
 
 Sources (``cfg.name``): ``c4`` (Hub or local shards, T5 tokenizer), ``local`` (your .txt/.jsonl/
 .json.gz files), ``synthetic`` (a seeded Markov language with a known loss floor; the quickstart
-default) and ``tokens`` (pre-tokenized files from ``scripts/pretokenize.py``). ``data/stream.py``
-says how rows, batches, logical readers and exact resume work for all of them; docs/data_pipeline.md
-has the whole picture.
+default) and ``tokens`` (pre-tokenized files from ``scripts/pretokenize.py``). ``data/rows.py`` says
+what a source gives and how documents become rows, ``data/stream.py`` how batches, logical readers
+and exact resume work for all of them; docs/data_pipeline.md has the whole picture.
 
 Expected problems (a bad path, value or tokenizer, an unreachable Hub, an empty validation set) are
 raised as ``DataConfigError`` (a ValueError; ``DataFileNotFoundError`` is also a FileNotFoundError).
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .errors import DataConfigError, DataFileNotFoundError
-from .stream import DEFAULT_READERS, TRUNCATIONS, DataModule, Source, merge_states
+from .rows import TRUNCATIONS, Source
+from .stream import DEFAULT_READERS, DataModule, merge_states
 from .tokenizer import TokenizerInfo, load_tokenizer
 
 __all__ = ["build_data", "build_source", "DataModule", "DataConfigError", "DataFileNotFoundError", "Source",

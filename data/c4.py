@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 from .errors import DataConfigError, DataFileNotFoundError
-from .stream import Source
+from .rows import Source
 from .tokenizer import encode_batch
 
 __all__ = ["C4Source", "c4_files"]

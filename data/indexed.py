@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .stream import Source
+from .rows import Source
 
 __all__ = ["IndexedSource", "BlockShuffle"]
 

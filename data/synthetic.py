@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import DataConfigError
-from .stream import Source
+from .rows import Source
 
 __all__ = ["MarkovLanguage", "SyntheticSource"]
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import DataConfigError, DataFileNotFoundError
 from .indexed import IndexedSource
-from .stream import RowFormat
+from .rows import RowFormat
 
 __all__ = ["TokenSource", "write_split", "write_meta", "pretokenize", "LAYOUTS"]
 

@@ -146,7 +146,7 @@ def encode_batch(tok, info: TokenizerInfo, texts: list[str], max_tokens: int | N
     characters per token and re-tokenized in full only when that prefix turns out too short, so the
     result is identical to full tokenization followed by truncation -- at about half the cost on C4
     (mean ~480 tokens per document). Special tokens (EOS, ...) are added by the row format
-    (``data.stream.RowFormat``), which knows the truncation rule.
+    (``data.rows.RowFormat``), which knows the truncation rule.
     """
     chars = None if max_tokens is None else 8 * max_tokens
     cut = [t if chars is None or len(t) <= chars else _cut_at_word(t, chars) for t in texts]

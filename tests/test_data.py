@@ -18,7 +18,8 @@ import torch
 
 import data
 from data import DataConfigError, build_data, build_source
-from data.stream import DataModule, Source
+from data.rows import RowFormat, Source
+from data.stream import DataModule
 from data.synthetic import MarkovLanguage
 from data.tokenizer import TokenizerInfo, encode_batch, load_tokenizer
 
@@ -118,8 +119,6 @@ def test_t5_sentinels_map_to_unk_and_oversized_tokenizers_raise(t5_tokenizer_dir
 def test_row_format_for_tokenizers_without_end_token():
     """GPT-2-like tokenizers add no special tokens: the reference row is the first seq_len text ids;
     packing still closes each document with EOS."""
-    from data.stream import RowFormat
-
     src = Source()
     src.eos_id, src.prefix, src.suffix = 9, (), ()
     text = np.arange(20, 30)
