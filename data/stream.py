@@ -374,7 +374,8 @@ def merge_states(per_rank_states: list[dict]) -> dict:
     """One world-size-independent data state from every rank's ``DataModule.state_dict()``.
 
     Checks that the parts describe one run (same settings, ranks 0..W-1, a contiguous prefix of the
-    global micro-batch sequence, as at an optimizer-step boundary).
+    global micro-batch sequence, as at an optimizer-step boundary); a ValueError otherwise, which is
+    a bug in the caller, not a user's setting.
     """
     if not per_rank_states:
         raise ValueError("merge_states needs the state of every rank, got none")
