@@ -24,8 +24,8 @@ and continues at the same index: no replay, no skip. C4's files are themselves r
 crawl, so file order plus window shuffling decorrelates as well as a buffer would.
 
 Memory per reader: one open stream (``datasets`` reads 1 MB JSON chunks here instead of its 10 MB
-default: 4.4 MB resident per open reader, measured), one window of texts, and tokens for CHUNK documents.
-Readers open their file on their first turn.
+default), one window of texts and the ids of CHUNK documents: 4.4 MB resident per open reader
+(scripts/bench_data.py --readers-memory). Readers open their file on their first turn.
 """
 from __future__ import annotations
 
