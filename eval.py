@@ -34,9 +34,6 @@ from train_utils.config import PRECISIONS, ConfigError
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
 
-# data.build_data's expected errors: data.DataConfigError (older data/ raised ValueError/OSError for them).
-DATA_ERRORS = getattr(data, "DataConfigError", (ValueError, OSError))
-
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 SWAPPABLE_GROUPS = ("data",)  # the model must stay the one trained; optimizer/schedule play no part
 _ABSENT = object()
@@ -87,7 +84,7 @@ def main(argv: list[str]) -> dict:
                              world_size=accelerator.num_processes, seed=tc.seed,
                              model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings)
-    except DATA_ERRORS as err:
+    except data.DataConfigError as err:
         raise ConfigError(str(err)) from err
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
     model.load_state_dict(ckpt.load(ckpt_dir, "model"))

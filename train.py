@@ -60,7 +60,7 @@ from train_utils import distributed, resume
 from train_utils.config import ConfigError, validate
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, check_loop_settings, enable_activation_checkpointing,
                               end_of_run_summary, evaluate, forward_backward, grad_norm_, ranks_in_sync,
-                              seed_dropout, seed_everything)
+                              seed_dropout, seed_everything, training_batches)
 from train_utils.measure import Interval, flops_per_position, peak_flops
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
 from train_utils.signals import STOP
@@ -68,9 +68,7 @@ from train_utils.slurm import export_distributed_env, requeue
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
-CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, getattr(data, "DataConfigError", ConfigError))
-# data.build_data's expected errors: data.DataConfigError (older data/ raised ValueError/OSError for them).
-DATA_ERRORS = getattr(data, "DataConfigError", (ValueError, OSError))
+CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError)
 RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout)
 
 
@@ -105,12 +103,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
 
         # ---- data, model, optimizer, schedule. Same seed on every rank: identical initial weights.
         seed_everything(tc.seed)
-        try:
-            dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
-                                 seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
-                                 max_positions=cfg.model.max_position_embeddings)
-        except DATA_ERRORS as err:  # a bad data path or setting, a tokenizer not available offline
-            raise ConfigError(str(err)) from err
+        dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
+                             seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
+                             max_positions=cfg.model.max_position_embeddings)
         raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
         if tc.activation_checkpointing:
             enable_activation_checkpointing(raw_model)
@@ -125,8 +120,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                                **OmegaConf.to_container(cfg.schedule, resolve=True))
         except ValueError as err:  # frugal.schedules checks its arguments and nothing else
             raise ConfigError(f"schedule: {err}") from err
-        if hasattr(dm, "check_validation"):  # an empty (or, when required, short) validation set stops here
-            dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)
+        dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
         step, tokens, active = 0, 0, None
@@ -175,7 +169,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 f"per-rank dropout streams and float summation order differ (train_utils/resume.py)")
 
         # ---- the loop
-        train_iter = dm.train_batches()
+        train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
         bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
@@ -209,7 +203,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens += int(targets)
-            for event in dm.pop_events() if hasattr(dm, "pop_events") else []:
+            for event in dm.pop_events():  # e.g. a source that wrapped around an epoch
                 metrics.log({**event, "step": step})
             interval.add(int(targets), sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
@@ -228,7 +222,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             stopping = stop_votes > 0 and step < tc.steps
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
-                                     data_state=dm.state_dict(), merge_data_states=resume.merge_data_states,
+                                     data_state=dm.state_dict(), merge_data_states=data.merge_states,
                                      accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
                                      config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})
             if stopping:

@@ -11,20 +11,11 @@ import time
 import psutil
 import pytest
 
-import data
 from _train_helpers import (REPO, TINY, assert_same_weights, losses, one_thread, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
-
-# The data pipeline's side of these promises (DataLoader workers that ignore stop signals, a
-# world-size-independent data position) is built on the data branch; until it is merged, the tests
-# that need it are expected to fail (strict: they must pass once it is there).
-DATA_HAS_GLOBAL_STATE = hasattr(data, "merge_states")
-needs_data_branch = pytest.mark.xfail(not DATA_HAS_GLOBAL_STATE, strict=True,
-                                      reason="needs the data pipeline's worker signal handling and global state")
-
 
 def _wait_for(predicate, proc, timeout=180.0, what="condition"):
     deadline = time.time() + timeout
@@ -69,7 +60,6 @@ def test_signal_during_startup_exits_cleanly(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl") and not ckpt.list_checkpoints(str(tmp_path / "checkpoints"))
 
 
-@needs_data_branch
 def test_sigterm_to_the_process_group_with_workers(tmp_path):
     """scancel/preemption signal every process of the job, DataLoader workers included: the workers
     keep serving, the main process checkpoints and exits 75, and the resumed run is exact."""

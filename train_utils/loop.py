@@ -176,3 +176,14 @@ def check_loop_settings(tc) -> None:
     if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
         raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "
                           f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
+
+
+def training_batches(dm):
+    """`dm.train_batches()`, started without a trace in the global RNG: a DataLoader draws its base
+    seed from it when it starts, and in a resumed run that extra draw would shift every later dropout
+    mask (the run would no longer equal the uninterrupted one)."""
+    batches = dm.train_batches()
+    with torch.random.fork_rng(devices=[]):
+        first = next(batches)
+    yield first
+    yield from batches

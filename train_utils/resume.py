@@ -18,7 +18,8 @@ Another number of processes. Weights and optimizer state are the same on every r
 on any number of processes; the schedule depends on the step only; the global batch (and so the
 math of a step) stays `train.batch_size`, split differently (only the float summation order
 changes). The data stream continues from the global position stored by `data.merge_states`
-(without repeating or skipping more than one global batch, see data/). Not exact: each rank's
+(exactly: the order of the global micro-batches does not depend on the process count, see
+data/stream.py). Not exact: each rank's
 dropout stream (a rank that did not exist before starts a fresh one) and the float rounding of
 sums over ranks. On the same number of processes a resume is bitwise exact on CPU.
 """
@@ -29,7 +30,6 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-import data
 from train_utils import checkpoint as ckpt
 from train_utils.config import ConfigError
 from train_utils.loop import seed_dropout
@@ -39,7 +39,8 @@ from train_utils.metrics import read_metrics
 FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
-    "train.peak_flops", "train.activation_checkpointing", "data.num_workers", "wandb", "checkpoint",
+    "train.peak_flops", "train.activation_checkpointing", "data.num_workers", "data.pin_memory", "wandb",
+    "checkpoint",
 )
 ABSENT = "<absent>"
 
@@ -171,12 +172,6 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
     return any(r.get("event") == "end" and r.get("step") == step for r in rows)
 
 
-def merge_data_states(per_rank: list[dict]):
-    """What the checkpoint stores as the data position: one world-size-independent state."""
-    merge = getattr(data, "merge_states", None)  # the data pipeline's global position (see data/)
-    return merge(per_rank) if merge is not None else per_rank
-
-
 def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,
             new_hyperparameters: bool):
     """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step.
@@ -198,16 +193,10 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
     # The schedule from the current config, at the checkpoint's step: identical to the stored one
     # when nothing changed (LambdaLR computes base_lr x multiplier(step) afresh every step).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=step - 1)
-    state = trainer["data"]
-    if isinstance(state, list):  # one position per rank (the format before data.merge_states)
-        if len(state) != world:
-            raise ConfigError(f"checkpoint {ckpt_dir} was written by {len(state)} processes and stores one data "
-                              f"position per rank, so it continues only on {len(state)} processes (this run has {world})")
-        state = state[rank]
-    try:
-        dm.load_state_dict(state)
-    except ValueError as err:  # the data module's own check: another source, order or batch layout
-        raise ConfigError(str(err)) from err
+    if isinstance(trainer["data"], list):  # one position per rank: written before data.merge_states
+        raise ConfigError(f"checkpoint {ckpt_dir} stores its data position in an older format (one per rank) that "
+                          f"this version cannot continue exactly; start a new run (train.resume=never in a new run dir)")
+    dm.load_state_dict(trainer["data"])  # data.DataConfigError if the stream cannot continue exactly
     rng = trainer["rng"]
     if rank < len(rng):
         ckpt.set_rng_state(rng[rank])
