@@ -246,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  trial {i + 1}/{len(plan)}: {trial['fault']}, {trial['detail']}: {trial['outcome']}", file=sys.stderr)
     columns = ("fault", "detail", "exit codes", "outcome")
     widths = [max(len(c), *(len(str(t[c])) for t in trials)) for c in columns]
-    print("| # | " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
-    print("|---|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    n = len(str(len(trials)))
+    print(f"| {'#'.rjust(n)} | " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print(f"|{'-' * (n + 2)}|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for i, t in enumerate(trials, 1):
-        print(f"| {i} | " + " | ".join(str(t[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
+        print(f"| {str(i).rjust(n)} | " + " | ".join(str(t[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
     passed = sum(t["ok"] for t in trials)
     writes = sum(t.get("in_write", False) for t in trials)
     print(f"\n{passed}/{len(trials)} trials ended as promised ({writes} of the {args.kills} kills landed inside a "
