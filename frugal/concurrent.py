@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from . import fira as _fira
+from . import projections as _proj
 from . import subspace as sub
 from .factored import adafactor_momentum_, one_sided_adafactor_
 
@@ -57,10 +58,26 @@ def _adamw_(m: Tensor, v: Tensor, g: Tensor, count: int, beta1: float, beta2: fl
     return sub.adam_direction(m, v, count, beta1=beta1, beta2=beta2, eps=eps)
 
 
+def fira_basis(grad: Tensor, rank: int, projection: str, window: int, seed: int) -> tuple[Tensor, str]:
+    """(basis, side) of Fira's state-full subspace: the top-``rank`` SVD basis on GaLore's side, or
+    ``rank`` columns drawn from the seeded generator of :mod:`frugal.projections` (FRUGAL's column
+    projection, written as a coordinate basis ``I[:, idx]`` so the same algebra serves both)."""
+    if projection == "svd":
+        side = side_of(grad.shape)
+        return sub.top_singular_basis(grad, rank, side), side
+    if projection == "column":
+        n = grad.shape[1]
+        idx = _proj.coordinate_indices("column", grad.shape, False, rank / n, seed, window, 0)
+        eye = torch.eye(n, dtype=grad.dtype, device=grad.device)
+        return eye[:, idx.to(grad.device)].contiguous(), "right"
+    raise ValueError(f"Invalid projection for Fira: {projection!r}; valid choices: svd, column "
+                     "(block projection has no projected part in the same tensor to scale by)")
+
+
 def fira_step_(param: Tensor, grad: Tensor, state: dict, step: int, *, lr: float, rank: int,
                update_gap: int = 200, betas=(0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 0.0, scale: float = 1.0, gamma: float | None = 1.01,
-               reset_state: str = "keep") -> None:
+               reset_state: str = "keep", projection: str = "svd", seed: int = 0) -> None:
     r"""Fira: SVD subspace every ``update_gap`` steps, AdamW on :math:`R = \mathrm{reduce}(G)`,
     the residual updated with norm-based scaling and the norm-growth limiter (:mod:`frugal.fira`):
 
@@ -70,13 +87,14 @@ def fira_step_(param: Tensor, grad: Tensor, state: dict, step: int, *, lr: float
     only, so the residual is exactly :math:`G - \mathrm{lift}(R)`). ``reset_state="keep"`` is
     Fira's own (GaLore-like) behaviour on a projection change; ``"reset"`` is FRUGAL's.
     ``gamma=None`` turns the limiter off (for runs that clip gradients instead).
+    ``projection="column"``: ``rank`` random columns (new ones every ``update_gap`` steps) instead
+    of the SVD subspace; the scaling then runs per row over the selected columns.
     """
     _check_mode(reset_state)
     _check_rank(rank, param.shape)
-    side = side_of(param.shape)
     beta1, beta2 = betas
     if step % update_gap == 0 or "proj" not in state:
-        state["proj"] = sub.top_singular_basis(grad, rank, side)
+        state["proj"], side = fira_basis(grad, rank, projection, step // update_gap, seed)
         if reset_state == "reset" or "exp_avg" not in state:
             shape = sub.reduce(grad, state["proj"], side).shape
             state["exp_avg"] = grad.new_zeros(shape)
@@ -84,7 +102,7 @@ def fira_step_(param: Tensor, grad: Tensor, state: dict, step: int, *, lr: float
             state["count"] = 0
     if "limiter" not in state:
         state["limiter"] = _fira.new_limiter_state(grad)
-    q = state["proj"]
+    q, side = state["proj"], ("right" if projection == "column" else side_of(grad.shape))
     g_red = sub.reduce(grad, q, side)
     state["count"] += 1
     psi = _adamw_(state["exp_avg"], state["exp_avg_sq"], g_red, state["count"], beta1, beta2, eps)

@@ -24,6 +24,8 @@ def test_ldadam_step_matches_float64_reference(shape, error_feedback):
     assert max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) < 1e-12
     assert np.abs(ref[-1] - problem.w0).max() > 0.05  # it moved: the comparison means something
     assert ("error" in state) == error_feedback
+    floats = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
+    assert floats == concurrent.state_floats("ldadam", shape, RANK) - (0 if error_feedback else shape[0] * shape[1])
 
 
 def test_error_feedback_changes_the_trajectory_and_helps():

@@ -20,15 +20,20 @@ from .common import as_left, top_left_singular
 
 
 def run(w0, grad_fn, steps, *, lr, rank, update_gap, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.0, scale=1.0, gamma=1.01, keep_state=True):
-    left = as_left(w0.shape)
+        weight_decay=0.0, scale=1.0, gamma=1.01, keep_state=True, columns_fn=None):
+    """``columns_fn(window)``: the column indices of a column projection (FRUGAL's), instead of the
+    SVD basis; the basis is then the coordinate matrix of those columns of the (transposed) weight."""
+    left = as_left(w0.shape) and columns_fn is None
     w = np.array(w0 if left else w0.T, dtype=np.float64)
     gfun = (lambda x, t: grad_fn(x, t)) if left else (lambda x, t: grad_fn(x.T, t).T)
     out, s_prev, p, m, v, count = [], None, None, None, None, 0
     for t in range(steps):
         g = gfun(w, t)
         if t % update_gap == 0:
-            p = top_left_singular(g, rank)
+            if columns_fn is None:
+                p = top_left_singular(g, rank)
+            else:
+                p = np.eye(w.shape[0])[:, list(columns_fn(t // update_gap))]
             if m is None or not keep_state:
                 m, v, count = np.zeros((rank, w.shape[1])), np.zeros((rank, w.shape[1])), 0
         r = p.T @ g
