@@ -120,8 +120,11 @@ def ldadam_step_(param: Tensor, grad: Tensor, state: dict, step: int, *, lr: flo
     iteration, Adam's moments transported into it, and the generalized error-feedback buffer
     ``error`` added to the next gradient. The step itself is rank ``r``; in FRUGAL's terms the
     state-free rule is ``none`` and the residual goes into ``error`` instead. Defaults are
-    LDAdam's published ones (:math:`\beta_1 = \rho = 0.908`, :math:`\beta_2 = 0.99`)."""
+    LDAdam's published ones (:math:`\beta_1 = \rho = 0.908`, :math:`\beta_2 = 0.99`). ``step``
+    is not used (the basis changes at every step); it keeps the signature of the other methods."""
     _check_rank(rank, param.shape)
+    if not 0.0 <= rho < 1.0:
+        raise ValueError(f"Invalid rho (subspace momentum): {rho!r} (must be in [0, 1))")
     side = side_of(param.shape)
     beta1, beta2 = betas
     a = grad + state["error"] if "error" in state else grad.clone()

@@ -81,3 +81,11 @@ def test_canonical_signs_make_the_basis_backend_independent():
     flipped = sub.canonical_signs(q * torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64))
     assert torch.equal(flipped, q)
     assert bool((q.gather(0, q.abs().argmax(0, keepdim=True)) > 0).all())
+
+
+def test_bad_arguments_are_named():
+    w, g = torch.zeros(6, 4), torch.ones(6, 4)
+    with pytest.raises(ValueError, match=r"rho \(subspace momentum\): 1.0"):
+        concurrent.ldadam_step_(w, g, {}, 0, lr=1e-3, rank=2, rho=1.0)
+    with pytest.raises(ValueError, match=r"rank: 0 .*\[1, 4\]"):
+        concurrent.ldadam_step_(w, g, {}, 0, lr=1e-3, rank=0)
