@@ -9,11 +9,12 @@ complement, updated with a state-free rule (signSGD, SGD) that keeps no optimize
     scheduler = frugal.build_scheduler(optimizer, "cosine_restarts", total_steps=200_000, cycle_length=10_000)
 """
 from .optimizer import FRUGAL
-from .grouping import param_groups
+from .grouping import param_groups, resolve_params
 from .hparams import HyperparameterError
 from .registry import OPTIMIZERS, build_optimizer
 from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
+from .summary import describe
 
 __all__ = [
     "FRUGAL",
@@ -21,8 +22,10 @@ __all__ = [
     "OPTIMIZERS",
     "build_optimizer",
     "build_scheduler",
+    "describe",
     "estimate_state_bytes",
     "param_groups",
+    "resolve_params",
     "state_bytes",
 ]
 __version__ = "0.1.0"
