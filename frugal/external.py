@@ -130,19 +130,23 @@ def _apollo_bytes(model: nn.Module, hp: dict) -> int:
     return total
 
 
-_APOLLO_CLASS = None
+_APOLLO_CLASSES: dict[type, type] = {}
+
+
+def _projector_fields(projector) -> dict:
+    # Strings (the projection type) come back from the param group; torch's load_state_dict would
+    # mangle them anyway (it casts every iterable in the state element by element).
+    return {k: v for k, v in vars(projector).items() if not isinstance(v, str)}
 
 
 def _apollo_class():
     """APOLLO's AdamW with a state_dict of tensors and plain values (no pickled projector)."""
-    global _APOLLO_CLASS
-    if _APOLLO_CLASS is None:
-        base = _import("apollo").APOLLOAdamW
-
+    base = _import("apollo").APOLLOAdamW
+    if base not in _APOLLO_CLASSES:
         class APOLLO(base):
             def state_dict(self):
                 out = super().state_dict()
-                out["state"] = {k: {**s, "projector": vars(s["projector"]).copy()} if "projector" in s else s
+                out["state"] = {k: {**s, "projector": _projector_fields(s["projector"])} if "projector" in s else s
                                 for k, s in out["state"].items()}
                 return out
 
@@ -156,14 +160,13 @@ def _apollo_class():
                             state["projector"] = self._initialize_projector(group, state)
                             vars(state["projector"]).update(fields)
 
-        _APOLLO_CLASS = APOLLO
-    return _APOLLO_CLASS
+        _APOLLO_CLASSES[base] = APOLLO
+    return _APOLLO_CLASSES[base]
 
 
 def _build_apollo(model: nn.Module, hp: dict) -> torch.optim.Optimizer:
     hp = {**DEFAULTS["apollo"], **hp}
-    cls = _apollo_class()
-    return cls(_apollo_groups(model, hp), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+    return _apollo_class()(_apollo_groups(model, hp), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                weight_decay=hp["weight_decay"])
 
 

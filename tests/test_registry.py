@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from frugal import FRUGAL, OPTIMIZERS, build_optimizer, state_bytes
+from frugal import FRUGAL, OPTIMIZERS, build_optimizer, estimate_state_bytes, state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,22 @@ def test_one_validator_for_constructor_and_registry(bad, message, llama):
     with pytest.raises(frugal.HyperparameterError, match=message):
         frugal.FRUGAL(frugal.param_groups(model), **bad)
     assert issubclass(frugal.HyperparameterError, ValueError)
+
+
+def test_target_modules_through_the_registry(llama):
+    assert registry.defaults("frugal")["target_modules"] is None
+    assert "target_modules" in registry.accepted_keys("galore") and "target_modules" in registry.accepted_keys("apollo")
+    assert "target_modules" not in registry.accepted_keys("signsgd")
+    opt = frugal.build_optimizer(llama, "frugal", target_modules=["q_proj", "v_proj"], density=0.5)
+    assert sum(len(g["params"]) for g in opt.param_groups if g["projectable"]) == 2 * 4
+    # the estimate groups the same way: q and v of 2 of the 4 layers are state-full
+    full = estimate_state_bytes(llama, "frugal", target_modules=["q_proj", "v_proj"], density=1.0)
+    half = estimate_state_bytes(llama, "frugal", target_modules=["q_proj", "v_proj"], density=0.5)
+    assert full - half == 4 * (2 * 32 * 32 * 4 + 4)  # 4 matrices: AdamW moments and a step counter
+    with pytest.raises(frugal.HyperparameterError, match=r"'signsgd' does not take \['target_modules'\]"):
+        frugal.build_optimizer(llama, "signsgd", target_modules=["q_proj"])
+
+
+def test_entry_docs_name_their_keys():
+    for name, build in frugal.OPTIMIZERS.items():
+        assert all(key in build.__doc__ for key in registry.accepted_keys(name)), name
