@@ -3,6 +3,8 @@ measured == estimated, weights-only state dicts that resume bit-for-bit, and cle
 import copy
 import io
 
+import adam_mini  # the reference packages themselves (test requirements, requirements.txt)
+import apollo_torch
 import pytest
 import torch
 from torch import nn
@@ -10,9 +12,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import frugal
 from frugal import external
-
-apollo_torch = pytest.importorskip("apollo_torch")  # test requirements pin both packages
-adam_mini = pytest.importorskip("adam_mini")
 
 
 def _llama(seed=0):
