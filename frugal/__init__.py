@@ -5,6 +5,9 @@ state-full subspace, updated with a stateful rule (AdamW, Lion, SGD with momentu
 complement, updated with a state-free rule (signSGD, SGD) that keeps no optimizer state.
 
     import frugal
+    optimizer = frugal.FRUGAL(model, lr=1e-3, density=0.25)      # any transformers model, or your own
+    print(frugal.describe(optimizer, model=model))                # which tensors are split, what it costs
+
     optimizer = frugal.build_optimizer(model, "frugal", lr=1e-3, density=0.25, update_gap=200)
     scheduler = frugal.build_scheduler(optimizer, "cosine_restarts", total_steps=200_000, cycle_length=10_000)
 """

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from .hparams import HyperparameterError
+from .hparams import HyperparameterError, _integer, _number
 
 # entry -> (import name, pip package, extra)
 PACKAGES = {"apollo": ("apollo_torch", "apollo-torch", "apollo"),
@@ -62,16 +62,10 @@ def validate(name: str, hp: dict) -> dict:
         if key in out and out[key] not in choices:
             raise HyperparameterError(f"Invalid {key} for {name}: {out[key]!r}; valid choices: {', '.join(choices)}")
     for key in _OPTIONAL_INTS:
-        value = out.get(key)
-        if isinstance(value, float) and value.is_integer():
-            value = out[key] = int(value)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise HyperparameterError(f"Invalid {key}: {value!r} (expected an integer >= 1, or None)")
+        if out.get(key) is not None:
+            out[key] = _integer(key, out[key], 1)
     if "scale" in out:
-        scale = out["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
-            raise HyperparameterError(f"Invalid scale: {scale!r} (expected a number >= 0)")
-        out["scale"] = float(scale)
+        out["scale"] = _number("scale", out["scale"], 0.0)
     return out
 
 

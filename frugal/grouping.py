@@ -233,13 +233,12 @@ def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = ()) -> 
     return groups
 
 
-def _no_blocks_remedy(what: str) -> str:
-    return (f"No projectable weights found in {what}: FRUGAL looks for transformer blocks (an "
-            "nn.ModuleList or nn.Sequential of at least two layers of one class) and splits the "
-            "nn.Linear / Conv1D weights inside them. Name the modules to split with "
-            "frugal.param_groups(model, target_modules=[...]) (names as in PEFT, or one regular "
-            "expression), or pass the groups yourself: FRUGAL([{'params': [...], 'projectable': True, "
-            "'block': i}, ..., {'params': [embeddings, norms, head]}])")
+_REMEDY = ("FRUGAL splits the 2-D weights inside transformer blocks, found in a model as an "
+           "nn.ModuleList or nn.Sequential of at least two layers of one class (in plain tensors: 2-D "
+           "shapes that repeat layer after layer). Name the modules to split with "
+           "frugal.param_groups(model, target_modules=[...]) (names as in PEFT, or one regular expression), "
+           "or pass the groups yourself: FRUGAL([{'params': [...], 'projectable': True, 'block': i}, ..., "
+           "{'params': [embeddings, norms, head]}])")
 
 
 def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
@@ -265,7 +264,7 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     """
     groups = _groups(module_roles(model, target_modules), state_free_modules)
     if not any(g["projectable"] for g in groups):
-        raise ValueError(_no_blocks_remedy(type(model).__name__))
+        raise ValueError(f"No projectable weights found in {type(model).__name__}. {_REMEDY}")
     return groups
 
 
@@ -380,9 +379,8 @@ def _split_groups(groups: list[dict], what: str) -> list[dict]:
 
 def _no_projectable_warning(what: str) -> None:
     warnings.warn(
-        f"frugal.FRUGAL has no projectable parameters, so every tensor is state-full: this runs the "
-        f"state-full rule (AdamW) on everything and saves no memory. {_no_blocks_remedy(what)}",
-        stacklevel=4)
+        f"frugal.FRUGAL found no projectable parameters in {what}: every tensor is state-full, so this "
+        f"runs the state-full rule (AdamW) on everything and saves no memory. {_REMEDY}", stacklevel=4)
 
 
 def resolve_params(params) -> list[dict] | object:

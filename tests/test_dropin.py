@@ -142,3 +142,10 @@ def test_torch_errors_are_left_to_torch(llama):
 ])
 def test_repeating_run(shapes, expected):
     assert grouping._repeating_run(shapes) == expected
+
+
+def test_group_keys_are_the_optimizers():
+    """resolve_params passes groups with any FRUGAL key through: the list must be FRUGAL's own."""
+    from frugal import optimizer
+
+    assert set(grouping.FRUGAL_GROUP_KEYS) == set(optimizer.GROUP_KEYS)
