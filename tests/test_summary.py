@@ -67,3 +67,11 @@ def test_describe_rejects_other_objects(llama):
         frugal.describe(torch.optim.AdamW(llama.parameters()))
     with pytest.raises(TypeError, match="takes no hyperparameters"):
         frugal.describe(frugal.FRUGAL(llama), density=0.5)
+
+
+def test_describe_looks_through_optimizer_wrappers(llama):
+    class Wrapped:  # how accelerate's AcceleratedOptimizer holds the optimizer it wraps
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    assert frugal.describe(Wrapped(frugal.FRUGAL(llama)), model=llama).state_full_fraction == pytest.approx(0.25)
