@@ -149,3 +149,11 @@ def test_group_keys_are_the_optimizers():
     from frugal import optimizer
 
     assert set(grouping.FRUGAL_GROUP_KEYS) == set(optimizer.GROUP_KEYS)
+
+
+def test_warning_points_at_the_caller_and_shows_once(llama):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's default: once per call site and message
+        for _ in range(3):
+            frugal.FRUGAL(llama.parameters())
+    assert len(caught) == 1 and caught[0].filename == __file__
