@@ -2,9 +2,10 @@
 
 - Activations, term by term: the bytes the autograd graph of the real transformers LLaMA/GPT-2 saves
   (saved-tensor hooks, unique storages), for every precision regime: exact equality.
-- Whole training steps: the allocator's peak of a real step on CPU (models.build_model, bf16 autocast,
-  train.py's token_loss_sum, backward, optimizer step, accumulation, DDP buckets), measured in a fresh
-  subprocess with the profiler's allocation events (see `_measure`): within 15% (the brief's bound).
+- Whole training steps: the allocator's peak of real steps on CPU (models.build_model, bf16 autocast,
+  train.py's token_loss_sum, backward, optimizer step, accumulation, DDP buckets, FSDP2), measured in
+  a fresh interpreter with the profiler's allocation events (scripts/memory_plan.py `measure_case`):
+  within 15%, the bound asked for (most cases agree to 1%).
 - Table 2's optimizer-state column and the per-rank figures stated in issue 11.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import frugal  # noqa: E402
 import models  # noqa: E402
 from train_utils import memory_plan as mp  # noqa: E402
+from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case  # noqa: E402
 from train_utils.memory_plan import GIB, largest_micro_batch, plan_memory  # noqa: E402
 
 
@@ -117,146 +119,44 @@ def test_cuda_terms_differ_from_cpu_only_where_autocast_does():
 
 
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
-# (model, vocab, optimizer, micro, seq, checkpointing, precision, ddp): ddp is None (one process, as the
-# loop runs without DDP), or (gradient_as_bucket_view, zero_grad set_to_none) of a DDP wrapper.
-FRUGAL_SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch in step 2
-CASES = [
-    ("llama_20m", None, {"name": "adamw"}, 2, 128, False, "bf16-mixed", None),
-    ("llama_20m", None, FRUGAL_SWITCHING, 2, 128, True, "bf16-mixed", None),
-    ("llama_20m", 1000, {"name": "adamw"}, 8, 256, False, "bf16-mixed", None),
-    ("llama_20m", 1000, FRUGAL_SWITCHING, 8, 256, True, "bf16-mixed", None),
-    ("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64, False, "bf16-mixed", None),
-    ("llama_60m", 1000, {"name": "adamw"}, 1, 64, True, "bf16-mixed", None),  # autocast cache dominates
-    ("llama_20m", 256, {"name": "frugal", "density": 0.25, "projection": "column"}, 4, 256, True,
-     "bf16-mixed", None),
-    ("llama_20m", 1000, {"name": "galore", "density": 0.25, "update_gap": 1}, 4, 256, False, "bf16-mixed", None),
-    ("llama_20m", 1000, {"name": "adamw"}, 4, 256, False, "bf16", None),
-    ("llama_20m", 1000, FRUGAL_SWITCHING, 4, 128, False, "fp32", None),
-    ("llama_20m", 1000, {"name": "adamw"}, 8, 128, False, "bf16-mixed", (True, False)),
-    ("llama_20m", 1000, {"name": "adamw"}, 8, 128, False, "bf16-mixed", (False, True)),
-    ("llama_20m", 1000, {"name": "adamw"}, 8, 128, False, "bf16-mixed", (True, True)),
-]
-
-
-def _measure(case) -> tuple[int, int]:
-    """(peak, peak inside optimizer.step) of allocated CPU memory over two optimizer steps of two
-    accumulated micro-batches each, from the profiler's allocation events: every allocation and free
-    of torch's CPU allocator with its running total, the CPU twin of torch.cuda.max_memory_allocated.
-    (Peak RSS is not used: it keeps freed heap pages, touches pages lazily and includes the
-    interpreter's thread pools, and was seen 25% below or 45% above the allocated peak.)
-    Two steps x two micro-batches reach the steady state the plan describes: gradients and optimizer
-    state resident while a micro-batch's activations are alive, and a block switch at step 2."""
-    import contextlib
-
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    try:
-        from train_utils.loop import token_loss_sum  # where the loop's helpers are moving (issue 13)
-    except ImportError:
-        from train import token_loss_sum
-
-    name, vocab, opt, micro, seq, checkpointing, precision, ddp = case
-    cfg = model_cfg(name)
-    vocab = vocab or cfg["vocab_size"]
-    accumulation = 2
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = models.build_model(cfg, vocab_size=vocab)
-        if precision == "bf16":
-            model.to(torch.bfloat16)
-        if checkpointing:  # per transformer block, as the loop enables it (non-reentrant)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        wrapped = model
-        if ddp is not None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=ddp[0])
-        hp = dict(opt)
-        optimizer = frugal.build_optimizer(model, hp.pop("name"), **hp)
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            for i in range(accumulation):
-                ids = torch.randint(1, vocab, (micro, seq), generator=generator)
-                sync = ddp is None or i == accumulation - 1
-                with contextlib.nullcontext() if sync else wrapped.no_sync():
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                        logits = wrapped(input_ids=ids, use_cache=False).logits
-                    loss = token_loss_sum(logits, ids)
-                    (loss / ids.numel()).backward()
-                del logits, loss
-            with record_function("optimizer_step"):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True if ddp is None else ddp[1])
-        del wrapped, model, optimizer
-    events = []
-
-    def walk(node, in_step):
-        in_step = in_step or node.name == "optimizer_step"
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated,
-                           in_step))
-        for child in node.children:
-            walk(child, in_step)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, False)
-    events.sort(key=lambda e: e[0])
-    start = events[0][2] - events[0][1]  # allocated before the first event: not this step's
-    return (max(e[2] for e in events) - start, max(e[2] for e in events if e[3]) - start)
-
-
-def _measure_main() -> None:
-    """Subprocess entry: measure every case, print JSON."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        # A one-process gloo group: DDP's reducer and buckets exist as they do on every rank of N.
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        results = [_measure(tuple(case)) for case in json.loads(sys.stdin.read())]
-        dist.destroy_process_group()
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def measured():
+    """scripts/memory_plan.py --validate in a fresh interpreter: (peak, optimizer-step peak) per case."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, __file__, "--measure"], input=json.dumps(CASES), env=env,
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "memory_plan.py"), "--validate", "--json"],
+                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _plan_case(case, bucket_view: bool = True):
-    name, vocab, opt, micro, seq, checkpointing, precision, ddp = case
-    return plan_memory(model_cfg(name), opt, micro_batch_size=micro, seq_len=seq,
-                       activation_checkpointing=checkpointing, precision=precision, vocab_size=vocab,
-                       device_type="cpu", world_size=1 if ddp is None else 2, gradient_as_bucket_view=bucket_view)
-
-
-@pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.parametrize("index", range(len(VALIDATION_CASES)))
 def test_plan_matches_measured_peak(measured, index):
-    ddp = CASES[index][-1]
-    # Gradients live in DDP's buckets only with bucket views zeroed in place; with set_to_none=True the
-    # no_sync micro-batches allocate fresh gradients beside the buckets (the reducer swaps its views
-    # back in at the synchronising backward, so the optimizer step sees one copy).
-    plan = _plan_case(CASES[index], bucket_view=ddp is None or ddp == (True, False))
-    peak, step_peak = measured[index]
-    report = f"{CASES[index]}: measured {peak / 2**20:.1f} MiB, planned {plan.total / 2**20:.1f} ({plan.phase})"
-    assert abs(plan.total / peak - 1) <= 0.15, report
-    step = _plan_case(CASES[index], bucket_view=ddp is None or ddp[0]).phases["optimizer step"]
-    assert abs(step / step_peak - 1) <= 0.15, f"{report}; optimizer step {step_peak} vs {step}"
+    case = VALIDATION_CASES[index]
+    (peak, step_peak), planned = measured[index], plan_case(case)
+    assert abs(planned / peak - 1) <= 0.15, f"{case}: measured {peak}, planned {planned}"
+    assert planned >= 0.98 * peak, f"{case}: the plan is optimistic: measured {peak}, planned {planned}"
+    step_planned = plan_case(case, "optimizer step")
+    assert abs(step_planned / step_peak - 1) <= 0.15, f"{case}: optimizer step {step_peak} vs {step_planned}"
 
 
 def test_bucket_view_saves_a_gradient_copy_only_with_in_place_zeroing(measured):
     """DDP(gradient_as_bucket_view=True) + zero_grad(set_to_none=False): no second copy; with
     set_to_none=True, no_sync micro-batches allocate fresh gradients beside the buckets."""
     grads = mp._facts(model_cfg("llama_20m"), {"name": "adamw"}, "bf16-mixed", 1000).params * 4
-    in_place, no_view, to_none = (measured[i][0] for i in (10, 11, 12))
+    peaks = {c.wrapper: m[0] for c, m in zip(VALIDATION_CASES, measured) if c.wrapper.startswith("ddp")}
+    in_place, no_view, to_none = peaks["ddp"], peaks["ddp-no-view"], peaks["ddp-set-to-none"]
     assert abs((no_view - in_place) / grads - 1) < 0.01
     assert abs((to_none - in_place) / grads - 1) < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason="until the issue 11 optimizer fix lands, a switch allocates every "
+                   "entering block before freeing the leaving ones (k blocks above the steady state, not 1)")
+def test_switch_of_two_blocks_stays_within_one_block_of_the_steady_state():
+    """The plan counts the switch as the fixed optimizer will do it; density 0.5 of 4 layers switches
+    2 blocks at once. Strict: this starts passing (and must lose its xfail) when the fix lands."""
+    case = Case("llama_20m", 1000, {"name": "badam", "density": 0.5, "update_gap": 1}, 4, 128)
+    _, step_peak = measure_case(case)
+    assert step_peak <= 1.02 * plan_case(case, "optimizer step")
 
 
 # ---- the paper's numbers -----------------------------------------------------------------------------
@@ -395,5 +295,3 @@ def test_cli(capsys):
     assert "seq_len" in capsys.readouterr().err
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--measure"]:
-    _measure_main()

@@ -95,15 +95,15 @@ def _weight_numel(module: nn.Module) -> list[int]:
             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
 
 
-def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
-    """Bytes the optimizer step allocates on top of its resting state (see the module docstring)."""
+def _optimizer_extra(model: nn.Module, name: str, hp: dict) -> tuple[int, int]:
+    """(bytes the optimizer holds beyond `estimate_state_bytes`, bytes its step allocates on top)."""
     from frugal import FRUGAL, projections as proj
     from frugal.factory import optimizer_groups, resolve
     from frugal.rules import STATE_FULL
 
     name, hp = resolve(name, hp)
     if name == "adamw":
-        return 0  # torch's fused (or foreach) AdamW updates in place
+        return 0, 0  # torch's fused (or foreach) AdamW updates in place
     groups, kw = optimizer_groups(model, name, hp)
     defaults = {k: v.default for k, v in inspect.signature(FRUGAL.__init__).parameters.items()
                 if v.default is not inspect.Parameter.empty}
@@ -114,31 +114,37 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     state_full = [p for g in groups if not g.get("projectable") and not g.get("always_state_free")
                   for p in g["params"]]
     elem = next(iter(model.parameters())).element_size()
-    total = 0
-    if kw["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
-        total += sum(p.numel() for p in state_full) * elem
     projection, density = kw["projection"], kw["density"]
+    held = total = 0
     if not projectable:
-        return total
-    if projection == "block":
+        active = 0
+    elif projection == "block":
         units: dict = {}
         for i, (g, p) in enumerate(projectable):
             key = g.get("block") if kw["block_granularity"] == "layer" else i
             units[key] = units.get(key, 0) + p.numel()
-        active = len(proj.select_blocks(kw["block_order"], len(units), density, 0, kw["seed"]))
-        if 0 < active < len(units):  # a switch frees what leaves before allocating what enters
+        count = len(proj.select_blocks(kw["block_order"], len(units), density, 0, kw["seed"]))
+        active = count * max(units.values())  # exact for layers (all the same size), a bound for tensors
+        if 0 < count < len(units):  # a switch frees what leaves before allocating what enters
             total += n_moments * max(units.values()) * elem
-        return total
-    # Coordinate and matrix projections gather every tensor's reduced target and gradient before
-    # the state-full rule runs (frugal/optimizer.py); svd also projects one full tensor back at a time
-    # and, at a projection change, decomposes the largest gradient (input copy, U, Vh).
-    reduced = sum(math.prod(proj.reduced_shape(projection, p.shape, g.get("transposed", False), density))
-                  for g, p in projectable)
-    total += 2 * reduced * elem
-    if projection in proj.MATRIX:
-        m, n = max((p.shape for _, p in projectable), key=lambda s: s[0] * s[1])
-        total += (2 * m * n + min(m, n) * (m + n)) * elem
-    return total
+    else:
+        # Coordinate and matrix projections gather every tensor's reduced target and gradient before
+        # the state-full rule runs (frugal/optimizer.py); svd also projects one full tensor back at a
+        # time and, at a projection change, decomposes the largest gradient (input copy, U, Vh).
+        active = sum(math.prod(proj.reduced_shape(projection, p.shape, g.get("transposed", False), density))
+                     for g, p in projectable)
+        total += 2 * active * elem
+        if projection in proj.MATRIX:
+            m, n = max((p.shape for _, p in projectable), key=lambda s: s[0] * s[1])
+            total += (2 * m * n + min(m, n) * (m + n)) * elem
+        if projection == "randk":
+            # The optimizer caches every tensor's int64 indices outside its state (issue 11 will count
+            # them there) and draws them with a randperm over the largest tensor when a window starts.
+            held += 8 * active
+            total += 8 * max(p.numel() for _, p in projectable)
+    if kw["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
+        total += (sum(p.numel() for p in state_full) + active) * elem
+    return held, total
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,6 +178,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         dropout = (float(c.embd_pdrop), float(c.attn_pdrop), float(c.resid_pdrop))
         heads = kv_heads = c.num_attention_heads
     params = list(model.parameters())
+    held, transient = _optimizer_extra(model, name, opt)
     return _Facts(
         family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
@@ -179,8 +186,8 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
         layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
         head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
-        optimizer_state=frugal.estimate_state_bytes(model, name, **hp),
-        optimizer_transient=_optimizer_transient(model, name, opt),
+        optimizer_state=frugal.estimate_state_bytes(model, name, **hp) + held,
+        optimizer_transient=transient,
     )
 
 
