@@ -100,7 +100,7 @@ def test_layer_terms_equal_the_saved_tensors(family, kv_heads, regime):
 
     facts = dataclasses.replace(mp._facts(cfg, {"name": "adamw"}, "fp32", None), dropout=(0.0, 0.0, 0.0))
     regime_ = mp._Regime(weight_bytes=2 if bf16_weights else 4, autocast=autocast, cuda=False)
-    layer, head = mp.layer_terms(facts, batch * seq, seq, regime_)
+    layer, head = mp._layer_terms(facts, batch * seq, seq, regime_)
     assert activations == facts.layers * sum(layer.values()) + sum(head.values()), (layer, head)
     assert casts == (2 * facts.matmul_weights if regime_.casts_weights else 0)
 
@@ -111,11 +111,11 @@ def test_cuda_terms_differ_from_cpu_only_where_autocast_does():
     llama = mp._facts(TINY["llama"], {"name": "adamw"}, "bf16-mixed", None)
     gpt2 = mp._facts(TINY["gpt2"], {"name": "adamw"}, "bf16-mixed", None)
     cpu, cuda = mp._Regime(4, True, False), mp._Regime(4, True, True)
-    assert mp.layer_terms(llama, 48, 16, cpu) == mp.layer_terms(llama, 48, 16, cuda)
-    gelu_cpu = mp.layer_terms(gpt2, 48, 16, cpu)[0]["MLP (gelu_new)"]
-    gelu_cuda = mp.layer_terms(gpt2, 48, 16, cuda)[0]["MLP (gelu_new)"]
+    assert mp._layer_terms(llama, 48, 16, cpu) == mp._layer_terms(llama, 48, 16, cuda)
+    gelu_cpu = mp._layer_terms(gpt2, 48, 16, cpu)[0]["MLP (gelu_new)"]
+    gelu_cuda = mp._layer_terms(gpt2, 48, 16, cuda)[0]["MLP (gelu_new)"]
     assert (gelu_cpu, gelu_cuda) == (10 * 48 * 256, 16 * 48 * 256)
-    assert mp.layer_terms(gpt2, 48, 16, cuda)[0]["dropout masks"] == 2 * 48 * 64  # p = 0.1: one byte each
+    assert mp._layer_terms(gpt2, 48, 16, cuda)[0]["dropout masks"] == 2 * 48 * 64  # p = 0.1: one byte each
 
 
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
@@ -278,6 +278,12 @@ def test_plan_accepts_dictconfig_and_reports():
     assert plan.phases[plan.phase] == max(plan.phases.values()) == plan.total
     text = plan.format(mp.DEVICES["a100-80gb"])
     assert "llama_tiny" in text and "fits" in text
+
+
+def test_device_memory():
+    assert 0 < mp.device_memory("cpu") <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(ValueError, match="meta.*cuda, cpu"):
+        mp.device_memory("meta")
 
 
 def test_cli(capsys):

@@ -20,7 +20,7 @@ the derivations and the validation against measured peaks):
   use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
   root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
 - activations: what the autograd graph of transformers' LLaMA/GPT-2 (SDPA attention) saves, per
-  layer and token, term by term (`layer_terms`); with activation checkpointing, each block's input
+  layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests); with activation checkpointing, each block's input
   plus one block recomputed in backward.
 - logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
   at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed).
@@ -38,13 +38,14 @@ import functools
 import inspect
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "layer_terms", "DEVICES", "PARALLELISMS",
+__all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "DEVICES", "PARALLELISMS",
            "PRECISIONS", "GIB"]
 
 GIB = 2**30
@@ -221,7 +222,7 @@ class _Regime:
         return self.autocast and self.weight_bytes == 4
 
 
-def layer_terms(f: _Facts, tokens: int, seq_len: int, r: _Regime) -> tuple[dict, dict]:
+def _layer_terms(f: _Facts, tokens: int, seq_len: int, r: _Regime) -> tuple[dict, dict]:
     """(bytes saved per transformer block, bytes saved outside the blocks), as named terms.
 
     Derived from the saved tensors of transformers' LlamaDecoderLayer / GPT2Block with SDPA attention
@@ -379,7 +380,7 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     base = {"weights": shard(f.params * master), "gradients": shard(f.params * master),
             "comm_buffers": f.params * master if (not fsdp and n > 1 and not gradient_as_bucket_view) else 0,
             "optimizer_state": shard(f.optimizer_state)}
-    layer, head = layer_terms(f, T, S, r)
+    layer, head = _layer_terms(f, T, S, r)
     act_layer, act_head, act_input = sum(layer.values()), sum(head.values()), r.weight_bytes * T * h
 
     def grad_transient(numel: int) -> int:
@@ -453,6 +454,25 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                     activation_checkpointing=ac, device_type=device_type,
                     gradient_as_bucket_view=gradient_as_bucket_view, autocast_cache=autocast_cache)
     return MemoryPlan(**parts, phase=phase, phases=totals, allowance=allowance, settings=settings)
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Memory of `device` as the planner compares it: a GPU's total capacity as torch reports it,
+    or the host's available memory for "cpu" (the planner's CPU total leaves out the interpreter
+    and its libraries, ~1 GiB of resident memory)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:  # Linux
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    raise ValueError(f"device {device} is not supported by the memory planner; valid device types: cuda, cpu")
 
 
 def micro_batch_candidates(global_batch: int | None, world_size: int, limit: int = 1024) -> list[int]:
