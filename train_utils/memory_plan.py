@@ -20,8 +20,8 @@ the derivations and the validation against measured peaks):
   use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
   root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
 - activations: what the autograd graph of transformers' LLaMA/GPT-2 (SDPA attention) saves, per
-  layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests); with activation checkpointing, each block's input
-  plus one block recomputed in backward.
+  layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests);
+  with activation checkpointing, each block's input plus one block recomputed in backward.
 - logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
   at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed).
 - not in the total but in ``allowance``: the CUDA context, NCCL and cuBLAS workspaces (a fixed
