@@ -35,7 +35,6 @@ whenever there is gradient accumulation (the paper's 512-sequence batch on a few
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 import os
@@ -96,56 +95,68 @@ def _weight_numel(module: nn.Module) -> list[int]:
             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
 
 
-def _optimizer_extra(model: nn.Module, name: str, hp: dict) -> tuple[int, int]:
-    """(bytes the optimizer holds beyond `estimate_state_bytes`, bytes its step allocates on top)."""
-    from frugal import FRUGAL, projections as proj
-    from frugal.factory import optimizer_groups, resolve
+def _optimizer_extra(model: nn.Module, name: str, hp: dict, estimate: int) -> tuple[int, int]:
+    """(bytes the optimizer holds beyond `estimate`, bytes its step allocates on top of its state).
+
+    Read from the optimizer itself, built on the meta-device model (no memory): its param groups
+    carry every hyperparameter and the FRUGAL group keys (projectable, block, always_state_free)."""
+    import frugal
+    from frugal import projections as proj
     from frugal.rules import STATE_FULL
 
-    name, hp = resolve(name, hp)
-    if name == "adamw":
-        return 0, 0  # torch's fused (or foreach) AdamW updates in place
-    groups, kw = optimizer_groups(model, name, hp)
-    defaults = {k: v.default for k, v in inspect.signature(FRUGAL.__init__).parameters.items()
-                if v.default is not inspect.Parameter.empty}
-    kw = {**defaults, **kw}
-    n_moments = len(STATE_FULL[kw["state_full"]].state_names)
-    projectable = [(g, p) for g in groups if g.get("projectable") and not g.get("always_state_free")
-                   for p in g["params"]]
-    state_full = [p for g in groups if not g.get("projectable") and not g.get("always_state_free")
-                  for p in g["params"]]
+    optimizer = frugal.build_optimizer(model, name, **hp)
+    if not isinstance(optimizer, frugal.FRUGAL):
+        return 0, 0  # torch's fused AdamW updates in place
+    groups = optimizer.param_groups
+    g0 = groups[0]
+    n_moments = len(STATE_FULL[g0["state_full"]].state_names)
+    projectable = [(g, p) for g in groups if g["projectable"] and not g["always_state_free"] for p in g["params"]]
+    state_full = [p for g in groups if not g["projectable"] and not g["always_state_free"] for p in g["params"]]
+    free = [p for g in groups if g["always_state_free"] for p in g["params"]]
+    free += [p for _, p in projectable] if g0["density"] < 1 else []
     elem = next(iter(model.parameters())).element_size()
-    projection, density = kw["projection"], kw["density"]
-    held = total = 0
-    if not projectable:
-        active = 0
-    elif projection == "block":
+    held = 0
+    # signSGD without a compiled kernel (or on today's eager path) makes one sign temporary at a time.
+    total = max((p.numel() for p in free), default=0) * elem if g0["state_free"] != "none" else 0
+    active = 0
+    if projectable and g0["projection"] == "block":
         units: dict = {}
         for i, (g, p) in enumerate(projectable):
-            key = g.get("block") if kw["block_granularity"] == "layer" else i
+            key = g["block"] if g0["block_granularity"] == "layer" else i
             units[key] = units.get(key, 0) + p.numel()
-        count = len(proj.select_blocks(kw["block_order"], len(units), density, 0, kw["seed"]))
+        count = len(optimizer.active_blocks() or [])
         active = count * max(units.values())  # exact for layers (all the same size), a bound for tensors
         if 0 < count < len(units):  # a switch frees what leaves before allocating what enters
             total += n_moments * max(units.values()) * elem
-    else:
+    elif projectable:
         # Coordinate and matrix projections gather every tensor's reduced target and gradient before
         # the state-full rule runs (frugal/optimizer.py); svd also projects one full tensor back at a
         # time and, at a projection change, decomposes the largest gradient (input copy, U, Vh).
-        active = sum(math.prod(proj.reduced_shape(projection, p.shape, g.get("transposed", False), density))
+        projection, density = g0["projection"], g0["density"]
+        active = sum(math.prod(proj.reduced_shape(projection, p.shape, g["transposed"], density))
                      for g, p in projectable)
         total += 2 * active * elem
         if projection in proj.MATRIX:
             m, n = max((p.shape for _, p in projectable), key=lambda s: s[0] * s[1])
             total += (2 * m * n + min(m, n) * (m + n)) * elem
-        if projection == "randk":
-            # The optimizer caches every tensor's int64 indices outside its state (issue 11 will count
-            # them there) and draws them with a randperm over the largest tensor when a window starts.
+        without_indices = _estimate(model, name, dict(hp, density=0.0)) + n_moments * active * elem
+        if projection == "randk" and estimate - without_indices < 2 * active:
+            # Before issue 11's fix the optimizer caches randk's int64 indices outside its state,
+            # uncounted by the estimate, and draws them with a randperm over the largest tensor.
             held += 8 * active
             total += 8 * max(p.numel() for _, p in projectable)
-    if kw["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
+    if g0["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
         total += (sum(p.numel() for p in state_full) + active) * elem
     return held, total
+
+
+def _estimate(model: nn.Module, name: str, hp: dict) -> int:
+    """`frugal.estimate_state_bytes` in the layout the optimizer holds (GaLore's code layout for svd,
+    not Appendix D's count): this is device memory."""
+    import frugal
+
+    return frugal.estimate_state_bytes(model, name, **hp, **({} if name == "adamw" else
+                                                            {"svd_layout": "implementation"}))
 
 
 @functools.lru_cache(maxsize=4)
@@ -159,13 +170,9 @@ def _meta_model(model_json: str, pure_bf16: bool, vocab_size: int | None) -> nn.
 
 @functools.lru_cache(maxsize=256)
 def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_size: int | None) -> _Facts:
-    import frugal
-
     model = _meta_model(model_json, pure_bf16, vocab_size)
     opt = json.loads(optimizer_json)
     name = opt.pop("name")
-    # The layout the optimizer really holds (GaLore's code, not Appendix D's count): this is device memory.
-    hp = dict(opt, svd_layout="implementation") if name != "adamw" else opt
     c = model.config
     family = json.loads(model_json).get("family")
     blocks = model.get_submodule(_BLOCKS[family])
@@ -179,7 +186,8 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         dropout = (float(c.embd_pdrop), float(c.attn_pdrop), float(c.resid_pdrop))
         heads = kv_heads = c.num_attention_heads
     params = list(model.parameters())
-    held, transient = _optimizer_extra(model, name, opt)
+    estimate = _estimate(model, name, opt)
+    held, transient = _optimizer_extra(model, name, opt, estimate)
     return _Facts(
         family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
@@ -187,7 +195,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
         layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
         head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
-        optimizer_state=frugal.estimate_state_bytes(model, name, **hp) + held,
+        optimizer_state=estimate + held,
         optimizer_transient=transient,
     )
 
