@@ -85,9 +85,9 @@ def saved_bytes(model, ids, bf16_weights: bool, autocast: bool) -> tuple[int, in
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
-@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("gpt2", None)])
-def test_layer_terms_equal_the_saved_tensors(family, kv_heads, regime):
-    cfg = dict(TINY[family], **({"num_key_value_heads": kv_heads} if kv_heads else {}))
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_layer_terms_equal_the_saved_tensors(family, regime):
+    cfg = TINY[family]
     bf16_weights, autocast = REGIMES[regime]
     torch.manual_seed(0)
     model = models.build_model(cfg)
@@ -136,7 +136,22 @@ def test_plan_matches_measured_peak(measured, index):
     assert abs(planned / peak - 1) <= 0.15, f"{case}: measured {peak}, planned {planned}"
     assert planned >= 0.98 * peak, f"{case}: the plan is optimistic: measured {peak}, planned {planned}"
     step_planned = plan_case(case, "optimizer step")
-    assert abs(step_planned / step_peak - 1) <= 0.15, f"{case}: optimizer step {step_peak} vs {step_planned}"
+    report = f"{case}: optimizer step measured {step_peak}, planned {step_planned}"
+    assert step_planned >= 0.98 * step_peak, report
+    # The plan takes a block switch at the optimizer's contract, resting state + at most one block
+    # (DESIGN.md, invariant 9); an optimizer that frees leaving blocks first may stay below it.
+    assert step_planned <= 1.15 * step_peak + switch_allowance(case), report
+
+
+def switch_allowance(case: Case) -> int:
+    """State bytes of one block (layer) when a block switch can happen, else 0."""
+    opt = case.optimizer
+    block = opt["name"] in ("frugal", "badam") and opt.get("projection", "block") == "block"
+    if not (block and 0 < opt.get("density", 0.25) < 1):
+        return 0
+    facts = mp._facts(model_cfg(case.model), opt, case.precision, case.vocab)
+    moments = 1 if opt.get("state_full") in ("lion", "sgdm") else 2
+    return moments * (2 if case.precision == "bf16" else 4) * facts.layer_matmul_weights
 
 
 def test_bucket_view_saves_a_gradient_copy_only_with_in_place_zeroing(measured):
