@@ -46,10 +46,8 @@ def optimizer_cfg(name: str) -> dict:
 
 
 # ---- activations: the formula against what autograd saves -------------------------------------------
-TINY = {"llama": dict(family="llama", hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                      num_hidden_layers=2, vocab_size=97, max_position_embeddings=64),
-        "gpt2": dict(family="gpt2", hidden_size=64, intermediate_size=None, num_attention_heads=4,
-                     num_hidden_layers=2, vocab_size=97, max_position_embeddings=64)}
+SHRINK = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=97, max_position_embeddings=64)
+TINY = {"llama": model_cfg("llama_tiny", intermediate_size=176, **SHRINK), "gpt2": model_cfg("gpt2_124m", **SHRINK)}
 # (weights in bf16, autocast): DDP bf16-mixed, pure bf16, fp32, FSDP bf16-mixed (bf16 weights + autocast)
 REGIMES = {"bf16-mixed": (False, True), "bf16": (True, False), "fp32": (False, False),
            "fsdp-bf16-mixed": (True, True)}
@@ -109,13 +107,14 @@ def test_cuda_terms_differ_from_cpu_only_where_autocast_does():
     """LLaMA saves the same on CUDA and CPU; GPT-2's gelu_new runs in fp32 from pow onwards under CUDA
     autocast (pow is on CUDA's fp32 list, not CPU's) and its dropout masks are bool on CUDA."""
     llama = mp._facts(TINY["llama"], {"name": "adamw"}, "bf16-mixed", None)
-    gpt2 = mp._facts(TINY["gpt2"], {"name": "adamw"}, "bf16-mixed", None)
+    gpt2 = dataclasses.replace(mp._facts(TINY["gpt2"], {"name": "adamw"}, "bf16-mixed", None),
+                               dropout=(0.1, 0.1, 0.1))
     cpu, cuda = mp._Regime(4, True, False), mp._Regime(4, True, True)
     assert mp._layer_terms(llama, 48, 16, cpu) == mp._layer_terms(llama, 48, 16, cuda)
     gelu_cpu = mp._layer_terms(gpt2, 48, 16, cpu)[0]["MLP (gelu_new)"]
     gelu_cuda = mp._layer_terms(gpt2, 48, 16, cuda)[0]["MLP (gelu_new)"]
     assert (gelu_cpu, gelu_cuda) == (10 * 48 * 256, 16 * 48 * 256)
-    assert mp._layer_terms(gpt2, 48, 16, cuda)[0]["dropout masks"] == 2 * 48 * 64  # p = 0.1: one byte each
+    assert mp._layer_terms(gpt2, 48, 16, cuda)[0]["dropout masks"] == 2 * 48 * 64  # one byte each
 
 
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
