@@ -11,7 +11,8 @@ structured node per config section into Hydra's ConfigStore, generated from what
 configs/config.yaml places each under the YAML that fills it (its defaults list), and every
 configs/optimizer/<option>.yaml starts from its registry entry, so an option file only says what it
 changes and every key the optimizer takes is settable without `+`. Declaring a key in the YAML (or in
-the registry) is all it takes to add one: nothing here lists keys by hand.
+the registry) is all it takes to add one: nothing here lists keys by hand. An option is therefore a
+file in configs/<group>/ (the schema is generated from that directory when train_utils is imported).
 
 Two checks follow. Hydra rejects a preset or option file that sets an undeclared key (a structured
 node is closed to merges); `unknown_keys(cfg)` finds what was forced in with `+` or `++` on the
