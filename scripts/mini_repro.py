@@ -130,7 +130,7 @@ def unigram_loss(text: str, tok_dir: Path) -> float:
 
 # The command-line settings that change what a run trains (everything but output paths and --force).
 RUN_SETTINGS = ("vocab", "hidden", "intermediate", "layers", "heads", "seq_len", "batch", "steps", "update_gap",
-                "val_every", "eval_tokens", "evals", "seed")
+                "val_stride", "eval_tokens", "evals", "seed")
 
 
 def run_dir_for(key: str, opt: str, extra: list[str], lr: float, args, corpus_sha256: str, tok_dir: Path) -> Path:
@@ -151,7 +151,7 @@ def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, ru
             f"model.num_attention_heads={args.heads}", f"model.vocab_size={args.vocab}",
             f"model.max_position_embeddings={args.seq_len}",
             "data=local", f"data.path={args.corpus}", f"data.tokenizer={tok_dir}", f"data.seq_len={args.seq_len}",
-            "data.packing=true", f"data.val_every={args.val_every}",
+            "data.packing=true", f"data.val_stride={args.val_stride}",
             f"optimizer={opt}", f"optimizer.lr={lr}", *extra,
             f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
             f"train.eval_every={max(1, args.steps // args.evals)}", f"train.eval_tokens={args.eval_tokens}",
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--update-gap", type=int, default=20)
     ap.add_argument("--lr-grid", default="1e-3,3e-3,1e-2", help="AdamW learning rates to try")
-    ap.add_argument("--val-every", type=int, default=20, help="every k-th document is held out")
+    ap.add_argument("--val-stride", type=int, default=20, help="every k-th document is held out")
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run (for the curves)")
     ap.add_argument("--seed", type=int, default=0)
