@@ -70,7 +70,9 @@ def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None)
 
         c4_files(path, "train")
     tok = load_tokenizer(_get(cfg, "tokenizer"))
-    info = TokenizerInfo(tok, model_vocab_size, vocab_from=str(_get(cfg, "vocab_from", "model")))
+    # Defaults as in configs/data/{local,c4}.yaml: your own text gets the tokenizer's vocabulary.
+    info = TokenizerInfo(tok, model_vocab_size,
+                         vocab_from=str(_get(cfg, "vocab_from", "tokenizer" if name == "local" else "model")))
     if name == "local":
         from .local import LocalSource
 
@@ -103,6 +105,7 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
         )
     source = build_source(cfg, model_vocab_size=model_vocab_size)
     return DataModule(source, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      packing=bool(_get(cfg, "packing", False)), truncation=str(_get(cfg, "truncation", "reference")),
+                      packing=bool(_get(cfg, "packing", source.name == "local")),  # as in the yaml files
+                      truncation=str(_get(cfg, "truncation", "reference")),
                       readers=_get(cfg, "readers", DEFAULT_READERS), num_workers=_get(cfg, "num_workers", 0),
                       pin_memory=_get(cfg, "pin_memory", "auto"), rank=rank, world_size=world_size, seed=seed)

@@ -8,6 +8,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import projections as proj
+from . import grouping
 from .hparams import HyperparameterError, validate
 from .rules import STATE_FREE, STATE_FULL
 
@@ -66,6 +67,7 @@ class FRUGAL(Optimizer):
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
                  momentum=0.9, seed=0):
+        params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
                         state_full=state_full, state_free=state_free,

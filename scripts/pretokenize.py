@@ -9,7 +9,7 @@
 Sizes are counted as a run consumes them, after truncation: a run reads steps x batch-size rows (one
 document per row when truncating and padding, the paper's setting; seq_len ids of concatenated
 documents when packing) and scores every row's ids but the first. ``--steps`` defaults to the paper's
-step count for ``--model`` (configs/experiment/common/paper.yaml), ``--batch-size`` to the paper's
+step count for ``--model`` (configs/setup/paper.yaml), ``--batch-size`` to the paper's
 512, ``--val-tokens`` to the paper's 10M scored validation tokens; ``--train-rows`` sets the count
 directly. With a truncate-and-pad config (``data.packing=false``) the files hold the rows themselves
 (``--layout rows``: e.g. 255 text ids + ``</s>``, about half the size of whole documents);
@@ -34,7 +34,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from data.token_files import LAYOUTS, pretokenize  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER = os.path.join(ROOT, "configs", "experiment", "common", "paper.yaml")
+PAPER = os.path.join(ROOT, "configs", "setup", "paper.yaml")
 
 
 def _config(kind: str, name: str):

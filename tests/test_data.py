@@ -129,6 +129,32 @@ def test_row_format_for_tokenizers_without_end_token():
     assert RowFormat(src, 8, False, "reference")(text).tolist() == [5] + list(range(20, 27))
 
 
+def test_rows_equal_the_reference_call_for_a_gpt2_style_tokenizer(tmp_path, c4_texts):
+    """A byte-level BPE tokenizer like GPT-2's adds no special tokens: the reference row is the first
+    seq_len text ids, padded (pad = EOS); packing still closes each document with EOS."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(c4_texts["train"], vocab_size=600, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                            unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.save_pretrained(tmp_path / "gpt2_like")
+    docs = c4_texts["validation"][:40]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    cfg = {"name": "local", "path": str(tmp_path / "docs.jsonl"), "tokenizer": str(tmp_path / "gpt2_like"),
+           "seq_len": 48, "packing": False, "val_stride": 40, "shuffle": False, "readers": 1}
+    dm = build_data(cfg, micro_batch_size=39, model_vocab_size=1000)
+    b = take(dm, 1)[0]
+    assert dm.vocab_size == 600
+    for r, text in enumerate(docs[1:]):  # document 0 is held out
+        ids, labels = hf_reference(tok, text, 48)
+        assert torch.equal(b["input_ids"][r], ids) and torch.equal(b["labels"][r], labels)
+    packed = take(build_data(dict(cfg, packing=True), micro_batch_size=2, model_vocab_size=1000), 8)
+    stream = [i for text in docs[1:] for i in tok(text)["input_ids"] + [tok.eos_token_id]]
+    assert [i for row in rows_of(packed) for i in row] == stream[:8 * 2 * 48]
+
+
 # --------------------------------------------------------------------------------------- c4 (local)
 def test_c4_local_batches_shape_pads_and_roundtrip(c4_dir, c4_texts, t5_tokenizer_dir):
     dm = build_data(c4_cfg(c4_dir, t5_tokenizer_dir, shuffle=False, readers=1), micro_batch_size=4,
