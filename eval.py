@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 import data
 import models
 from train_utils import checkpoint as ckpt
-from train_utils.config import PRECISIONS, ConfigError
+from train_utils.validation import PRECISIONS, ConfigError
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
 

@@ -48,7 +48,6 @@ import hydra
 import torch
 from accelerate.utils import broadcast_object_list
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -57,7 +56,8 @@ import frugal
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, resume
-from train_utils.config import ConfigError, validate
+from train_utils.naming import is_multirun, run_group, run_name
+from train_utils.validation import ConfigError, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, check_loop_settings, enable_activation_checkpointing,
                               end_of_run_summary, evaluate, forward_backward, grad_norm_, ranks_in_sync,
                               seed_dropout, seed_everything, training_batches)
@@ -84,7 +84,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = None
     try:
-        accum = validate(cfg, world)
+        accum = validate_config(cfg, world)
         precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
         run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
@@ -139,8 +139,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             return EXIT_PREEMPTED
 
         # ---- logging: metrics.jsonl (+ wandb) and the console on the main process only.
-        name = f"{cfg.model.name}-{cfg.optimizer.name}-{os.path.basename(run_dir)}"
-        metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, default_name=name,
+        name = run_name(cfg, run_dir)  # wandb: <model>-<optimizer option>-<swept values or run dir>
+        metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, name=name, group=run_group(cfg),
                              run_config=OmegaConf.to_container(cfg, resolve=True))
         kept = metrics.truncate_after(step if plan["ckpt_dir"] else -1)  # rows past the checkpoint never happened
         evals = [r for r in kept if "val_loss" in r and "event" not in r and r["step"] == step]
@@ -275,17 +275,18 @@ def state_full_fraction(optimizer) -> float | None:
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    hydra_cfg = HydraConfig.get()
-    run_dir, rank = hydra_cfg.runtime.output_dir, int(os.environ.get("RANK", "0"))
+    run_dir, rank = HydraConfig.get().runtime.output_dir, int(os.environ.get("RANK", "0"))
     try:
-        refusal = distributed.torchrun_multirun_error(hydra_cfg.mode == RunMode.MULTIRUN)
+        refusal = distributed.torchrun_multirun_error(is_multirun())
         if refusal:
             raise ConfigError(refusal)
         status = train(cfg, run_dir)
     except CONFIG_ERRORS + RUN_ERRORS as err:  # expected failures: a clear message, no traceback
-        # A collective timeout is reported by every rank that saw it (rank 0 may be the one that froze).
-        Console(run_dir, enabled=rank == 0 or isinstance(err, distributed.CollectiveTimeout))(f"error: {err}", error=True)
-        sys.exit(2 if isinstance(err, CONFIG_ERRORS) else 1)
+        timeout = isinstance(err, distributed.CollectiveTimeout)
+        # Kept in train.log too; a collective timeout is reported by every rank that saw it (rank 0 may
+        # be the one that froze), the rest by rank 0 (stop_with_error).
+        Console(run_dir, enabled=rank == 0 or timeout)(f"error: {err}", error=True, console=timeout and rank != 0)
+        stop_with_error(err, 2 if isinstance(err, CONFIG_ERRORS) else 1)
     except KeyboardInterrupt:  # the second Ctrl-C
         Console(run_dir, enabled=rank == 0)("interrupted (a second Ctrl-C): no checkpoint written", error=True)
         sys.exit(130)

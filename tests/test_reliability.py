@@ -12,7 +12,7 @@ import torch
 from _train_helpers import (assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
                             weights)
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError
+from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError
 from train_utils.metrics import read_metrics
 

@@ -71,7 +71,7 @@ def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run
 
 
 def test_resume_with_another_optimizer_is_refused(tmp_path, straight_run):
-    from train_utils.config import ConfigError
+    from train_utils.validation import ConfigError
 
     with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
         run_inprocess(tmp_path, f"train.steps={2 * N + 1}", f"train.resume={straight_run}", "optimizer=adamw",
@@ -162,7 +162,7 @@ def test_rng_state_roundtrip_is_safe_to_load(tmp_path):
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints(straight_run):
-    from train_utils.config import ConfigError
+    from train_utils.validation import ConfigError
 
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         run_inprocess(straight_run, f"train.steps={N}", "train.resume=never")

@@ -12,7 +12,7 @@ from hydra.errors import MissingConfigException
 from _train_helpers import (TINY, compose_cfg, one_thread, rows,  # noqa: F401
                             run_cli, run_inprocess, train_cmd, wait_for_wandb_run, wandb_history)
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError
+from train_utils.validation import ConfigError
 
 TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "data_wait_s", "scored_tokens_per_s",
                 "positions_per_s", "optimizer_state_bytes", "peak_memory_bytes", "state_full_fraction"}

@@ -159,8 +159,8 @@ def activation_checkpointing_on(model) -> bool:
 
 def check_loop_settings(tc) -> None:
     """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
-    activation_checkpointing); the other train keys are checked by train_utils.config.validate."""
-    from train_utils.config import ConfigError
+    activation_checkpointing); the other train keys are checked by train_utils.validation."""
+    from train_utils.validation import ConfigError
 
     timeout = tc.collective_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):

@@ -24,12 +24,14 @@ class Console:
     def __init__(self, run_dir: str, enabled: bool = True):
         self.enabled, self.path = enabled, os.path.join(run_dir, LOG_FILE)
 
-    def __call__(self, text: str = "", error: bool = False) -> None:
+    def __call__(self, text: str = "", error: bool = False, console: bool = True) -> None:
+        """Print `text` (stderr if `error`; not at all unless `console`) and append it to train.log."""
         if not self.enabled:
             return
         from tqdm import tqdm
 
-        tqdm.write(text, file=sys.stderr if error else sys.stdout)
+        if console:
+            tqdm.write(text, file=sys.stderr if error else sys.stdout)
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -52,7 +54,7 @@ class MetricsLog:
     """Append rows to metrics.jsonl and mirror them to wandb (when enabled)."""
 
     def __init__(self, run_dir: str, enabled: bool, wandb_cfg=None, run_config: dict | None = None,
-                 default_name: str = "run"):
+                 name: str = "run", group: str | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.wandb = None
@@ -71,7 +73,7 @@ class MetricsLog:
                 with open(id_file, "w") as f:
                     f.write(run_id)
             self.wandb = wandb.init(
-                project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or default_name,
+                project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
                 mode=wandb_cfg.mode, dir=run_dir, config=run_config, id=run_id, resume="allow",
             )
 

@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError
+from train_utils.validation import ConfigError
 from train_utils.loop import seed_dropout
 from train_utils.metrics import read_metrics
 
@@ -40,7 +40,7 @@ FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
     "train.peak_flops", "train.activation_checkpointing", "data.num_workers", "data.pin_memory", "wandb",
-    "checkpoint",
+    "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
 )
 ABSENT = "<absent>"
 
