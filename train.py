@@ -68,7 +68,7 @@ from train_utils.slurm import export_distributed_env, requeue
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
-CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError)
+CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
 RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout)
 
 

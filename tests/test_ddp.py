@@ -109,9 +109,10 @@ def test_ddp_keeps_gradients_as_bucket_views(ddp_run):
     assert rows(ddp_run)[0]["ddp_gradient_as_bucket_view"] is True  # read from the DDP wrapper itself
 
 
-# A GPT-2 small enough for a test, with transformers' default dropout (0.1) left on.
+# A GPT-2 small enough for a test, with dropout on (the preset pre-trains without it).
 GPT2 = [o for o in TINY if not o.startswith("model=")] + [
-    "model=gpt2_124m", "model.hidden_size=64", "model.num_hidden_layers=4", "model.num_attention_heads=2"]
+    "model=gpt2_124m", "model.hidden_size=64", "model.num_hidden_layers=4", "model.num_attention_heads=2",
+    "model.dropout=0.1"]
 
 
 def test_each_rank_draws_its_own_dropout_masks_and_resume_stays_bitwise(tmp_path):
