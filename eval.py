@@ -12,7 +12,8 @@ means its latest checkpoint.
 Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
 <checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
 and with the same code as train.py's evaluations, so the two agree. Runs under torchrun too (the
-ranks split the validation set). Exit codes: 0 done, 2 bad arguments or missing checkpoint.
+ranks split the validation set). Exit codes: 0 done; 2 bad arguments, or a missing or damaged
+checkpoint (verified against its manifest; a run directory falls back to its newest intact one).
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ from omegaconf import OmegaConf
 
 import data
 import models
-from train import evaluate
 from train_utils import checkpoint as ckpt
-from train_utils.config import PRECISIONS, ConfigError
+from train_utils.validation import PRECISIONS, ConfigError
+from train_utils.loop import evaluate
+from train_utils.resume import choose_checkpoint
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 SWAPPABLE_GROUPS = ("data",)  # the model must stay the one trained; optimizer/schedule play no part
@@ -69,10 +71,10 @@ def main(argv: list[str]) -> dict:
     overrides = [a for a in argv if not a.startswith(("checkpoint=", "out="))]
     if "checkpoint" not in args:
         raise ConfigError("missing checkpoint=<checkpoint dir or run dir>")
-    ckpt_dir = ckpt.resolve(args["checkpoint"])
-    if ckpt_dir is None:
-        raise ConfigError(f"checkpoint={args['checkpoint']!r}: no checkpoint there (expected a directory "
-                          f"holding trainer.pt and config.yaml, or a run directory with checkpoints/)")
+    # Verified against its manifest; a run dir means its newest intact checkpoint.
+    ckpt_dir, notes = choose_checkpoint(args["checkpoint"], None, key="checkpoint")
+    for note in notes:
+        print(f"skipped a damaged checkpoint: {note}", file=sys.stderr)
     cfg = load_config(ckpt_dir, overrides)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> dict:
                              world_size=accelerator.num_processes, seed=tc.seed,
                              model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings)
-    except (ValueError, OSError) as err:
+    except data.DataConfigError as err:
         raise ConfigError(str(err)) from err
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
     model.load_state_dict(ckpt.load(ckpt_dir, "model"))
@@ -105,6 +107,6 @@ def main(argv: list[str]) -> dict:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ConfigError as err:
+    except (ConfigError, ckpt.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -6,26 +6,25 @@
     torchrun --standalone --nproc_per_node 2 train.py hydra.run.dir=runs/ddp    # data parallel
     python train.py hydra.run.dir=<run dir>              # continue a stopped run (train.resume=auto)
 
-The script reads top to bottom: processes and config checks, data/model/optimizer, resume, the loop,
-the final evaluation and summary. Helpers live with their concern: `train_utils/checkpoint.py`
-(atomic checkpoints, RNG), `train_utils/metrics.py` (metrics.jsonl, wandb, plot),
-`train_utils/config.py` (start-up validation).
+The script reads top to bottom: processes and config checks, which checkpoint to continue, data/
+model/optimizer, resume, the loop, the final evaluation and summary. Helpers live with their
+concern in train_utils/: loop.py (loss, forward/backward, evaluation), checkpoint.py (atomic,
+verified checkpoints), resume.py (continuing a run, changed settings), measure.py (what a training
+row measures), metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, timeouts),
+signals.py (stop signals), slurm.py (SLURM jobs), config.py (start-up validation).
 
-Loss. Every optimizer step minimises the mean next-token loss over the *global* batch: the sum of
-the per-token losses of all micro-batches on all ranks divided by the global number of non-pad target
-tokens. The token count is all-reduced before the first backward, so each micro-batch's summed loss
-is scaled by world_size / global_tokens (DDP then averages over ranks). The result does not depend on
-how the batch is split into micro-batches or ranks, and padded sequences weigh by their real tokens.
-Validation uses the same token weighting (all ranks' sums all-reduced); perplexity = exp(val loss).
+A step: fetch the micro-batches (timed: data wait), forward/backward with gradient accumulation,
+one global gradient norm (also used for clipping when train.grad_clip is set), then one host sync
+for the loss, the norm and the ranks' stop votes. A non-finite loss or norm stops the run before
+the update is applied, and no checkpoint with non-finite weights or state is ever written.
 
-Precision. bf16-mixed: fp32 weights and optimizer state, bf16 autocast for the forward pass (CPU and
-GPU). bf16: the model (and hence the optimizer state) cast to bf16, no autocast. fp32: no autocast.
-The loss itself is always computed from fp32 logits.
-
-Exit codes: 0 done; 1 error, including a non-finite loss (the message names the step; checkpoints
-already written stay); 2 invalid configuration; 75 (EX_TEMPFAIL, "try again") stopped by SIGTERM,
-SIGUSR1 or SIGUSR2 after writing a checkpoint: rerun the same command with the same run dir to continue
-(in a submitit job, submitit requeues it: train_utils/slurm.py).
+Exit codes: 0 done (also when the run had already finished: nothing is written then); 1 error,
+e.g. a non-finite loss (the message names the step and the last checkpoint, which is finite), a
+checkpoint that cannot be written (the previous one is intact), a rank that stopped answering;
+2 invalid configuration, or a setting that differs from the checkpoint's; 75 (EX_TEMPFAIL, "try
+again") stopped by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2, after writing a checkpoint (or during
+start-up, before any step): rerun the same command with the same run dir to continue (in a
+submitit job, submitit requeues it: train_utils/slurm.py).
 """
 from __future__ import annotations
 
@@ -36,19 +35,18 @@ import os
 # thread; sleeping ones cost little when the machine is idle. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import contextlib
+if __name__ == "__main__":  # a stop signal while the libraries below import: remembered, not fatal
+    from train_utils.signals import STOP
+
+    STOP.install()
+
 import math
-import random
-import signal
 import sys
 import time
 
 import hydra
-import numpy as np
 import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -56,301 +54,242 @@ from tqdm import tqdm
 import data
 import frugal
 import models
-from train_utils.slurm import export_distributed_env, requeue
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError, validate
-from train_utils.metrics import MetricsLog, peak_memory_bytes, plot_losses
+from train_utils import distributed, resume
+from train_utils.naming import is_multirun, run_group, run_name
+from train_utils.validation import ConfigError, stop_with_error, validate_config
+from train_utils.loop import (NonFiniteError, activation_checkpointing_on, check_loop_settings, enable_activation_checkpointing,
+                              end_of_run_summary, evaluate, forward_backward, grad_norm_, ranks_in_sync,
+                              seed_dropout, seed_everything, training_batches)
+from train_utils.measure import Interval, flops_per_position, peak_flops
+from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
+from train_utils.signals import STOP
+from train_utils.slurm import export_distributed_env, requeue
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint was written, run again to continue
-# scancel / preemption, and SLURM's warning before the time limit (scripts/sbatch_train.sh asks for
-# USR1, submitit for USR2).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def autocast(precision: str, device: torch.device):
-    """bf16 autocast for bf16-mixed; nothing for pure bf16 (the weights are bf16) and fp32."""
-    if precision == "bf16-mixed":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over non-pad targets (labels == -100 are ignored), in fp32.
-    Position t predicts token t+1, as in the HF models' own loss."""
-    logits = logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
-
-
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    return (labels[:, 1:] != -100).sum()
-
-
-@torch.no_grad()
-def evaluate(model, dm, eval_tokens: int, precision: str, accelerator: Accelerator) -> dict:
-    """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
-    No padding mask is needed: pads are at the end of a sequence and attention is causal."""
-    was_training = model.training
-    model.eval()
-    device = accelerator.device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
-    for batch in dm.val_batches(eval_tokens):
-        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        with autocast(precision, device):
-            logits = model(input_ids=ids, use_cache=False).logits
-        sums[0] += token_loss_sum(logits, labels).double()
-        sums[1] += count_targets(labels)
-    sums = accelerator.reduce(sums, reduction="sum")
-    model.train(was_training)
-    loss = (sums[0] / sums[1]).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1].item())}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def find_resume(resume: str, ckpt_root: str) -> str | None:
-    if resume == "never":
-        # Starting over in a directory that holds checkpoints would mix two runs' metrics and let a
-        # later resume=auto pick up the old run's weights.
-        if ckpt.list_checkpoints(ckpt_root):
-            raise ConfigError(f"train.resume=never, but {ckpt_root} already holds checkpoints (latest: "
-                              f"{ckpt.latest(ckpt_root)}); use a new hydra.run.dir, train.resume=auto to "
-                              f"continue that run, or delete its checkpoints")
-        return None
-    if resume == "auto":
-        return ckpt.latest(ckpt_root)
-    found = ckpt.resolve(resume)
-    if found is None:
-        raise ConfigError(f"train.resume={resume!r}: no checkpoint there (expected a checkpoint directory "
-                          f"holding trainer.pt, or a run directory with checkpoints/); use auto or never")
-    return found
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
+# What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
+CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
+RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout)
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
     """Run (or continue) the training job described by `cfg` in `run_dir`; return the exit code."""
-    # ---- processes and devices: one process, or one per torchrun / accelerate-launch worker.
-    # accelerate picks cuda or cpu and the backend (NCCL on GPU, gloo on CPU). Precision is ours
-    # (train.precision), so accelerate must not add its own autocast. Without a GPU, cpu=True is what
-    # makes accelerate form a gloo process group under torchrun (otherwise each worker runs alone).
+    tc = cfg.train
+    check_loop_settings(tc)
+    installed = STOP.install()  # from here on a stop signal ends the run cleanly (train_utils/signals.py)
     export_distributed_env()  # SLURM tasks without torchrun (srun, submitit): rank/world from the job
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
-    rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    device = accelerator.device
-    accum = validate(cfg, world)
-    tc, precision = cfg.train, cfg.train.precision
-    # Every rank must write to the same place even if each resolved ${now:...} on its own.
-    run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
-    ckpt_root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
-    if is_main:
-        ckpt.remove_temporaries(ckpt_root)  # what a writer killed mid-save left behind
-    resume_from = find_resume(tc.resume, ckpt_root)
-    say = print if is_main else (lambda *a, **k: None)
-
-    # ---- data, model, optimizer, schedule. Same seed on every rank: identical initial weights.
-    seed_everything(tc.seed)
-    opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    sched_cfg = OmegaConf.to_container(cfg.schedule, resolve=True)
+    accelerator = distributed.make_accelerator(tc.collective_timeout_s)
+    rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
+                                    accelerator.is_main_process, accelerator.device)
+    monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
+    metrics = bar = None
     try:
+        accum = validate_config(cfg, world)
+        precision = tc.precision
+        # Every rank must write to the same place even if each resolved ${now:...} on its own.
+        run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
+        ckpt_root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
+        say = Console(run_dir, enabled=is_main)
+
+        # ---- which checkpoint continues this run, and does this config still describe it?
+        plan = resume.plan(cfg, ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)
+        for note in plan["notes"]:
+            say(f"skipped a damaged checkpoint: {note}")
+        if plan["finished"]:
+            say(f"this run has already finished: {plan['ckpt_dir']} is its final checkpoint (step {plan['step']} of "
+                f"{tc.steps}) and metrics.jsonl its end row. Nothing to do; to train longer, raise train.steps with "
+                f"train.resume_changes=[train.steps].")
+            return 0
+
+        # ---- data, model, optimizer, schedule. Same seed on every rank: identical initial weights.
+        seed_everything(tc.seed)
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
                              seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings)
         raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
+        if tc.activation_checkpointing:
+            enable_activation_checkpointing(raw_model)
         if precision == "bf16":
             raw_model.to(torch.bfloat16)
-        model = accelerator.prepare_model(raw_model)  # to the device; DDP wrapper when world > 1
+        seed_dropout(tc.seed, rank)  # ...but every rank its own dropout masks
+        model = distributed.wrap_model(accelerator, raw_model)
+        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
-        scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps, **sched_cfg)
-    # Bad names/values in model/, data/, optimizer/, schedule/ configs; a missing data.path or a
-    # tokenizer that cannot be loaded offline (OSError): the messages say what to pass instead.
-    except (ValueError, OSError) as err:
-        raise ConfigError(str(err)) from err
+        try:
+            scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
+                                               **OmegaConf.to_container(cfg.schedule, resolve=True))
+        except ValueError as err:  # frugal.schedules checks its arguments and nothing else
+            raise ConfigError(f"schedule: {err}") from err
+        dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
-    # ---- resume: weights, optimizer state, schedule, each rank's data position, RNG states.
-    step, tokens = 0, 0
-    if resume_from is not None:
-        trainer = ckpt.load(resume_from, "trainer")
-        if trainer["world_size"] != world:
-            raise ConfigError(f"checkpoint {resume_from} was written by {trainer['world_size']} processes, "
-                              f"this run has {world}: per-rank data positions cannot be remapped")
-        try:  # loaded to CPU memory; load_state_dict copies into the parameters' device
-            raw_model.load_state_dict(ckpt.load(resume_from, "model"))
-            optimizer.load_state_dict(ckpt.load(resume_from, "optimizer"))
-            scheduler.load_state_dict(trainer["scheduler"])
-            dm.load_state_dict(trainer["data"][rank])
-        except (ValueError, RuntimeError, KeyError) as err:  # another model/optimizer/data config
-            raise ConfigError(f"cannot resume from {resume_from} with this config ({err}); use the "
-                              f"checkpoint's own settings (its config.yaml) or train.resume=never") from err
-        ckpt.set_rng_state(trainer["rng"][rank])
-        step, tokens = trainer["step"], trainer["tokens"]
-        say(f"resuming from {resume_from} (step {step})")
+        # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
+        step, tokens, active = 0, 0, None
+        if plan["ckpt_dir"]:
+            trainer = ckpt.load(plan["ckpt_dir"], "trainer")
+            scheduler = resume.restore(plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer,
+                                       scheduler=scheduler, dm=dm, rank=rank, world=world, seed=tc.seed,
+                                       new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
+            step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
+            say(f"resuming from {plan['ckpt_dir']} (step {step})")
+        # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
+        if accelerator.reduce(torch.tensor([float(STOP.received is not None)], device=device), "sum").item():
+            say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
+                f"nothing new to save. To continue, run the same command with hydra.run.dir={run_dir}.")
+            requeue(STOP.previous or {}, STOP.received)
+            return EXIT_PREEMPTED
 
-    # ---- logging: metrics.jsonl (+ wandb) on the main process only.
-    name = f"{cfg.model.name}-{cfg.optimizer.name}-{os.path.basename(run_dir)}"
-    metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, default_name=name,
-                         run_config=OmegaConf.to_container(cfg, resolve=True))
-    metrics.truncate_after(step if resume_from else -1)  # rows past the checkpoint never happened
-    adamw_bytes = frugal.estimate_state_bytes(raw_model, "adamw")
-    fraction = optimizer.state_full_fraction() if hasattr(optimizer, "state_full_fraction") else None
-    metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in raw_model.parameters()),
-                 "state_full_fraction": fraction,
-                 # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
-                 "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
-                 "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name, "model": cfg.model.name,
-                 "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
-                 "resumed_from": resume_from})
+        # ---- logging: metrics.jsonl (+ wandb) and the console on the main process only.
+        name = run_name(cfg, run_dir)  # wandb: <model>-<optimizer option>-<swept values or run dir>
+        metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, name=name, group=run_group(cfg),
+                             run_config=OmegaConf.to_container(cfg, resolve=True))
+        kept = metrics.truncate_after(step if plan["ckpt_dir"] else -1)  # rows past the checkpoint never happened
+        evals = [r for r in kept if "val_loss" in r and "event" not in r and r["step"] == step]
+        last_eval = evals[-1] if evals else None
+        adamw_bytes = frugal.estimate_state_bytes(raw_model, "adamw")
+        flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
+        peak = peak_flops(device, tc.peak_flops)
+        metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in raw_model.parameters()),
+                     "state_full_fraction": state_full_fraction(optimizer),
+                     # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
+                     "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
+                     "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name, "model": cfg.model.name,
+                     "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
+                     "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
+                     "activation_checkpointing": activation_checkpointing_on(raw_model),
+                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)})
+        if plan["changes"]:
+            metrics.log({"event": "resume_changes", "step": step,
+                         "changes": {k: [old, new] for k, (old, new) in plan["changes"].items()}})
+            say("applying the changed settings named in train.resume_changes: " +
+                "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan["changes"].items()))
+        if plan["ckpt_dir"] and trainer["world_size"] != world:
+            metrics.log({"event": "world_size_changed", "step": step, "from": trainer["world_size"], "to": world})
+            say(f"continuing on {world} processes (the checkpoint was written by {trainer['world_size']}): weights, "
+                f"optimizer state and schedule are exact, the data stream continues from its global position; "
+                f"per-rank dropout streams and float summation order differ (train_utils/resume.py)")
 
-    # ---- preemption: SIGTERM/SIGUSR1 only raise a flag; the loop saves and exits at a step boundary.
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    previous_handlers = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
-
-    def save_checkpoint() -> None:
-        # Collective: every rank's data position and RNG state go into the one checkpoint rank 0 writes.
-        per_rank = gather_object([{"data": dm.state_dict(), "rng": ckpt.rng_state()}])
-        if is_main:
-            trainer = {"step": step, "tokens": tokens, "world_size": world, "scheduler": scheduler.state_dict(),
-                       "data": [r["data"] for r in per_rank], "rng": [r["rng"] for r in per_rank],
-                       "active_blocks": active, "config": OmegaConf.to_yaml(cfg, resolve=True)}
-            ckpt.save(ckpt_root, step, {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "trainer": trainer},
-                      texts={"config.yaml": trainer["config"]}, keep=cfg.checkpoint.keep)
-        accelerator.wait_for_everyone()  # nobody moves on (or exits) before the checkpoint exists
-
-    # ---- the loop
-    train_iter = dm.train_batches()
-    # The state-full blocks of the last step (a fresh run logs its first window as a switch).
-    active = trainer.get("active_blocks") if resume_from else None
-    last_eval, started = None, time.perf_counter()
-    window_tokens, window_time = 0, 0.0
-    bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
-               disable=not (is_main and tc.progress_bar))
-    model.train()
-    try:
+        # ---- the loop
+        train_iter = training_batches(dm)
+        params = [p for p in raw_model.parameters() if p.requires_grad]
+        interval, started = Interval(device, flops, peak, world), time.perf_counter()
+        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
+                   disable=not (is_main and tc.progress_bar))
+        model.train()
         while step < tc.steps:
             t0 = time.perf_counter()
             batches = [next(train_iter) for _ in range(accum)]
-            # The global target count is needed before the first backward (see the module docstring).
-            n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device),
-                                          reduction="sum").item()
-            scale = world / n_global  # DDP averages gradients over ranks; x world turns it into a sum
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for i, batch in enumerate(batches):
-                ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-                # Skip the gradient all-reduce on all but the last micro-batch: accumulate locally.
-                with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
-                    with autocast(precision, device):
-                        logits = model(input_ids=ids, use_cache=False).logits
-                    loss = token_loss_sum(logits, labels)
-                    (loss * scale).backward()
-                loss_sum += loss.detach().double()
-                del logits, loss  # free the activations' last references before the next forward
-            # One small all-reduce gives every rank the global loss and whether any rank got a signal.
-            flag = torch.tensor(float(stop["signal"] is not None), dtype=torch.float64, device=device)
-            stats = accelerator.reduce(torch.stack([loss_sum, flag]), reduction="sum")
-            loss_value = stats[0].item() / n_global
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"non-finite training loss ({loss_value}) at step {step + 1}; stopped before applying "
-                    f"it. Last good checkpoint: {ckpt.latest(ckpt_root) or 'none'}. Try a lower optimizer.lr, "
-                    f"train.grad_clip=1.0 or train.precision=fp32.")
+            data_wait = time.perf_counter() - t0
+            loss_sum, n_global = forward_backward(model, batches, accelerator, precision)
+            norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
+            # The step's one host sync: global loss, gradient norm, target count, the ranks' stop votes.
+            votes = torch.tensor(float(STOP.received is not None), dtype=torch.float64, device=device)
+            summed = accelerator.reduce(torch.stack([loss_sum, votes]), reduction="sum")
+            loss_total, stop_votes, grad_norm, targets = torch.cat(
+                [summed, norm.double().view(1), n_global.double().view(1)]).tolist()
+            loss = loss_total / targets
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(
+                    f"non-finite training loss or gradient norm (loss {loss}, gradient norm {grad_norm}) at step "
+                    f"{step + 1}; stopped before applying it. Last checkpoint (finite): "
+                    f"{ckpt.latest(ckpt_root) or 'none'}. Try a lower optimizer.lr, train.grad_clip=1.0 or "
+                    f"train.precision=fp32.")
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
-            grad_norm = None
-            if tc.grad_clip:  # gradients are already identical on every rank here
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), tc.grad_clip).item()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            tokens += n_global
-            window_tokens += n_global
-            window_time += time.perf_counter() - t0
+            tokens += int(targets)
+            for event in dm.pop_events():  # e.g. a source that wrapped around an epoch
+                metrics.log({**event, "step": step})
+            interval.add(int(targets), sum(b["input_ids"].numel() for b in batches) * world,
+                         time.perf_counter() - t0, data_wait)
 
             if step % tc.log_every == 0 or step == tc.steps:
-                row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens,
-                       "tokens_per_s": window_tokens / window_time,
-                       "optimizer_state_bytes": frugal.state_bytes(optimizer),
-                       "peak_memory_bytes": peak_memory_bytes(device)}
-                if grad_norm is not None:
-                    row["grad_norm"] = grad_norm
+                row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                       **interval.row(), "optimizer_state_bytes": frugal.state_bytes(optimizer),
+                       "state_full_fraction": state_full_fraction(optimizer)}
                 metrics.log(row)
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
-                window_tokens, window_time = 0, 0.0
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
-
-            if tc.eval_every and step % tc.eval_every == 0:
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
                 metrics.log(last_eval)
-            stopping = stats[1].item() > 0
+            # A signal during the last step lets the run finish instead (only the summary is left).
+            stopping = stop_votes > 0 and step < tc.steps
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                save_checkpoint()
+                ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
+                                     data_state=dm.state_dict(), merge_data_states=data.merge_states,
+                                     accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
+                                     config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})
             if stopping:
-                signame = stop["signal"] or "a signal on another rank"
+                signame = STOP.received or "a signal on another rank"
                 metrics.log({"event": "preempted", "step": step, "signal": signame})
                 bar.close()
                 say(f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. "
                     f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto).")
                 accelerator.wait_for_everyone()  # see the end of the loop: no rank tears down early
-                requeue(previous_handlers, stop["signal"])  # submitit jobs: submitit requeues (rank 0 exits)
+                requeue(STOP.previous or {}, STOP.received)  # submitit jobs: submitit requeues (rank 0 exits)
                 return EXIT_PREEMPTED
 
-        # ---- the end: final evaluation (unless the last step just had one), summary, plot.
+        # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
         if last_eval is None or last_eval["step"] != step:
             last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
             metrics.log(last_eval)
-        # Data parallelism must keep every rank's weights identical: a cheap check, once, at the end.
-        checksum = sum(float(p.detach().double().sum()) for p in raw_model.parameters())
-        in_sync = len(set(gather_object([checksum]))) == 1
-        if not in_sync:
-            say("WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
-        state = frugal.state_bytes(optimizer)
-        seconds = time.perf_counter() - started
-        metrics.log({"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-                     "tokens": tokens, "loss_floor": dm.loss_floor, "optimizer_state_bytes": state,
-                     "adamw_state_bytes": adamw_bytes, "seconds": seconds, "ranks_in_sync": in_sync,
-                     "weights_checksum": checksum})
+        in_sync, checksum = ranks_in_sync(raw_model)
+        end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
+               "tokens": tokens, "loss_floor": dm.loss_floor, "optimizer_state_bytes": frugal.state_bytes(optimizer),
+               "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
+               "ranks_in_sync": in_sync, "weights_checksum": checksum}
+        metrics.log(end)
         metrics.close()  # wandb prints its own lines at finish; the summary below comes last
         if is_main and tc.plot:
             plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
-        floor, mib = dm.loss_floor, 2.0 ** 20
-        say(f"\n{cfg.model.name} + {cfg.optimizer.name}: {step} steps, {tokens:,} tokens, {seconds:.0f} s in this run\n"
-            f"  validation loss {last_eval['val_loss']:.4f}, perplexity {last_eval['val_ppl']:.3f}")
-        if floor is not None:
-            say(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
-        say(f"  optimizer state {state / mib:.2f} MiB vs {adamw_bytes / mib:.2f} MiB for AdamW "
-            f"({state / max(adamw_bytes, 1):.0%})")
-        say(f"  run dir {run_dir}: metrics.jsonl, checkpoints/" + (", loss.png" if tc.plot else ""))
+        say(end_of_run_summary(end, cfg.model.name, cfg.optimizer.name, run_dir, tc.plot))
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()
         return 0
+    except RuntimeError as err:
+        if world > 1 and distributed.is_collective_timeout(err):
+            raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
+                monitor, rank, tc.collective_timeout_s, err)) from err
+        raise
     finally:
-        bar.close()
-        metrics.close()
-        for s, handler in previous_handlers.items():
-            signal.signal(s, handler)
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+        if installed:
+            STOP.restore()
         accelerator.end_training()  # destroy the process group before the interpreter exits
+
+
+def state_full_fraction(optimizer) -> float | None:
+    return optimizer.state_full_fraction() if hasattr(optimizer, "state_full_fraction") else None
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    run_dir, rank = HydraConfig.get().runtime.output_dir, int(os.environ.get("RANK", "0"))
     try:
-        status = train(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, FloatingPointError) as err:  # expected failures: a clear message, no traceback
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2 if isinstance(err, ConfigError) else 1)
+        refusal = distributed.torchrun_multirun_error(is_multirun())
+        if refusal:
+            raise ConfigError(refusal)
+        status = train(cfg, run_dir)
+    except CONFIG_ERRORS + RUN_ERRORS as err:  # expected failures: a clear message, no traceback
+        timeout = isinstance(err, distributed.CollectiveTimeout)
+        # Kept in train.log too; a collective timeout is reported by every rank that saw it (rank 0 may
+        # be the one that froze), the rest by rank 0 (stop_with_error).
+        Console(run_dir, enabled=rank == 0 or timeout)(f"error: {err}", error=True, console=timeout and rank != 0)
+        stop_with_error(err, 2 if isinstance(err, CONFIG_ERRORS) else 1)
+    except KeyboardInterrupt:  # the second Ctrl-C
+        Console(run_dir, enabled=rank == 0)("interrupted (a second Ctrl-C): no checkpoint written", error=True)
+        sys.exit(130)
     if status:
         sys.exit(status)
 

@@ -9,7 +9,7 @@ import pytest
 import eval as evaluate_ckpt
 from _train_helpers import one_thread, rows, run_cli, run_inprocess  # noqa: F401
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError
+from train_utils.validation import ConfigError
 
 
 @pytest.fixture(scope="module")

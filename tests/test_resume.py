@@ -36,8 +36,9 @@ def test_n_plus_n_equals_2n(tmp_path, straight_run):
     assert run_inprocess(tmp_path, f"train.steps={N}", "checkpoint.every=1", "checkpoint.keep=2") == 0
     kept = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path / "checkpoints"))]
     assert kept == [ckpt.step_dir_name(N - 1), ckpt.step_dir_name(N)]
-    # Second half: the same command with more steps continues from the latest checkpoint.
-    assert run_inprocess(tmp_path, f"train.steps={2 * N}") == 0
+    # Second half: the same command with more steps (named as a change on purpose) continues from
+    # the latest checkpoint.
+    assert run_inprocess(tmp_path, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
     assert losses(tmp_path) == losses(straight_run)  # bitwise: exact float equality, every step
     assert_same_weights(_final(tmp_path), _final(straight_run))
     opt_a, opt_b = _final(tmp_path, "optimizer"), _final(straight_run, "optimizer")
@@ -49,6 +50,9 @@ def test_n_plus_n_equals_2n(tmp_path, straight_run):
     assert [s for s, _ in switches] == [1, 4, 7]  # update_gap=3, no duplicate at the resume
     starts = [r for r in rows(tmp_path) if r.get("event") == "start"]
     assert starts[1]["step"] == N and starts[1]["resumed_from"].endswith(ckpt.step_dir_name(N))
+    changed = [r for r in rows(tmp_path) if r.get("event") == "resume_changes"]
+    assert changed == [{"event": "resume_changes", "step": N, "changes": {"train.steps": [N, 2 * N]}}]
+    assert [r["step"] for r in rows(tmp_path) if r.get("event") == "end"] == [2 * N]  # the first half's end row is gone
 
 
 def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run):
@@ -59,7 +63,7 @@ def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run
     root = tmp_path / "checkpoints"
     shutil.rmtree(root / ckpt.step_dir_name(N))
     os.remove(root / "latest")
-    assert run_inprocess(tmp_path, f"train.steps={2 * N}") == 0
+    assert run_inprocess(tmp_path, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
     steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
     assert steps == list(range(1, 2 * N + 1))
     assert losses(tmp_path) == losses(straight_run)
@@ -67,9 +71,9 @@ def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run
 
 
 def test_resume_with_another_optimizer_is_refused(tmp_path, straight_run):
-    from train_utils.config import ConfigError
+    from train_utils.validation import ConfigError
 
-    with pytest.raises(ConfigError, match="cannot resume from"):
+    with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
         run_inprocess(tmp_path, f"train.steps={2 * N + 1}", f"train.resume={straight_run}", "optimizer=adamw",
                       base=[o for o in TINY_BASE if not o.startswith("optimizer")])
 
@@ -158,7 +162,7 @@ def test_rng_state_roundtrip_is_safe_to_load(tmp_path):
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints(straight_run):
-    from train_utils.config import ConfigError
+    from train_utils.validation import ConfigError
 
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         run_inprocess(straight_run, f"train.steps={N}", "train.resume=never")

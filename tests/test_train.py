@@ -5,14 +5,17 @@ import os
 
 import pytest
 import torch
+
+import frugal
 from hydra.errors import MissingConfigException
 
 from _train_helpers import (TINY, compose_cfg, one_thread, rows,  # noqa: F401
                             run_cli, run_inprocess, train_cmd, wait_for_wandb_run, wandb_history)
 from train_utils import checkpoint as ckpt
-from train_utils.config import ConfigError
+from train_utils.validation import ConfigError
 
-TRAIN_FIELDS = {"step", "loss", "lr", "tokens", "tokens_per_s", "optimizer_state_bytes", "peak_memory_bytes"}
+TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "data_wait_s", "scored_tokens_per_s",
+                "positions_per_s", "optimizer_state_bytes", "peak_memory_bytes", "state_full_fraction"}
 START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes_estimate", "optimizer", "model",
                 "loss_floor"}
 
@@ -42,8 +45,13 @@ def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
     assert [r["step"] for r in train_rows] == list(range(1, 31))
     for r in train_rows:
         assert TRAIN_FIELDS <= r.keys(), r
-        assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert math.isfinite(r["loss"]) and r["scored_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
         assert 0 < r["optimizer_state_bytes"] < start["adamw_state_bytes"]
+        assert r["grad_norm"] > 0 and r["state_full_fraction"] == pytest.approx(0.25)
+        assert 0 <= r["data_wait_s"] < r["step_time_s"]
+        # every row of the synthetic corpus is full: 256 positions, 255 of them scored targets
+        assert r["positions_per_s"] / r["scored_tokens_per_s"] == pytest.approx(256 / 255)
+        assert "mfu" not in r  # CPU: no peak FLOPS in the table, none given
     assert train_rows[-1]["tokens"] == 30 * 4 * 255  # 4 sequences of 256 tokens = 255 targets each
     first, last = train_rows[0]["loss"], sum(r["loss"] for r in train_rows[-5:]) / 5
     assert first == pytest.approx(math.log(512), abs=0.3)  # a fresh model is uniform over 512 symbols
@@ -57,6 +65,8 @@ def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
     assert all(len(r["active_blocks"]) == 1 for r in switches)  # 0.25 of 4 layers
     assert end["event"] == "end" and end["val_loss"] == evals[1]["val_loss"] and end["ranks_in_sync"]
     assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+    log_text = (run_dir / "train.log").read_text()  # the console's lines are kept in train.log
+    assert "validation loss" in log_text and "optimizer state" in log_text
     assert os.path.basename(ckpt.latest(os.path.join(run_dir, "checkpoints"))) == "step_00000030"
 
 
@@ -103,11 +113,25 @@ def test_unknown_group_option_lists_choices():
     ("optimizer.density=1.5", ["density", "1.5"]),
 ])
 def test_bad_values_are_named(tmp_path, override, words):
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises((ConfigError, frugal.HyperparameterError)) as err:
         run_inprocess(tmp_path, override)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_programming_errors_keep_their_traceback(tmp_path, monkeypatch):
+    """Only validated errors become one-line messages; a bug inside model construction (here a plain
+    ValueError) must reach the caller as itself, not as a ConfigError (exit 2, no traceback)."""
+    import models
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug, not a bad setting")
+
+    monkeypatch.setattr(models, "build_model", broken)
+    with pytest.raises(ValueError, match="a bug") as err:
+        run_inprocess(tmp_path, "train.steps=1")
+    assert not isinstance(err.value, ConfigError)
 
 
 def test_missing_checkpoint_to_resume(tmp_path):

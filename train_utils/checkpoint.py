@@ -1,24 +1,36 @@
-"""Atomic, safely loadable checkpoints.
+"""Atomic, verified, safely loadable checkpoints.
 
 Layout of a run directory's checkpoints:
 
     <run_dir>/checkpoints/
-        step_00000100/      model.pt  optimizer.pt  trainer.pt  config.yaml
+        step_00000100/      model.pt  optimizer.pt  trainer.pt  config.yaml  manifest.json
         step_00000200/      ...
         latest              text file: the name of the newest complete checkpoint ("step_00000200")
 
-A checkpoint is first written into a hidden temporary directory (every file flushed and fsync'ed),
-which is then renamed to its final name; `latest` is replaced (write temp file + os.replace) only
-after that. Renames are atomic on POSIX file systems, so a process killed at any moment (SIGKILL,
-node failure) leaves either the previous checkpoint or the new one as `latest`, never a half-written
-one; leftover temporary directories are removed by the next run.
+Writing. A checkpoint is first written into a hidden temporary directory (every file flushed and
+fsync'ed); `manifest.json` (each file's size and SHA-256, hashed while it is written, so nothing is
+read twice) comes last. The directory is then renamed to its final name and `latest` is replaced
+(temp file + os.replace) only after that. Renames are atomic on POSIX file systems, so a process
+killed at any moment leaves either the previous checkpoint or the new one as `latest`, never a
+half-written one; leftover temporaries are removed by the next run. A failed write (a full disk)
+removes its temporary directory and raises CheckpointError naming the file and the previous,
+intact checkpoint.
+
+Reading. `find_intact` verifies a checkpoint against its manifest (sizes, then checksums) before it
+is used: a damaged or unreadable one (flipped bytes, a truncated or missing file, an empty or
+garbled `latest`) is skipped for the newest intact one, and the reasons are returned so the caller
+can say what was skipped and why. Files are loaded memory-mapped (`torch.load(mmap=True)`): a rank
+reads the pages it copies into its parameters instead of holding a second full copy.
 
 Every file holds only tensors and plain Python containers/numbers/strings, so it loads with
-`torch.load(..., weights_only=True)` (torch >= 2.6's safe default): RNG states are converted to
-tensors and lists, the config is stored as YAML text.
+`torch.load(..., weights_only=True)`: RNG states are converted to tensors and lists, the config is
+stored as YAML text.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import re
@@ -27,9 +39,18 @@ import shutil
 import numpy as np
 import torch
 
+from train_utils.loop import NonFiniteError
+
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+MANIFEST = "manifest.json"
+DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_CHUNK = 1 << 24
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or used; the message says which, why, and what is intact."""
 
 
 def step_dir_name(step: int) -> str:
@@ -50,44 +71,105 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _HashingFile:
+    """What torch.save writes to: hashes and counts the bytes on their way to the file, and keeps
+    the OSError of a failed write (torch's zip writer turns it into an opaque RuntimeError)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, data) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        self.sha.update(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_file(path: str, obj) -> dict:
+    """Write one checkpoint file (a torch object, or str as UTF-8 text); return its manifest entry."""
+    with open(path, "wb") as f:
+        out = _HashingFile(f)
+        if isinstance(obj, str):
+            out.write(obj.encode())
+        else:
+            try:
+                torch.save(obj, out)
+            except RuntimeError as err:
+                if out.error is None:
+                    raise
+                raise out.error from err
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": out.size, "sha256": out.sha.hexdigest()}
+
+
+def _describe_write_error(err: OSError, path: str, previous: str | None) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on device"
+    elif err.errno == errno.EFBIG:
+        reason = "file too large (the file-size limit was reached)"
+    else:
+        reason = err.strerror or str(err)
+    intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return f"{reason} while writing {path}; {intact}"
+
+
 def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int = 2) -> str:
-    """Write `files` (name -> object for torch.save) and `texts` (name -> str) as checkpoint `step`
-    under `root`, atomically; then point `latest` at it and prune the oldest others so that `keep` remain."""
+    """Write `files` (name -> object for torch.save, stored as <name>.pt) and `texts` (file name ->
+    str) as checkpoint `step` under `root`, atomically, with the manifest last; then point `latest`
+    at it and prune the oldest others so that `keep` remain."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")
+    previous = latest(root)
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, obj in files.items():
-        path = os.path.join(tmp, f"{name}.pt")
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    for name, text in (texts or {}).items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if os.path.exists(final):  # re-saving the same step (e.g. a resumed run that was already done)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    # `latest` moves only once the directory it names is complete.
-    pointer_tmp = os.path.join(root, f".{LATEST}.tmp_{os.getpid()}")
-    with open(pointer_tmp, "w") as f:
-        f.write(step_dir_name(step) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    contents = {f"{name}.pt": obj for name, obj in files.items()} | dict(texts or {})
+    path, renamed = tmp, False
+    try:
+        os.makedirs(tmp)
+        manifest = {"format": 1, "step": step, "files": {}}
+        for name, obj in contents.items():
+            path = os.path.join(tmp, name)
+            manifest["files"][name] = _write_file(path, obj)
+        path = os.path.join(tmp, MANIFEST)
+        _write_file(path, json.dumps(manifest, indent=1) + "\n")
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving the same step (e.g. over a damaged copy of it)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        renamed = True
+        _fsync_dir(root)
+        path = os.path.join(root, LATEST)  # `latest` moves only once the directory it names is complete
+        point_latest(root, final)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if renamed:  # complete, but `latest` could not be moved to it: the previous one stays the latest
+            shutil.rmtree(final, ignore_errors=True)
+        raise CheckpointError(_describe_write_error(err, path.replace(tmp, final), previous)) from err
     # Prune the oldest, but never the checkpoint just written (the one `latest` names), even when
     # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint).
     others = [c for c in list_checkpoints(root) if c != final]
     for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def point_latest(root: str, ckpt_dir: str) -> None:
+    """Make `latest` name `ckpt_dir` (atomically: temp file + rename)."""
+    tmp = os.path.join(root, f".{LATEST}.tmp_{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(os.path.basename(ckpt_dir) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -110,21 +192,90 @@ def remove_temporaries(root: str) -> None:
                     os.remove(path)
 
 
+def _pointer(root: str) -> tuple[str | None, str | None]:
+    """The checkpoint `latest` names, and what is wrong with the pointer (None if nothing)."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None, ("the `latest` pointer is missing" if list_checkpoints(root) else None)
+    try:
+        with open(path, "rb") as f:
+            name = f.read(256).decode().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"the `latest` pointer is unreadable ({err})"
+    if not name:
+        return None, "the `latest` pointer is empty"
+    if not _STEP_DIR.match(name) or not os.path.isdir(os.path.join(root, name)):
+        return None, f"the `latest` pointer names {name[:40]!r}, which is not a checkpoint here"
+    return os.path.join(root, name), None
+
+
 def latest(root: str) -> str | None:
-    """The checkpoint `latest` names; if the pointer is missing (killed between the rename and the
-    pointer update) the newest complete directory, which is equally valid."""
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(root, f.read().strip())
-        if os.path.isdir(path):
-            return path
+    """The checkpoint `latest` names; if the pointer is missing or damaged (e.g. killed between the
+    rename and the pointer update) the newest complete directory, which is equally valid.
+    Not verified: see `find_intact`."""
+    named, _ = _pointer(root)
+    if named:
+        return named
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
+def verify(ckpt_dir: str) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else what is wrong."""
+    try:
+        with open(os.path.join(ckpt_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+        entries = manifest["files"].items()
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    for name, entry in entries:
+        path = os.path.join(ckpt_dir, name)
+        try:
+            size = os.path.getsize(path)
+            if size != entry["bytes"]:
+                return f"{name} has {size} bytes, its manifest says {entry['bytes']} (truncated or overwritten)"
+            sha = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    sha.update(chunk)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as err:
+            return f"{name} is unreadable ({err})"
+        if sha.hexdigest() != entry["sha256"]:
+            return f"{name} does not match its checksum (damaged)"
+    return None
+
+
+def find_intact(root: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under `root` that passes `verify` (the one `latest` names first, then
+    the others, newest first), and what was passed over: [(path, reason)], path being a checkpoint
+    directory or the `latest` pointer itself."""
+    named, problem = _pointer(root)
+    skipped = [(os.path.join(root, LATEST), problem)] if problem else []
+    candidates = ([named] if named else []) + [c for c in reversed(list_checkpoints(root)) if c != named]
+    for candidate in candidates:
+        reason = verify(candidate)
+        if reason is None:
+            return candidate, skipped
+        skipped.append((candidate, reason))
+    return None, skipped
+
+
+def set_aside(ckpt_dir: str) -> str:
+    """Rename a damaged checkpoint out of the way (kept for inspection, never listed or pruned)."""
+    target, n = ckpt_dir + DAMAGED_SUFFIX, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{ckpt_dir}{DAMAGED_SUFFIX}{n}"
+    os.replace(ckpt_dir, target)
+    return target
+
+
 def resolve(path: str) -> str | None:
-    """A checkpoint directory from a checkpoint dir, a run's `checkpoints/` dir or a run dir."""
+    """A checkpoint directory from a checkpoint dir, a run's `checkpoints/` dir or a run dir (not verified)."""
     if os.path.isfile(os.path.join(path, "trainer.pt")):
         return path
     for root in (path, os.path.join(path, CHECKPOINT_DIR)):
@@ -135,7 +286,9 @@ def resolve(path: str) -> str | None:
 
 
 def load(ckpt_dir: str, name: str, map_location="cpu"):
-    return torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location=map_location, weights_only=True)
+    """One file of a checkpoint, memory-mapped: pages are read when copied, not all up front."""
+    return torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location=map_location, weights_only=True,
+                      mmap=True)
 
 
 def rng_state() -> dict:
@@ -160,3 +313,49 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """Name the first weight or optimizer-state tensor holding inf/NaN, or None if all are finite.
+    One host sync for the common (finite) case."""
+    named = [(f"weight {n}", p) for n, p in model.named_parameters()]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        named += [(f"optimizer state {k!r} of {names.get(id(p), 'a parameter')}", t) for k, t in state.items()
+                  if torch.is_tensor(t) and t.is_floating_point()]
+    if not named or bool(torch.stack([t.detach().isfinite().all() for _, t in named]).all()):
+        return None
+    return next(name for name, t in named if not bool(t.detach().isfinite().all()))
+
+
+def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_state: dict, merge_data_states,
+                    accelerator, tokens: int, config_yaml: str, keep: int, extra: dict | None = None) -> str | None:
+    """Write the training state after `step` (collective: call on every rank).
+
+    Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
+    the last checkpoint, which is then the last finite one). Every rank's data position (`data_state`)
+    and RNG state go into the one checkpoint the main process writes; `merge_data_states(per_rank)`
+    makes the stored data position from the ranks' states. A failed write (CheckpointError) stops every rank with
+    the writer's message. Returns the checkpoint's path on the main process."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    bad = nonfinite_state(model, optimizer)  # every rank holds the same replica, so all agree
+    if bad is not None:
+        raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. "
+                                 f"Last checkpoint (finite): {latest(root) or 'none'}")
+    per_rank = gather_object([{"data": data_state, "rng": rng_state()}])
+    path, error = None, None
+    if accelerator.is_main_process:
+        trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
+                   "scheduler": scheduler.state_dict(), "data": merge_data_states([r["data"] for r in per_rank]),
+                   "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
+        try:
+            path = save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "trainer": trainer}, texts={"config.yaml": config_yaml}, keep=keep)
+        except CheckpointError as err:
+            error = str(err)
+    # Also the barrier: nobody moves on (or exits) before the checkpoint exists or has failed.
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return path

@@ -1,25 +1,44 @@
-"""Where the numbers go: `metrics.jsonl` in the run directory (the project's own record, read by the
-table and plot scripts) and wandb (a view of the same rows). Only the main process writes."""
+"""Where the numbers and lines go: `metrics.jsonl` in the run directory (the project's own record,
+read by the table and plot scripts), wandb (a view of the same rows), and the console, whose lines
+are also kept in `train.log`. Only the main process writes."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import resource
 import secrets
 import sys
+import time
 
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated CUDA memory on GPU; peak resident set size of this process on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+class Console:
+    """The run's console lines: printed (above the progress bar) and appended, time-stamped, to
+    <run_dir>/train.log, so a job's log file holds what its console showed. Silent when disabled
+    (ranks other than the main process)."""
+
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.enabled, self.path = enabled, os.path.join(run_dir, LOG_FILE)
+
+    def __call__(self, text: str = "", error: bool = False, console: bool = True) -> None:
+        """Print `text` (stderr if `error`; not at all unless `console`) and append it to train.log."""
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if console:
+            tqdm.write(text, file=sys.stderr if error else sys.stdout)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            with open(self.path, "a") as f:
+                f.writelines(f"[{stamp}] {line}\n" for line in (text.strip("\n").splitlines() or [""]))
+        except OSError:
+            pass  # a full disk must not hide the message itself, which is already on the console
 
 
 def _plain(value):
@@ -35,7 +54,7 @@ class MetricsLog:
     """Append rows to metrics.jsonl and mirror them to wandb (when enabled)."""
 
     def __init__(self, run_dir: str, enabled: bool, wandb_cfg=None, run_config: dict | None = None,
-                 default_name: str = "run"):
+                 name: str = "run", group: str | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.wandb = None
@@ -54,21 +73,22 @@ class MetricsLog:
                 with open(id_file, "w") as f:
                     f.write(run_id)
             self.wandb = wandb.init(
-                project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or default_name,
+                project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
                 mode=wandb_cfg.mode, dir=run_dir, config=run_config, id=run_id, resume="allow",
             )
 
-    def truncate_after(self, step: int) -> None:
-        """Drop rows newer than `step` (logged after the checkpoint a run resumes from), so the file
-        reads as one uninterrupted run; step < 0 empties it."""
+    def truncate_after(self, step: int) -> list[dict]:
+        """Drop rows newer than `step` (logged after the checkpoint a run resumes from), the `end` row
+        of a run that now continues, and a partial last line, so the file reads as one uninterrupted
+        run; step < 0 empties it. Returns the rows kept."""
         if not self.enabled or not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            return []
+        kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step and row.get("event") != "end"]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, self.path)
+        return kept
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -91,9 +111,20 @@ class MetricsLog:
             self.wandb = None
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path) -> list[dict]:
+    """The rows of a metrics.jsonl file. A last line that is not valid JSON (a write cut short by a
+    kill or a full disk) is dropped; a bad line anywhere else is an error naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # the partial last line of an interrupted append
+            raise ValueError(f"{path}, line {number}: not a JSON row ({err})") from err
+    return rows
 
 
 def plot_losses(metrics_path: str, out_path: str, loss_floor: float | None = None, title: str = "") -> str:

@@ -1,0 +1,267 @@
+"""Fault injection for train.py: kill, signal, damage and starve runs, then check how they end and
+whether the resumed run is the uninterrupted one. Prints a table of trials and outcomes.
+
+    python scripts/fault_inject.py                      # modest counts, ~5 minutes on 2 CPU cores
+    python scripts/fault_inject.py --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
+
+Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step)
+in its own run directory and compares the end with one uninterrupted reference run: the per-step
+losses and the final weights must be bitwise equal.
+
+  kill       SIGKILL at a random moment; half of the kills wait for a checkpoint write to be under
+             way (its temporary directory exists). The same command is then run again.
+  signal     SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 to the whole process group (DataLoader workers
+             included) after a random number of steps: expect exit 75, then resume.
+  damage     a finished run whose newest checkpoint (or its `latest` pointer) is damaged: flipped
+             bytes, random bytes, a truncated or missing file, a missing manifest, an empty or
+             garbled pointer. Run again: expect the damage to be named and skipped (or, for the
+             pointer alone, to cost nothing), and the same end.
+  disk-full  the process's file-size limit (RLIMIT_FSIZE) below a checkpoint's size, on a fresh run
+             and on one that already holds checkpoints: expect exit 1 with one line naming the file
+             and the intact previous checkpoint, no traceback; then continue without the limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from train_utils import checkpoint as ckpt  # noqa: E402
+
+STEPS = 12
+JOB = ["model=llama_tiny", "data=synthetic", "data.seq_len=64", "train.batch_size=8", "train.micro_batch_size=4",
+       "train.eval_tokens=1024", "train.eval_every=0", "train.progress_bar=false", "train.plot=false",
+       "wandb.mode=disabled", "checkpoint.every=1", "checkpoint.keep=3", "schedule=cosine_restarts",
+       "schedule.cycle_length=8", "optimizer.update_gap=3", f"train.steps={STEPS}"]
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def command(run_dir: str, *extra: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "train.py"), *JOB, *extra, f"hydra.run.dir={run_dir}"]
+
+
+def environment() -> dict:
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+
+
+def run(run_dir: str, *extra: str, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
+    def limit():
+        if limit_bytes:  # Python ignores SIGXFSZ, so writes past the limit fail with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run(command(run_dir, *extra), cwd=REPO, env=environment(), capture_output=True, text=True,
+                          timeout=600, preexec_fn=limit)
+
+
+def start(run_dir: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def logged_steps(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return sum('"loss"' in line for line in open(path).read().split("\n")[:-1])
+
+
+def losses(run_dir: str) -> dict:
+    from train_utils.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r}
+
+
+def final_weights(run_dir: str) -> dict:
+    return ckpt.load(ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR)), "model")
+
+
+def same_as(reference: str, run_dir: str) -> bool:
+    a, b = final_weights(reference), final_weights(run_dir)
+    return losses(reference) == losses(run_dir) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def finish(reference: str, run_dir: str) -> tuple[str, bool]:
+    """Run the same command again until it is done (at most twice) and compare with the reference."""
+    codes = []
+    for _ in range(2):
+        proc = run(run_dir)
+        codes.append(proc.returncode)
+        if proc.returncode == 0:
+            break
+    ok = codes[-1] == 0 and same_as(reference, run_dir)
+    return "/".join(map(str, codes)), ok
+
+
+# ------------------------------------------------------------------------------------------ trials
+def kill_trial(reference: str, run_dir: str, rng: random.Random, during_write: bool) -> dict:
+    proc = start(run_dir)
+    root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
+    target = rng.randint(1, STEPS - 1)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if logged_steps(run_dir) >= target and (
+                not during_write or any(n.startswith(".tmp_") for n in os.listdir(root) if os.path.isdir(root))):
+            break
+        time.sleep(0.0005 if during_write else 0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    killed_after = logged_steps(run_dir)
+    hit_write = os.path.isdir(root) and any(n.startswith(".tmp_") for n in os.listdir(root))
+    latest = ckpt.latest(root) if os.path.isdir(root) else None
+    intact = latest is None or ckpt.verify(latest) is None
+    codes, ok = finish(reference, run_dir)
+    detail = f"after step {killed_after}" + (", inside a checkpoint write" if hit_write else "")
+    return {"fault": "SIGKILL", "detail": detail, "exit codes": f"-9 then {codes}",
+            "outcome": "latest intact, resumed bitwise" if ok and intact else "FAILED", "ok": ok and intact,
+            "in_write": hit_write}
+
+
+def signal_trial(reference: str, run_dir: str, rng: random.Random, name: str) -> dict:
+    proc = start(run_dir, "data.num_workers=2")
+    target = rng.randint(1, STEPS - 2)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and logged_steps(run_dir) < target:
+        time.sleep(0.01)
+    os.killpg(proc.pid, getattr(signal, name))  # the whole group: main process and DataLoader workers
+    out, err = proc.communicate()
+    stopped = proc.returncode == 75 and "stopped by" in out
+    codes, ok = finish(reference, run_dir)
+    return {"fault": f"{name} to the group", "detail": f"after step {target}, 2 DataLoader workers",
+            "exit codes": f"{proc.returncode} then {codes}",
+            "outcome": "checkpoint + exit 75, resumed bitwise" if stopped and ok else f"FAILED: {last_line(err)}",
+            "ok": stopped and ok}
+
+
+def _flip(path: str, rng: random.Random, n: int = 64) -> None:
+    data = bytearray(open(path, "rb").read())
+    at = rng.randrange(0, max(1, len(data) - n))
+    for i in range(at, at + n):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _random_bytes(path: str, rng: random.Random, n: int = 4096) -> None:
+    data = bytearray(open(path, "rb").read())
+    at = rng.randrange(0, max(1, len(data) - n))
+    data[at:at + n] = rng.randbytes(n)
+    open(path, "wb").write(bytes(data))
+
+
+DAMAGES = {
+    "64 flipped bytes in model.pt": lambda c, rng: _flip(os.path.join(c, "model.pt"), rng),
+    "4 KiB of random bytes in optimizer.pt": lambda c, rng: _random_bytes(os.path.join(c, "optimizer.pt"), rng),
+    "trainer.pt truncated": lambda c, rng: os.truncate(os.path.join(c, "trainer.pt"),
+                                                       os.path.getsize(os.path.join(c, "trainer.pt")) // 2),
+    "optimizer.pt missing": lambda c, rng: os.remove(os.path.join(c, "optimizer.pt")),
+    "manifest.json missing": lambda c, rng: os.remove(os.path.join(c, ckpt.MANIFEST)),
+    "config.yaml emptied": lambda c, rng: open(os.path.join(c, "config.yaml"), "w").close(),
+    "latest emptied": lambda c, rng: open(os.path.join(os.path.dirname(c), ckpt.LATEST), "w").close(),
+    "latest garbled": lambda c, rng: open(os.path.join(os.path.dirname(c), ckpt.LATEST), "wb").write(rng.randbytes(12)),
+}
+
+
+def damage_trial(reference: str, run_dir: str, rng: random.Random, kind: str) -> dict:
+    shutil.copytree(reference, run_dir)
+    newest = ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))
+    DAMAGES[kind](newest, rng)
+    proc = run(run_dir)
+    pointer_only = kind.startswith("latest")
+    named = "skipped a damaged checkpoint" in proc.stdout
+    ok = proc.returncode == 0 and "Traceback" not in proc.stderr and same_as(reference, run_dir) and (
+        named or pointer_only) and ckpt.verify(ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))) is None
+    outcome = ("pointer repaired, nothing lost" if pointer_only else "named and skipped, resumed bitwise") if ok \
+        else f"FAILED: {last_line(proc.stderr or proc.stdout)}"
+    return {"fault": "damaged file", "detail": kind, "exit codes": str(proc.returncode), "outcome": outcome, "ok": ok}
+
+
+def disk_full_trial(reference: str, run_dir: str, rng: random.Random, resumed: bool) -> dict:
+    previous = None
+    if resumed:  # a run that already holds checkpoints: stop it part-way first
+        proc = start(run_dir)
+        target = rng.randint(2, STEPS - 2)
+        while proc.poll() is None and logged_steps(run_dir) < target:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate()
+        previous = ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))
+    proc = run(run_dir, limit_bytes=1 << 20)  # below the size of model.pt
+    line = last_line(proc.stderr)
+    expected_tail = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    clean = (proc.returncode == 1 and "Traceback" not in proc.stderr and line.startswith("error: file too large")
+             and "while writing" in line and line.endswith(expected_tail))
+    codes, ok = finish(reference, run_dir)
+    return {"fault": "file-size limit (full disk)", "detail": "run with checkpoints" if resumed else "fresh run",
+            "exit codes": f"{proc.returncode} then {codes}",
+            "outcome": (f"one line, {'previous checkpoint intact' if resumed else 'no checkpoint yet'}, "
+                        f"resumed bitwise") if clean and ok else f"FAILED: {line}",
+            "ok": clean and ok}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--signals", type=int, default=4)
+    parser.add_argument("--damage", type=int, default=8)
+    parser.add_argument("--disk-full", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="keep the run dirs here (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write the trials to this file")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="fault_inject_")
+    os.makedirs(workdir, exist_ok=True)
+    reference = os.path.join(workdir, "reference")
+    shutil.rmtree(reference, ignore_errors=True)
+    done = run(reference)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return 1
+    trials, damages = [], list(DAMAGES)
+    plan = ([("kill", i % 2 == 1) for i in range(args.kills)] + [("signal", SIGNALS[i % 4]) for i in range(args.signals)]
+            + [("damage", damages[i % len(damages)]) for i in range(args.damage)]
+            + [("disk", i % 2 == 1) for i in range(args.disk_full)])
+    for i, (kind, arg) in enumerate(plan):
+        run_dir = os.path.join(workdir, f"trial_{i:03d}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        trial = {"kill": kill_trial, "signal": signal_trial, "damage": damage_trial,
+                 "disk": disk_full_trial}[kind](reference, run_dir, rng, arg)
+        trials.append(trial)
+        print(f"  trial {i + 1}/{len(plan)}: {trial['fault']}, {trial['detail']}: {trial['outcome']}", file=sys.stderr)
+    columns = ("fault", "detail", "exit codes", "outcome")
+    widths = [max(len(c), *(len(str(t[c])) for t in trials)) for c in columns]
+    n = len(str(len(trials)))
+    print(f"| {'#'.rjust(n)} | " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print(f"|{'-' * (n + 2)}|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for i, t in enumerate(trials, 1):
+        print(f"| {str(i).rjust(n)} | " + " | ".join(str(t[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
+    passed = sum(t["ok"] for t in trials)
+    writes = sum(t.get("in_write", False) for t in trials)
+    print(f"\n{passed}/{len(trials)} trials ended as promised ({writes} of the {args.kills} kills landed inside a "
+          f"checkpoint write); reference: {STEPS} steps of llama_tiny, checkpoint every step.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(trials, f, indent=1)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if passed == len(trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

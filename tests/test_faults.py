@@ -1,0 +1,131 @@
+"""Failures of whole processes, end to end through the command line: stop signals (during start-up,
+to a process group with DataLoader workers), a file-size limit while writing a checkpoint, a frozen
+rank, and a torchrun multirun. Each ends with one clear line and the documented exit code."""
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from _train_helpers import (REPO, TINY, assert_same_weights, losses, one_thread, rows, run_cli,  # noqa: F401
+                            run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
+from train_utils import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+def _wait_for(predicate, proc, timeout=180.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"process ended (code {proc.returncode}) before {what}:\n{err[-3000:]}")
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """The process has a handler installed for `sig` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
+
+
+def _steps_logged(run_dir) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return sum('"loss"' in line for line in open(path).read().splitlines()[:-1])  # the last may be half-written
+
+
+def test_signal_during_startup_exits_cleanly(tmp_path):
+    """SIGTERM while train.py is still importing its libraries: no traceback, no death by signal,
+    exit 75 with a message, nothing trained or written (no checkpoint, no metrics)."""
+    proc = subprocess.Popen(train_cmd(tmp_path, "train.steps=5"), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: _catches(proc.pid, signal.SIGTERM), proc, what="the early signal handler")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err[-3000:]
+    assert "stopped by SIGTERM during start-up, before step 1; nothing new to save" in out
+    assert "Traceback" not in err
+    assert not os.path.exists(tmp_path / "metrics.jsonl") and not ckpt.list_checkpoints(str(tmp_path / "checkpoints"))
+
+
+def test_sigterm_to_the_process_group_with_workers(tmp_path):
+    """scancel/preemption signal every process of the job, DataLoader workers included: the workers
+    keep serving, the main process checkpoints and exits 75, and the resumed run is exact."""
+    steps, workers = 30, ["data.num_workers=2"]
+    reference = tmp_path / "reference"
+    assert run_inprocess(reference, f"train.steps={steps}", *workers) == 0
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen(train_cmd(run_dir, f"train.steps={steps}", *workers), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for(lambda: _steps_logged(run_dir) >= 3, proc, what="3 steps")
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole process group, as SLURM does
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = [r for r in rows(run_dir) if r.get("event") == "preempted"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM"
+    assert run_inprocess(run_dir, f"train.steps={steps}", *workers) == 0
+    assert losses(run_dir) == losses(reference)
+    assert_same_weights(weights(ckpt.latest(str(run_dir / "checkpoints"))),
+                        weights(ckpt.latest(str(reference / "checkpoints"))))
+
+
+def test_file_size_limit_while_writing_a_checkpoint(tmp_path):
+    """A write that fails mid-checkpoint (here the process's file-size limit, 1 MB, below the size of
+    model.pt): one line naming the file, exit 1, no traceback, no half-written checkpoint."""
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # Python ignores SIGXFSZ: writes fail
+
+    proc = subprocess.run(train_cmd(tmp_path, "train.steps=2"), cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240, preexec_fn=limit_file_size)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    failed = tmp_path / "checkpoints" / ckpt.step_dir_name(2) / "model.pt"
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: file too large (the file-size limit was reached) while "
+                                                    f"writing {failed}; no earlier checkpoint exists")
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_frozen_rank_is_named(tmp_path):
+    """Rank 1 stops answering (SIGSTOP: alive, frozen) after a few steps: rank 0 gives up after
+    train.collective_timeout_s instead of torch's 30 minutes, and says which rank it was."""
+    cmd = torchrun_cmd(tmp_path, "train.micro_batch_size=2", "train.steps=500", "train.collective_timeout_s=10")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    frozen = None
+    try:
+        _wait_for(lambda: _steps_logged(tmp_path) >= 3, proc, what="3 steps")
+        workers = {int(c.environ().get("RANK", -1)): c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "train.py" in " ".join(c.cmdline())}
+        assert sorted(workers) == [0, 1], workers
+        frozen = workers[1]
+        frozen.send_signal(signal.SIGSTOP)
+        workers[0].wait(timeout=180)  # rank 0 must give up by itself
+    finally:
+        if frozen is not None:
+            frozen.kill()  # a stopped process only goes away with SIGKILL
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert "[rank 0] a collective operation waited longer than train.collective_timeout_s=10 s" in err, err[-3000:]
+    assert "Ranks 1 failed to pass monitoredBarrier" in err, err[-3000:]
+
+
+def test_torchrun_multirun_is_refused_up_front(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", "-m",
+           *TINY, "train.steps=2", "train.seed=0,1", f"hydra.sweep.dir={tmp_path}"]
+    proc = run_cli(cmd)
+    assert proc.returncode != 0
+    assert "would run only its first job" in proc.stderr and "hydra/launcher=local" in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.rglob("metrics.jsonl"))

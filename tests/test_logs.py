@@ -1,0 +1,116 @@
+"""What a training row shows (issue: throughput, "What the logs show") and the loop's memory
+settings, each against an independent reference: the gradient norm, model FLOPs and MFU, the peak
+memory of an interval, activation checkpointing."""
+import math
+
+import pytest
+import torch
+
+from _train_helpers import TINY, compose_cfg, losses, one_thread, rows, run_inprocess  # noqa: F401
+from train_utils.loop import enable_activation_checkpointing, grad_norm_
+from train_utils.measure import Interval, flops_per_position, peak_flops
+
+
+def _params_with_grads(seed=0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (5,), (3, 3, 3)]]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    params.append(torch.nn.Parameter(torch.randn(4)))  # no gradient: skipped
+    return params
+
+
+def test_grad_norm_matches_float64_and_clipping_matches_torch():
+    params = _params_with_grads()
+    expected = torch.cat([p.grad.double().flatten() for p in params if p.grad is not None]).norm()
+    assert grad_norm_(params, None).item() == pytest.approx(expected.item(), rel=1e-6)
+    clipped = _params_with_grads()
+    reference = _params_with_grads()
+    norm = grad_norm_(clipped, 1.5)
+    torch_norm = torch.nn.utils.clip_grad_norm_([p for p in reference if p.grad is not None], 1.5)
+    assert norm.item() == pytest.approx(torch_norm.item(), rel=1e-6)
+    for a, b in zip(clipped, reference):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+    assert torch.cat([p.grad.flatten() for p in clipped if p.grad is not None]).norm().item() == pytest.approx(1.5, rel=1e-5)
+
+
+def test_flops_per_position_counts_the_config_by_hand():
+    """6 x (weights except the input embedding) + 12 x layers x hidden x seq_len, from llama_tiny's
+    config numbers (4 layers of hidden 128, MLP 352, 512 symbols, untied head)."""
+    import models
+
+    cfg = compose_cfg("model=llama_tiny")
+    model = models.build_model(cfg.model, vocab_size=512)
+    h, f, layers, vocab, seq = 128, 352, 4, 512, 256
+    per_layer = 4 * h * h + 3 * h * f + 2 * h  # attention, SwiGLU MLP, two RMSNorms
+    matmul_params = layers * per_layer + h + vocab * h  # + final norm + output head
+    assert flops_per_position(model, layers, h, seq) == 6 * matmul_params + 12 * layers * h * seq
+    # GPT-2 ties its head to the input embedding: the head's matmul still counts, the lookups do not.
+    gpt2 = models.build_model(compose_cfg("model=gpt2_124m", "model.hidden_size=64", "model.num_hidden_layers=2",
+                                          "model.num_attention_heads=2").model, vocab_size=512)
+    positions_table = 1024 * 64
+    total = sum(p.numel() for p in gpt2.parameters())
+    assert flops_per_position(gpt2, 2, 64, 128) == 6 * (total - positions_table) + 12 * 2 * 64 * 128
+
+
+def test_peak_flops_table_and_override():
+    assert peak_flops(torch.device("cpu"), None) is None  # no MFU on CPU unless told
+    assert peak_flops(torch.device("cpu"), 2e12) == 2e12
+
+
+def test_mfu_is_logged_with_a_peak(tmp_path):
+    assert run_inprocess(tmp_path, "train.steps=3", "train.peak_flops=1e12") == 0
+    start = rows(tmp_path)[0]
+    assert start["peak_flops"] == 1e12 and start["flops_per_position"] > 0
+    for r in [r for r in rows(tmp_path) if "loss" in r]:
+        assert r["mfu"] == pytest.approx(start["flops_per_position"] * r["positions_per_s"] / 1e12, rel=1e-9)
+
+
+def test_peak_memory_is_the_peak_of_each_interval():
+    interval = Interval(torch.device("cpu"), 1.0, None, 1)
+    big = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched, freed before the interval ends
+    big.add_(1)
+    del big
+    interval.add(1, 1, 0.1, 0.0)
+    first = interval.row()["peak_memory_bytes"]
+    interval.add(1, 1, 0.1, 0.0)
+    second = interval.row()["peak_memory_bytes"]
+    assert first - second > 48 * 2 ** 20, (first, second)
+
+
+def test_activation_checkpointing_recomputes_each_block():
+    import models
+
+    cfg = compose_cfg("model=llama_tiny")
+    calls = {"on": 0, "off": 0}
+    out = {}
+    for mode in ("off", "on"):
+        torch.manual_seed(0)
+        model = models.build_model(cfg.model, vocab_size=512)
+        if mode == "on":
+            enable_activation_checkpointing(model)
+        model.train()
+        # A pre-hook: the recomputation stops as soon as it has what backward needs (torch's early stop),
+        # before a post-hook of the block's last part would run.
+        model.model.layers[1].mlp.register_forward_pre_hook(lambda *a, mode=mode: calls.__setitem__(mode, calls[mode] + 1))
+        ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        out[mode] = [p.grad.clone() for p in model.parameters()]
+    assert calls == {"off": 1, "on": 2}  # forward, then again in backward
+    for a, b in zip(out["off"], out["on"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_activation_checkpointing_in_the_loop(tmp_path):
+    assert run_inprocess(tmp_path / "on", "train.steps=3", "train.activation_checkpointing=true") == 0
+    assert run_inprocess(tmp_path / "off", "train.steps=3") == 0
+    assert rows(tmp_path / "on")[0]["activation_checkpointing"] is True
+    assert rows(tmp_path / "off")[0]["activation_checkpointing"] is False
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")
+
+
+def test_every_row_has_a_finite_grad_norm_without_clipping(tmp_path):
+    assert run_inprocess(tmp_path, "train.steps=2") == 0
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows(tmp_path) if "loss" in r)
+    assert "grad_clip=null" not in str(TINY)  # the default: no clipping, yet the norm is logged

@@ -1,0 +1,339 @@
+"""Bad state is never used silently, changed settings are refused or applied for real, and every
+failure ends with one clear line (issue: reliability). In-process runs of the tiny config; the
+subprocess cases (signals, a file-size limit, a frozen rank) are in test_faults.py."""
+import errno
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from _train_helpers import (assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
+                            weights)
+from train_utils import checkpoint as ckpt
+from train_utils.validation import ConfigError
+from train_utils.loop import NonFiniteError
+from train_utils.metrics import read_metrics
+
+STEPS = 6
+EVERY = ["checkpoint.every=2", "checkpoint.keep=3"]
+
+
+def _root(run_dir) -> str:
+    return os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
+
+
+def _final_weights(run_dir):
+    return weights(ckpt.latest(_root(run_dir)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert run_inprocess(run_dir, f"train.steps={STEPS}") == 0
+    return run_dir
+
+
+# ------------------------------------------------------------------------------ non-finite state
+def test_nonfinite_step_is_never_applied_nor_checkpointed(tmp_path):
+    """lr=1e6 breaks the weights at step 2 while its loss is still finite; step 3's gradients are
+    NaN. The old loop applied that step and wrote a checkpoint of NaN weights as the 'last good' one."""
+    with pytest.raises(NonFiniteError) as err:
+        run_inprocess(tmp_path, "train.steps=10", "optimizer.lr=1e6", "checkpoint.every=1", "checkpoint.keep=20")
+    written = ckpt.list_checkpoints(_root(tmp_path))
+    assert written, "the first steps were finite and checkpointed"
+    for c in written:
+        model, opt = ckpt.load(c, "model"), ckpt.load(c, "optimizer")
+        assert all(t.isfinite().all() for t in model.values()), c
+        assert all(t.isfinite().all() for s in opt["state"].values() for t in s.values()
+                   if torch.is_tensor(t) and t.is_floating_point()), c
+    message = str(err.value)
+    assert f"at step {len(written) + 1}" in message and f"Last checkpoint (finite): {written[-1]}" in message
+    assert max(r["step"] for r in rows(tmp_path) if "loss" in r) == len(written)
+
+
+def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
+    from accelerate import Accelerator
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert ckpt.nonfinite_state(model, opt) is None
+    opt.state[model[1].weight]["exp_avg_sq"][0, 0] = float("nan")
+    assert ckpt.nonfinite_state(model, opt) == "optimizer state 'exp_avg_sq' of 1.weight"
+    with torch.no_grad():
+        model[0].bias[1] = float("inf")
+    assert ckpt.nonfinite_state(model, opt) == "weight 0.bias"
+    with pytest.raises(NonFiniteError, match="non-finite values in weight 0.bias after step 7; no checkpoint written"):
+        ckpt.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
+                             merge_data_states=list, accelerator=Accelerator(cpu=True), tokens=0,
+                             config_yaml="", keep=2)
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ damaged checkpoints
+def _flip_bytes(path, n=64):
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    for i in range(middle, middle + n):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _random_block(path, n=4096):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 3:len(data) // 3 + n] = os.urandom(n)
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+DAMAGE = {
+    "flipped bytes in model.pt": lambda c: _flip_bytes(os.path.join(c, "model.pt")),
+    "4 KiB of random bytes in optimizer.pt": lambda c: _random_block(os.path.join(c, "optimizer.pt")),
+    "truncated trainer.pt": lambda c: _truncate(os.path.join(c, "trainer.pt")),
+    "missing optimizer.pt": lambda c: os.remove(os.path.join(c, "optimizer.pt")),
+    "missing manifest": lambda c: os.remove(os.path.join(c, ckpt.MANIFEST)),
+    "empty latest": lambda c: open(os.path.join(os.path.dirname(c), ckpt.LATEST), "w").close(),
+    "garbled latest": lambda c: open(os.path.join(os.path.dirname(c), ckpt.LATEST), "wb").write(b"\x00\xffstep_9"),
+    "missing latest": lambda c: os.remove(os.path.join(os.path.dirname(c), ckpt.LATEST)),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, reference, damage):
+    """A finished run (checkpoints 2, 4, 6) whose newest checkpoint is damaged, started again: it
+    says what it skipped and why, continues from the newest intact checkpoint and ends exactly as the
+    reference; a damaged pointer alone costs nothing (the newest checkpoint is found without it)."""
+    assert run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY) == 0
+    newest = ckpt.latest(_root(tmp_path))
+    assert newest.endswith(ckpt.step_dir_name(STEPS))
+    DAMAGE[damage](newest)
+    assert run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY) == 0
+    assert losses(tmp_path) == losses(reference)
+    assert_same_weights(_final_weights(tmp_path), _final_weights(reference))
+    assert ckpt.verify(ckpt.latest(_root(tmp_path))) is None
+    log = (tmp_path / "train.log").read_text()
+    if "latest" in damage:
+        assert "this run has already finished" in log
+        if damage != "missing latest":
+            assert "skipped a damaged checkpoint" in log and "`latest` pointer" in log
+    else:
+        start = [r for r in rows(tmp_path) if r.get("event") == "start"][-1]
+        assert start["resumed_from"].endswith(ckpt.step_dir_name(4))
+        assert f"skipped a damaged checkpoint: {newest}: " in log, log
+        assert os.path.isdir(newest + ckpt.DAMAGED_SUFFIX)  # kept for inspection, out of the way
+
+
+def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY) == 0
+    for c in ckpt.list_checkpoints(_root(tmp_path)):
+        _flip_bytes(os.path.join(c, "model.pt"))
+    with pytest.raises(ckpt.CheckpointError, match="no intact checkpoint in .*model.pt does not match its checksum"):
+        run_inprocess(tmp_path, "train.steps=4", *EVERY)
+
+
+def test_eval_refuses_a_damaged_checkpoint(tmp_path):
+    import eval as evaluate_ckpt
+
+    assert run_inprocess(tmp_path, "train.steps=2", "checkpoint.every=1") == 0
+    newest = ckpt.latest(_root(tmp_path))
+    _flip_bytes(os.path.join(newest, "model.pt"))
+    with pytest.raises(ckpt.CheckpointError, match="model.pt does not match its checksum"):
+        evaluate_ckpt.main([f"checkpoint={newest}"])
+    result = evaluate_ckpt.main([f"checkpoint={tmp_path}"])  # a run dir: its newest intact checkpoint
+    assert result["step"] == 1
+
+
+# ------------------------------------------------------------------------------ metrics.jsonl, finished runs
+def test_partial_last_metrics_line_is_dropped(tmp_path, reference):
+    """Killed after a disk-full append cut the last line short, before the final checkpoint (its
+    removal simulates that): the next start resumes from step 4 and drops the partial line."""
+    assert run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY) == 0
+    shutil.rmtree(os.path.join(_root(tmp_path), ckpt.step_dir_name(STEPS)))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 1.2')
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["event"] == "end"  # the partial line is left out
+    assert run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY) == 0
+    assert losses(tmp_path) == losses(reference)
+    assert all(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+def test_read_metrics_reports_a_bad_middle_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+
+
+def _snapshot(run_dir):
+    files = {}
+    for root, _, names in os.walk(run_dir):
+        for n in names:
+            if n != "train.log":
+                p = os.path.join(root, n)
+                files[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns)
+    return files
+
+
+def test_finished_run_started_again_writes_nothing(tmp_path, capsys):
+    assert run_inprocess(tmp_path, "train.steps=3") == 0
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    assert run_inprocess(tmp_path, "train.steps=3") == 0
+    assert "this run has already finished" in capsys.readouterr().out
+    assert _snapshot(tmp_path) == before
+    assert [r["event"] for r in rows(tmp_path) if r.get("event") in ("start", "end")] == ["start", "end"]
+
+
+def test_kill_after_the_final_checkpoint_completes_only_the_report(tmp_path):
+    """Killed between the final checkpoint and the end row (simulated by dropping the end row): the
+    next start writes the end row once, without a second evaluation row or more training."""
+    assert run_inprocess(tmp_path, "train.steps=3") == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["event"] == "end"
+    (tmp_path / "metrics.jsonl").write_text("".join(lines[:-1]))
+    assert run_inprocess(tmp_path, "train.steps=3") == 0
+    log = rows(tmp_path)
+    assert [r["step"] for r in log if "val_loss" in r and "event" not in r] == [3]
+    assert [r["step"] for r in log if r.get("event") == "end"] == [3]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------ changed settings
+def test_changed_settings_are_refused_with_the_list_of_keys(tmp_path):
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY) == 0
+    with pytest.raises(ConfigError) as err:
+        run_inprocess(tmp_path, "train.steps=8", *EVERY, "optimizer.density=0.5", "optimizer.lr=0.003")
+    message = str(err.value)
+    for text in ("optimizer.density: 0.25 -> 0.5", "optimizer.lr: 0.001 -> 0.003", "train.steps: 4 -> 8",
+                 "train.resume_changes=[optimizer.density,optimizer.lr,train.steps]"):
+        assert text in message, message
+    # Cadence of logging, evaluation and checkpoints may change freely (and so may wandb).
+    assert run_inprocess(tmp_path, "train.steps=4", "checkpoint.every=3", "train.log_every=2", "train.eval_every=2",
+                         "train.eval_tokens=512") == 0
+    with pytest.raises(ConfigError, match="names 'optimizer.lrr', which is not a key"):
+        run_inprocess(tmp_path, "train.steps=8", *EVERY, "train.resume_changes=[optimizer.lrr]")
+
+
+def test_named_changes_are_applied_for_real(tmp_path):
+    """density 0.25 -> 0.5 and lr 1e-3 -> 3e-3 on resume: the optimizer's groups take the new values,
+    the schedule is rebuilt from the new peak lr (rows show it), and the change is an event."""
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY) == 0
+    assert run_inprocess(tmp_path, "train.steps=8", *EVERY, "optimizer.density=0.5", "optimizer.lr=0.003",
+                         "train.resume_changes=[optimizer.density,optimizer.lr,train.steps]") == 0
+    log = rows(tmp_path)
+    event = next(r for r in log if r.get("event") == "resume_changes")
+    assert event["step"] == 4 and event["changes"] == {"optimizer.density": [0.25, 0.5], "optimizer.lr": [0.001, 0.003],
+                                                       "train.steps": [4, 8]}
+    # Same schedule shape (restarts of 8 steps, see TINY), so the lr of a step scales with the peak.
+    fresh = tmp_path / "fresh"
+    assert run_inprocess(fresh, "train.steps=8", "optimizer.lr=0.003", "optimizer.density=0.5") == 0
+    lr_new = {r["step"]: r["lr"] for r in rows(fresh) if "lr" in r}
+    lr_resumed = {r["step"]: r["lr"] for r in log if "lr" in r}
+    assert [lr_resumed[s] for s in range(5, 9)] == pytest.approx([lr_new[s] for s in range(5, 9)], rel=1e-12)
+    assert [r["state_full_fraction"] for r in log if "loss" in r and r["step"] > 4] == [0.5] * 4
+    opt = ckpt.load(ckpt.latest(_root(tmp_path)), "optimizer")
+    assert {g["density"] for g in opt["param_groups"] if "density" in g} == {0.5}
+    config = (tmp_path / "checkpoints" / ckpt.step_dir_name(8) / "config.yaml").read_text()
+    assert "density: 0.5" in config and "lr: 0.003" in config
+
+
+# ------------------------------------------------------------------------------ disk full
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    """Writes into the second checkpoint fail with ENOSPC part-way through a file."""
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 100_000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode and ckpt.step_dir_name(4) in str(path) else f
+
+    monkeypatch.setattr(ckpt, "open", open_on_a_full_disk, raising=False)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY)
+    previous = os.path.join(_root(tmp_path), ckpt.step_dir_name(2))
+    failed = os.path.join(_root(tmp_path), ckpt.step_dir_name(4), "model.pt")
+    assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
+    assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries left
+    assert ckpt.latest(_root(tmp_path)) == previous and ckpt.verify(previous) is None
+
+
+# ------------------------------------------------------------------------------ signals at the end
+def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monkeypatch):
+    """A stop signal that arrives during the final step (and another after the final checkpoint):
+    nothing is left to save for later, so the run finishes normally (end row, exit 0), not 75."""
+    import signal
+
+    import train
+
+    real_save = ckpt.save_checkpoint
+
+    def save_then_signal(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # after the final checkpoint
+        return path
+
+    real_forward_backward = train.forward_backward
+
+    def signal_in_last_step(model, batches, accelerator, precision):
+        out = real_forward_backward(model, batches, accelerator, precision)
+        if len([r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # during step 3 of 3
+        return out
+
+    monkeypatch.setattr(train, "forward_backward", signal_in_last_step)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_signal)
+    assert run_inprocess(tmp_path, "train.steps=3") == 0
+    assert rows(tmp_path)[-1]["event"] == "end"
+    assert not [r for r in rows(tmp_path) if r.get("event") == "preempted"]
+
+
+# ------------------------------------------------------------------------------ memory-mapped loads
+def test_checkpoints_load_memory_mapped(tmp_path):
+    ckpt.save(str(tmp_path), 1, {"model": {"w": torch.arange(1_000_000, dtype=torch.float32)}})
+    path = os.path.join(ckpt.latest(str(tmp_path)), "model.pt")
+    state = ckpt.load(ckpt.latest(str(tmp_path)), "model")
+    with open("/proc/self/maps") as f:
+        assert path in f.read(), "model.pt is not mapped into memory"
+    assert torch.equal(state["w"], torch.arange(1_000_000, dtype=torch.float32))
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
+    import hashlib
+
+    final = ckpt.save(str(tmp_path), 3, {"model": {"w": torch.ones(10)}}, texts={"config.yaml": "a: 1\n"})
+    manifest = json.loads(open(os.path.join(final, ckpt.MANIFEST)).read())
+    assert manifest["step"] == 3 and set(manifest["files"]) == {"model.pt", "config.yaml"}
+    for name, entry in manifest["files"].items():
+        data = open(os.path.join(final, name), "rb").read()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert ckpt.verify(final) is None
+    shutil.copy(os.path.join(final, "config.yaml"), os.path.join(final, "model.pt"))
+    assert "model.pt has" in ckpt.verify(final)

@@ -1,0 +1,93 @@
+"""Processes and devices for train.py: the Accelerator, collective timeouts, and a sweep guard.
+
+Backends. accelerate picks cuda or cpu and the backend (NCCL on GPU, gloo on CPU). Precision is
+ours (train.precision), so accelerate must not add its own autocast. Without a GPU, cpu=True is what
+makes accelerate form a gloo process group under torchrun (otherwise each worker runs alone).
+DDP keeps its gradients as views of its communication buckets (`gradient_as_bucket_view`): one fp32
+copy of the gradients instead of two. The model wrapping lives in `wrap_model`, the one place a
+sharded mode (FSDP) would branch.
+
+Collective timeout. A frozen (not dead) rank leaves the others waiting in their next collective.
+`train.collective_timeout_s` bounds that wait (torch's defaults are 30 minutes for gloo and longer
+for NCCL). It must exceed the longest legitimate wait at a collective: rank 0 writing a checkpoint
+while the others wait (about a minute per 100 GB at 1-2 GB/s) or the slowest rank's evaluation.
+After a timeout, `name_unresponsive_ranks` runs gloo's monitored barrier on a side group, which
+names the ranks that do not answer. (With NCCL, torch's watchdog may abort the process on the
+timeout before Python sees it; its log line then names the operation, not the rank.)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+_MONITOR_WAIT_S = 30.0  # how long the diagnosis waits for the ranks that still answer
+
+
+class CollectiveTimeout(RuntimeError):
+    """A rank stopped answering; the message names it when the monitored barrier could."""
+
+
+def make_accelerator(collective_timeout_s: float):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=collective_timeout_s)),
+                DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers)
+
+
+def wrap_model(accelerator, model):
+    """To the device; DDP wrapper when there are several processes."""
+    return accelerator.prepare_model(model)
+
+
+def monitor_group(accelerator, collective_timeout_s: float):
+    """A gloo side group for `name_unresponsive_ranks` (collective: every rank calls it), or None alone."""
+    if accelerator.num_processes == 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or "Timed out" in text or "timed out" in text
+
+
+def name_unresponsive_ranks(group, rank: int, collective_timeout_s: float) -> str:
+    """After a collective timed out: which ranks do not answer (gloo's monitored barrier names them)."""
+    import torch.distributed as dist
+
+    wait = min(_MONITOR_WAIT_S, collective_timeout_s)
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait), wait_all_ranks=True)
+    except RuntimeError as err:
+        detail = str(err).strip().splitlines()[0]
+        if rank == 0:
+            return detail  # e.g. "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 30000 ms"
+        return f"rank 0 did not answer the check within {wait:.0f} s ({detail})"
+    return "every rank answered the check afterwards (a rank was slower than the timeout, not frozen)"
+
+
+def collective_timeout_message(group, rank: int, collective_timeout_s: float, err: BaseException) -> str:
+    who = name_unresponsive_ranks(group, rank, collective_timeout_s)
+    return (f"[rank {rank}] a collective operation waited longer than train.collective_timeout_s="
+            f"{collective_timeout_s:g} s: {who}. A rank that stops answering (frozen, stuck in I/O, or out of "
+            f"memory) stops the others; raise train.collective_timeout_s if it was only slow. "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})")
+
+
+def torchrun_multirun_error(multirun: bool) -> str | None:
+    """Under torchrun, a Hydra multirun runs its jobs one after another in the same processes; the
+    first job's end destroys the process group the next one needs. Refuse it up front."""
+    if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+        return ("a Hydra multirun (-m) under torchrun would run only its first job: run each job in its own "
+                "processes instead: a launcher starts N processes per job (one machine: python train.py -m hydra/launcher=local "
+                "hydra.launcher.tasks_per_node=N ...; a cluster: hydra/launcher=slurm), or run one torchrun command "
+                "per job")
+    return None

@@ -1,0 +1,189 @@
+"""The parts of a training step and of an evaluation that train.py and eval.py share.
+
+Loss. Every optimizer step minimises the mean next-token loss over the *global* batch: the sum of
+the per-token losses of all micro-batches on all ranks divided by the global number of non-pad target
+tokens. The token count is all-reduced before the first backward, so each micro-batch's summed loss
+is scaled by world_size / global_tokens (DDP then averages over ranks). The result does not depend on
+how the batch is split into micro-batches or ranks, and padded sequences weigh by their real tokens.
+Validation uses the same token weighting (all ranks' sums all-reduced); perplexity = exp(val loss).
+
+Precision. bf16-mixed: fp32 weights and optimizer state, bf16 autocast for the forward pass (CPU and
+GPU). bf16: the model (and hence the optimizer state) cast to bf16, no autocast. fp32: no autocast.
+The loss itself is always computed from fp32 logits.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for bf16-mixed; nothing for pure bf16 (the weights are bf16) and fp32."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over non-pad targets (labels == -100 are ignored), in fp32.
+    Position t predicts token t+1, as in the HF models' own loss."""
+    logits = logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != -100).sum()
+
+
+def to_device(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # non_blocking: from pinned memory the copy overlaps with the GPU's work; elsewhere it is a plain copy.
+    return batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate(model, dm, eval_tokens: int, precision: str, accelerator) -> dict:
+    """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
+    No padding mask is needed: pads are at the end of a sequence and attention is causal."""
+    was_training = model.training
+    model.eval()
+    device = accelerator.device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
+    for batch in dm.val_batches(eval_tokens):
+        ids, labels = to_device(batch, device)
+        with autocast(precision, device):
+            logits = model(input_ids=ids, use_cache=False).logits
+        sums[0] += token_loss_sum(logits, labels).double()
+        sums[1] += count_targets(labels)
+    sums = accelerator.reduce(sums, reduction="sum")
+    model.train(was_training)
+    loss, tokens = sums.tolist()
+    return {"val_loss": loss / tokens, "val_ppl": math.exp(min(loss / tokens, 700.0)), "val_tokens": int(tokens)}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def forward_backward(model, batches: list[dict], accelerator, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the gradient of the global batch's mean token loss over this rank's `batches`.
+
+    Returns this rank's summed token loss (float64) and the global target count, both as tensors
+    (no host sync here). The count is all-reduced before the first backward (see the module docstring).
+    """
+    device = accelerator.device
+    n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device), reduction="sum")
+    scale = accelerator.num_processes / n_global.float()  # DDP averages over ranks; x world makes it a sum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(batches):
+        ids, labels = to_device(batch, device)
+        # Skip the gradient all-reduce on all but the last micro-batch: accumulate locally.
+        with accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext():
+            with autocast(precision, device):
+                logits = model(input_ids=ids, use_cache=False).logits
+            loss = token_loss_sum(logits, labels)
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+        del logits, loss  # free the activations' last references before the next forward
+    return loss_sum, n_global
+
+
+def ranks_in_sync(model) -> tuple[bool, float]:
+    """Data parallelism must keep every rank's weights identical: a cheap check (one float per rank)."""
+    from accelerate.utils import gather_object
+
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    return len(set(gather_object([checksum]))) == 1, checksum
+
+
+def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir: str, plot: bool) -> str:
+    """The console's last lines, from the run's `end` row."""
+    mib, state, adamw = 2.0 ** 20, end["optimizer_state_bytes"], end["adamw_state_bytes"]
+    lines = [f"\n{model_name} + {optimizer_name}: {end['step']} steps, {end['tokens']:,} tokens, "
+             f"{end['seconds']:.0f} s in this run",
+             f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
+    if end.get("loss_floor") is not None:
+        floor = end["loss_floor"]
+        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
+    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
+    if not end.get("ranks_in_sync", True):
+        lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
+    lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
+    return "\n".join(lines)
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss, gradient or state: the run stops before using it (the message names the
+    step and the last checkpoint, which never holds non-finite values)."""
+
+
+def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm (one foreach norm over every gradient, identical on every rank after
+    DDP's all-reduce); clips the gradients to `max_norm` in place when it is set. No host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
+    """Give this rank its own random stream (dropout masks), once the weights were initialised from
+    the shared seed: identical initial weights, different masks on every rank. The stream is part of
+    the checkpoint's per-rank RNG state, so a resume on the same process count continues it exactly."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, rank, offset]).generate_state(1, np.uint64)[0]))
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each transformer block in the backward pass instead of keeping its activations
+    (transformers' per-block checkpointing). Non-reentrant: works with autocast, and restores the
+    RNG state for the recomputation, so dropout masks are those of the forward pass."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name warns there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def activation_checkpointing_on(model) -> bool:
+    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, flag))
+
+
+def check_loop_settings(tc) -> None:
+    """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
+    activation_checkpointing); the other train keys are checked by train_utils.validation."""
+    from train_utils.validation import ConfigError
+
+    timeout = tc.collective_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"train.collective_timeout_s={timeout!r} is invalid: expected a number of seconds > 0")
+    peak = tc.peak_flops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
+        raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
+                          f"the device's peak FLOP/s, e.g. 312e12")
+    for key in ("require_eval_tokens", "activation_checkpointing"):
+        if not isinstance(tc[key], bool):
+            raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
+    changes = tc.resume_changes
+    if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
+        raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "
+                          f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
+
+
+def training_batches(dm):
+    """`dm.train_batches()`, started without a trace in the global RNG: a DataLoader draws its base
+    seed from it when it starts, and in a resumed run that extra draw would shift every later dropout
+    mask (the run would no longer equal the uninterrupted one)."""
+    batches = dm.train_batches()
+    with torch.random.fork_rng(devices=[]):
+        first = next(batches)
+    yield first
+    yield from batches

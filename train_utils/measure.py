@@ -1,0 +1,112 @@
+"""What a training row measures besides the loss: time, data wait, throughput, MFU, peak memory.
+
+Throughput is counted two ways, named so: `scored_tokens_per_s` counts the targets the loss scores
+(non-pad tokens after each row's first: what the paper's token budgets count), `positions_per_s`
+every position the model computes (pads included: what the hardware does).
+
+MFU (model FLOPs utilisation, GPUs only) = achieved model FLOPs / the devices' peak. Model FLOPs
+per position are those of a training step of a dense decoder (the PaLM paper, appendix B; also
+nanoGPT's estimate): 6 x N for the weight matmuls, N the parameters except the input embeddings
+(the output head counts even when tied), plus 12 x layers x hidden x seq_len for attention scores
+and values. The peak is the dense bf16 figure of the device from PEAK_FLOPS, or `train.peak_flops`
+(FLOP/s per device) for others; without either, MFU is not logged.
+
+Peak memory is the peak since the previous row: CUDA's allocator peak (reset every row), or on
+CPU the process's peak resident set size (Linux resets it through /proc/self/clear_refs; elsewhere
+it is the peak since start).
+"""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendor's data sheets, matched against the CUDA device name.
+PEAK_FLOPS = {"H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def flops_per_position(model: torch.nn.Module, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    embeddings = model.get_input_embeddings()
+    skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is embeddings.weight:  # tied: the head's matmul still runs
+        n += head.weight.numel()
+    return 6.0 * n + 12.0 * num_layers * hidden_size * seq_len
+
+
+def _clear_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set size
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _peak_rss()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _clear_peak_rss()
+
+
+class Interval:
+    """Sums over the steps since the last training row; `row()` turns them into rates."""
+
+    def __init__(self, device: torch.device, flops_per_position: float, peak: float | None, world: int):
+        self.device, self.flops, self.peak, self.world = device, flops_per_position, peak, world
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.scored, self.positions, self.seconds, self.data_wait = 0, 0, 0, 0.0, 0.0
+        reset_peak_memory(self.device)
+
+    def add(self, scored: int, positions: int, seconds: float, data_wait: float) -> None:
+        """One step: global scored targets and positions, its wall time and the part spent waiting for data."""
+        self.steps += 1
+        self.scored += scored
+        self.positions += positions
+        self.seconds += seconds
+        self.data_wait += data_wait
+
+    def row(self) -> dict:
+        """Per-step means of the interval (evaluations and checkpoints excluded) and its rates;
+        starts the next interval."""
+        seconds = max(self.seconds, 1e-9)
+        out = {"step_time_s": seconds / self.steps, "data_wait_s": self.data_wait / self.steps,
+               "scored_tokens_per_s": self.scored / seconds, "positions_per_s": self.positions / seconds,
+               "peak_memory_bytes": peak_memory_bytes(self.device)}
+        if self.peak:
+            out["mfu"] = self.flops * self.positions / seconds / (self.peak * self.world)
+        self.reset()
+        return out

@@ -1,0 +1,205 @@
+"""Continuing a run: which checkpoint, whether this config still describes its run, and restoring it.
+
+Which checkpoint. `train.resume=auto` takes the newest checkpoint of the run dir that passes its
+manifest check (checkpoint.find_intact); damaged ones are renamed `<name>.damaged` and reported with
+the reason. `train.resume=<dir>` takes a checkpoint directory (verified; a damaged one is an error,
+since it was chosen by name) or the newest intact checkpoint of a run dir. `never` starts over.
+
+Same run. A resumed run is the run its checkpoint describes. The checkpoint's resolved config is
+compared with the current one, key by key. Keys that only change what is logged, evaluated or
+checkpointed, or how fast it runs (FREE_TO_CHANGE) may differ. Any other difference stops the run
+with the list of keys, unless each differing key is named in `train.resume_changes` (a list of
+dotted keys; a name also covers the keys under it, e.g. `schedule`). Named changes are applied for
+real: the model, data and optimizer are built from the current config, the optimizer's param groups
+take the current hyperparameters (the moments and step counters come from the checkpoint), and the
+schedule is rebuilt at the checkpoint's step. The run logs a `resume_changes` event listing them.
+
+Another number of processes. Weights and optimizer state are the same on every rank, so they load
+on any number of processes; the schedule depends on the step only; the global batch (and so the
+math of a step) stays `train.batch_size`, split differently (only the float summation order
+changes). The data stream continues from the global position stored by `data.merge_states`
+(exactly: the order of the global micro-batches does not depend on the process count, see
+data/stream.py). Not exact: each rank's
+dropout stream (a rank that did not exist before starts a fresh one) and the float rounding of
+sums over ranks. On the same number of processes a resume is bitwise exact on CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from train_utils import checkpoint as ckpt
+from train_utils.validation import ConfigError
+from train_utils.loop import seed_dropout
+from train_utils.metrics import read_metrics
+
+# Settings that only change what is logged, evaluated or checkpointed, or how fast the run goes.
+FREE_TO_CHANGE = (
+    "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
+    "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
+    "train.peak_flops", "train.activation_checkpointing", "data.num_workers", "data.pin_memory", "wandb",
+    "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
+)
+ABSENT = "<absent>"
+
+
+def _covers(name: str, key: str) -> bool:
+    return key == name or key.startswith(name + ".")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def config_changes(saved_yaml: str, cfg) -> dict[str, tuple]:
+    """{dotted key: (checkpoint's value, this run's value)} for every key that differs and is not free."""
+    old = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, ABSENT) != new.get(k, ABSENT) and not any(_covers(f, k) for f in FREE_TO_CHANGE)}
+
+
+def check_changes(changes: dict, named, ckpt_dir: str, cfg) -> None:
+    """Raise ConfigError unless every changed key is named in train.resume_changes."""
+    named = list(named or [])
+    keys = set(_flat(OmegaConf.to_container(cfg, resolve=True))) | set(changes)
+    for name in named:
+        if not isinstance(name, str) or not any(_covers(name, k) for k in keys):
+            raise ConfigError(f"train.resume_changes names {name!r}, which is not a key of this config "
+                              f"(expected dotted keys such as optimizer.lr, train.steps or schedule)")
+    unnamed = {k: v for k, v in changes.items() if not any(_covers(n, k) for n in named)}
+    if unnamed:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in unnamed.items())
+        keys_text = ",".join(unnamed)
+        raise ConfigError(
+            f"this config differs from the one the checkpoint {ckpt_dir} was trained with: {listed}. Resume with "
+            f"the checkpoint's settings (its config.yaml), or apply the change on purpose with "
+            f"train.resume_changes=[{keys_text}] (logging, evaluation and checkpoint cadence may change freely)")
+
+
+def _has_checkpoints(root: str) -> bool:
+    return bool(ckpt.list_checkpoints(root)) or os.path.exists(os.path.join(root, ckpt.LATEST))
+
+
+def choose_checkpoint(resume: str, ckpt_root: str | None, key: str = "train.resume") -> tuple[str | None, list[str]]:
+    """The verified checkpoint to resume from (None: start fresh) and notes on what was passed over.
+    `resume` is auto, never or a checkpoint/run directory (the value of setting `key`). Main process
+    only: it reads (and for `auto` sets aside damaged checkpoints in) the run dir."""
+    if resume == "never":
+        # Starting over in a directory that holds checkpoints would mix two runs' metrics and let a
+        # later resume=auto pick up the old run's weights.
+        if _has_checkpoints(ckpt_root):
+            raise ConfigError(f"train.resume=never, but {ckpt_root} already holds checkpoints (latest: "
+                              f"{ckpt.latest(ckpt_root)}); use a new hydra.run.dir, train.resume=auto to "
+                              f"continue that run, or delete its checkpoints")
+        return None, []
+    if resume != "auto":
+        if os.path.isfile(os.path.join(resume, "trainer.pt")) or os.path.isfile(os.path.join(resume, ckpt.MANIFEST)):
+            reason = ckpt.verify(resume)
+            if reason:
+                raise ckpt.CheckpointError(f"{key}={resume}: {reason}. Pass its run directory instead to use "
+                                           f"the newest intact checkpoint there")
+            return resume, []
+        roots = [r for r in (resume, os.path.join(resume, ckpt.CHECKPOINT_DIR)) if _has_checkpoints(r)]
+        if not roots:
+            raise ConfigError(f"{key}={resume!r}: no checkpoint there (expected a checkpoint directory "
+                              f"holding trainer.pt, or a run directory with checkpoints/)"
+                              + ("; use auto or never" if key == "train.resume" else ""))
+        ckpt_root = roots[0]
+    elif not _has_checkpoints(ckpt_root):
+        return None, []
+    found, skipped = ckpt.find_intact(ckpt_root)
+    if found is None:
+        raise ckpt.CheckpointError(f"no intact checkpoint in {ckpt_root}: " + "; ".join(f"{p}: {why}" for p, why in skipped)
+                                   + ". Start over in a new run dir (train.resume=never), or resume from a copy you "
+                                   "trust with train.resume=<checkpoint dir>")
+    notes = []
+    for path, why in skipped:
+        if resume == "auto" and path in ckpt.list_checkpoints(ckpt_root):  # our own run: out of the way, kept
+            why += f" (moved to {ckpt.set_aside(path)})"
+        notes.append(f"{path}: {why}")
+    if notes and resume == "auto":
+        ckpt.point_latest(ckpt_root, found)
+    return found, notes
+
+
+def plan(cfg, ckpt_root: str, metrics_path: str, accelerator) -> dict:
+    """Decide how this run starts (collective: call on every rank). The main process chooses the
+    checkpoint and compares configs; every rank gets the same plan, or raises the same error:
+    {"ckpt_dir": checkpoint or None, "notes": what was skipped and why, "step": its step,
+     "changes": {key: (old, new)} named in train.resume_changes, "finished": nothing left to do}."""
+    from accelerate.utils import broadcast_object_list
+
+    outcome = None
+    if accelerator.is_main_process:
+        try:
+            outcome = _plan(cfg, ckpt_root, metrics_path)
+        except (ConfigError, ckpt.CheckpointError) as err:
+            outcome = err
+    outcome = broadcast_object_list([outcome])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
+    ckpt.remove_temporaries(ckpt_root)  # what a writer killed mid-save left behind
+    found, notes = choose_checkpoint(cfg.train.resume, ckpt_root)
+    if found is None:
+        return {"ckpt_dir": None, "notes": notes, "step": 0, "changes": {}, "finished": False}
+    trainer = ckpt.load(found, "trainer")
+    changes = config_changes(trainer["config"], cfg)
+    check_changes(changes, cfg.train.resume_changes, found, cfg)
+    step = int(trainer["step"])
+    return {"ckpt_dir": found, "notes": notes, "step": step, "changes": changes,
+            "finished": step >= cfg.train.steps and _has_end_row(metrics_path, step)}
+
+
+def _has_end_row(metrics_path: str, step: int) -> bool:
+    """The run's end row (written after its final checkpoint) is there: a kill between the two
+    leaves the run to write its final evaluation and end row when started again."""
+    try:
+        rows = read_metrics(metrics_path)
+    except (OSError, ValueError):
+        return False
+    return any(r.get("event") == "end" and r.get("step") == step for r in rows)
+
+
+def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,
+            new_hyperparameters: bool):
+    """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step.
+
+    `new_hyperparameters`: the current config's optimizer hyperparameters replace the checkpoint's
+    (train.resume_changes named optimizer keys); the state (moments, step counters) is the checkpoint's.
+    """
+    step = trainer["step"]
+    try:
+        model.load_state_dict(ckpt.load(ckpt_dir, "model"))
+        saved = ckpt.load(ckpt_dir, "optimizer")
+        if new_hyperparameters:
+            for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+                saved_group.update({k: v for k, v in group.items() if k not in ("params", "step")})
+        optimizer.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError) as err:  # reachable only through named model/optimizer changes
+        raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
+                          f"state do not fit this config ({str(err).splitlines()[0]})") from err
+    # The schedule from the current config, at the checkpoint's step: identical to the stored one
+    # when nothing changed (LambdaLR computes base_lr x multiplier(step) afresh every step).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=step - 1)
+    if isinstance(trainer["data"], list):  # one position per rank: written before data.merge_states
+        raise ConfigError(f"checkpoint {ckpt_dir} stores its data position in an older format (one per rank) that "
+                          f"this version cannot continue exactly; start a new run (train.resume=never in a new run dir)")
+    dm.load_state_dict(trainer["data"])  # data.DataConfigError if the stream cannot continue exactly
+    rng = trainer["rng"]
+    if rank < len(rng):
+        ckpt.set_rng_state(rng[rank])
+    else:  # a rank that did not exist in the checkpoint's run: a fresh dropout stream of its own
+        seed_dropout(seed, rank, offset=step)
+    return scheduler

@@ -1,0 +1,44 @@
+"""Stop signals become a flag that the training loop reads at step boundaries.
+
+SIGTERM is what `scancel` and preemption send (to every process of the job, DataLoader workers
+included: those ignore it, see data/); SLURM's warning before the time limit is SIGUSR1
+(scripts/sbatch_train.sh) or SIGUSR2 (submitit); SIGINT is Ctrl-C. Whichever arrives first, the run
+writes a checkpoint after the current step and exits with 75; a second Ctrl-C stops at once.
+
+`STOP` is the process's one flag. train.py installs it before its heavy imports when run as a
+script, so a signal during start-up is remembered too (the run then stops before its first step,
+with a message); `train.train()` installs it if nobody has and restores the previous handlers when
+it returns, so in-process callers (tests, notebooks) get their handlers back.
+"""
+from __future__ import annotations
+
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StopFlag:
+    def __init__(self):
+        self.received: str | None = None
+        self.previous: dict | None = None
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C: the user does not want to wait for the step
+        self.received = self.received or signal.Signals(signum).name
+
+    def install(self) -> bool:
+        """Start catching the stop signals; False (and nothing changes) if already installed."""
+        if self.previous is not None:
+            return False
+        self.received = None
+        self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        return True
+
+    def restore(self) -> None:
+        for s, handler in (self.previous or {}).items():
+            signal.signal(s, handler)
+        self.previous = None
+
+
+STOP = StopFlag()
