@@ -36,7 +36,7 @@ def test_metadata_and_one_torch_policy():
     requirements = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
     requirements = [r for r in requirements if r]
     # the research set-up: the same floor, capped at the tested version; every line has a floor
-    assert "torch>=2.4,<2.14" in requirements
+    assert "torch>=2.6,<2.14" in requirements
     assert all(">=" in r for r in requirements)
     assert not any(r.startswith("torchdata") for r in requirements)  # never imported
 
