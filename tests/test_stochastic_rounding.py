@@ -70,21 +70,21 @@ def test_off_by_default_and_only_for_bfloat16():
 
 def adamw_run(stochastic_rounding):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter((1 + torch.rand(16, 16, generator=gen)).to(torch.bfloat16)) for _ in range(3)]
+    params = [torch.nn.Parameter((1 + torch.rand(32, 32, generator=gen)).to(torch.bfloat16)) for _ in range(3)]
     start = [p.detach().clone() for p in params]
     groups = [{"params": params[:1], "projectable": True, "block": 0},
               {"params": params[1:2], "projectable": True, "block": 1}, {"params": params[2:]}]
-    opt = FRUGAL(groups, lr=1e-5, density=0.5, stochastic_rounding=stochastic_rounding)
+    opt = FRUGAL(groups, lr=1e-4, density=0.5, stochastic_rounding=stochastic_rounding)
     for _ in range(5):
         for p in params:
-            p.grad = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+            p.grad = torch.randn(32, 32, generator=gen).to(torch.bfloat16)
         opt.step()
     return start, [p.detach().clone() for p in params]
 
 
 def test_stochastic_rounding_is_reproducible_and_covers_state_full_tensors():
     """A pure function of (seed, step, parameter): two runs agree. The AdamW tensors (the active
-    block, the non-projectable one) take lr 1e-5 steps on |w| >= 1: only stochastic rounding
+    block, the non-projectable one) take lr 1e-4 steps on |w| >= 1: only stochastic rounding
     moves them."""
     start, first = adamw_run(True)
     _, second = adamw_run(True)
