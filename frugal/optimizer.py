@@ -71,9 +71,16 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _shard(p: Tensor) -> tuple[int, ...]:
-    """Where a sharded tensor's local part sits on its device mesh (() when not sharded)."""
-    return tuple(p.device_mesh.get_coordinate() or ()) if _is_dtensor(p) else ()
+def _shard(p: Tensor, group: dict) -> tuple[int, ...]:
+    """Keys the coordinate draw of an FSDP2 shard: its place on the device mesh when the
+    selection runs along a sharded dimension (rows, randk's flat index), so shards draw different
+    coordinates; () otherwise (unsharded, or columns of a row-sharded weight: every shard then
+    picks the columns the unsharded weight would)."""
+    if not _is_dtensor(p):
+        return ()
+    dim = proj.coordinate_dim(group["projection"], p.shape, group["transposed"])
+    sharded = {pl.dim for pl in p.placements if pl.is_shard()}
+    return tuple(p.device_mesh.get_coordinate() or ()) if dim is None or dim in sharded else ()
 
 
 @dataclass(eq=False)
@@ -240,6 +247,47 @@ class FRUGAL(Optimizer):
                 for name, v in exact.get(key, {}).items():
                     self.state[p][name] = v.to(device=_local(p).device)
         self._layout = None
+
+    def materialize_state(self, step: int) -> None:
+        """Set the step counter to ``step`` and give every tensor that holds state in that step's
+        window its state, zero-filled, in the shapes a checkpoint of that step holds.
+
+        For loading with torch.distributed.checkpoint, which loads into the state dict of the
+        optimizer it is given: which tensors hold state depends on the window, so a freshly built
+        FRUGAL must first look like the saved one (``dcp.load`` then fills in the values), and
+        ``strict=False`` because state-free tensors own no state::
+
+            optimizer.materialize_state(saved_step)
+            state = {"optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_optimizer_state_dict(model, optimizer, state["optim"],
+                                     options=StateDictOptions(strict=False))
+        """
+        self.param_groups[0]["step"] = step
+        layout = self._get_layout()
+        active = self._active(layout, step)
+        for gi, group in enumerate(self.param_groups):
+            rule = STATE_FULL[group["state_full"]]
+            window = step // group["update_gap"]
+            for pi, p in enumerate(group["params"]):
+                role = self._role(group, layout.block_of[gi][pi], active)
+                if role == FREE:
+                    self.state.pop(p, None)
+                elif role == FULL:
+                    rule.init_state(self.state[p], p)
+                elif group["projection"] in proj.COORDINATE:
+                    subspace.coordinates(self.state[p], rule, _local(p), group, window,
+                                         layout.idents[gi][pi], _shard(p, group))
+                else:  # the basis comes from the checkpoint (svd: from a gradient)
+                    state, local = self.state[p], _local(p)
+                    shape = proj.reduced_shape(group["projection"], local.shape, group["transposed"],
+                                               group["density"])
+                    m, n = proj.logical_shape(local.shape, group["transposed"])
+                    side = n if proj.matrix_side(local.shape, group["transposed"]) == "right" else m
+                    rank = proj.matrix_rank(local.shape, group["density"])
+                    state["proj"] = torch.zeros(side, rank, dtype=local.dtype, device=local.device)
+                    state["window"] = window
+                    rule.init_state(state, local, shape)
 
     def _get_layout(self) -> _Layout:
         if self._layout is not None:
@@ -425,7 +473,7 @@ class FRUGAL(Optimizer):
                 w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
                                                          w.subspace)
             return
-        w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, _shard(w.param))
+        w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, _shard(w.param, group))
         w.target = proj.project(p, projection, transposed, w.subspace)
         w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
         w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
@@ -511,7 +559,7 @@ class FRUGAL(Optimizer):
             if projection in proj.MATRIX:
                 sub = subspace.matrix(w.state, full_rule, p, grad, g, window, w.ident)
             else:
-                sub = subspace.coordinates(w.state, full_rule, p, g, window, w.ident, _shard(w.param))
+                sub = subspace.coordinates(w.state, full_rule, p, g, window, w.ident, _shard(w.param, g))
             g_full = proj.project(grad, projection, transposed, sub)
             d_full = full_rule.direction(g_full, w.state, **hp)
             new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
@@ -519,7 +567,8 @@ class FRUGAL(Optimizer):
                 g_free = grad - proj.project_back(g_full, p.shape, projection, transposed, sub)
                 new -= lr_free * free_rule.direction(g_free)
         if self._rounds_stochastically(w):
-            seed = proj.mix_seed(g["seed"], step, w.ident, *_shard(w.param))
+            shard = tuple(w.param.device_mesh.get_coordinate() or ()) if _is_dtensor(w.param) else ()
+            seed = proj.mix_seed(g["seed"], step, w.ident, *shard)
             stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
         else:
             p.copy_(new)

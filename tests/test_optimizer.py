@@ -567,3 +567,28 @@ def test_density_report(projection, density, expected_unit):
     else:
         assert report["unit"] == pytest.approx(8 / 640)  # one element of each of 8 tensors
     assert abs(report["realised"] - report["requested"]) <= report["unit"] / 2 + 1e-12 or projection == "block"
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_materialize_state_matches_a_checkpoint_of_that_step(projection):
+    """What torch.distributed.checkpoint needs of a fresh optimizer: the same state keys, shapes and
+    dtypes as the saved one (which tensors hold state depends on the window)."""
+    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random")
+    params = make_params([(6, 8), (8, 6)] * 3 + [(5,)])
+    opt = FRUGAL(layered_groups(params, [2, 2, 2]), **kw)
+    run_steps(opt, params, 7)
+    fresh = FRUGAL(layered_groups(clone(params), [2, 2, 2]), **kw)
+    fresh.materialize_state(7)
+    saved, made = opt.state_dict(), fresh.state_dict()
+    assert saved["param_groups"] == made["param_groups"]
+    assert saved["state"].keys() == made["state"].keys()
+    for key, st in saved["state"].items():
+        assert st.keys() == made["state"][key].keys()
+        for name, v in st.items():
+            w = made["state"][key][name]
+            if torch.is_tensor(v):
+                assert (v.shape, v.dtype) == (w.shape, w.dtype), name
+                if name == "index":
+                    assert torch.equal(v, w)  # the window's coordinates, drawn again
+            else:
+                assert v == w
