@@ -23,7 +23,7 @@ back (Algorithm 1 of the paper).
 
 Split tensors go through 2-5 a batch at a time (about one layer), so their temporaries stay far
 below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` runs
-``_step_single`` instead: Algorithm 1 literally, one tensor at a time, with no fused kernels and
+``frugal.reference.update_tensor`` instead: Algorithm 1 literally, one tensor at a time, with no fused kernels and
 no gather/scatter shortcuts; it is the reference the fast path is tested against, and the path of
 bfloat16 weights with ``stochastic_rounding=True``.
 
@@ -48,39 +48,13 @@ from torch.optim import Optimizer
 from . import projections as proj
 from . import subspace
 from .hparams import HyperparameterError, validate
-from .kernels import stochastic_round_
+from .reference import FREE, FULL, SPLIT, update_tensor
 from .rules import STATE_FREE, STATE_FULL
-
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
+from .subspace import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
 _BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed")
-FULL, FREE, SPLIT = "state-full", "state-free", "split"
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
-
-
-def _is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(t: Tensor) -> Tensor:
-    """The values this process holds: the local shard of an FSDP2 DTensor (same storage)."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _shard(p: Tensor, group: dict) -> tuple[int, ...]:
-    """Keys the coordinate draw of an FSDP2 shard: its place on the device mesh when the
-    selection runs along a sharded dimension (rows, randk's flat index), so shards draw different
-    coordinates; () otherwise (unsharded, or columns of a row-sharded weight: every shard then
-    picks the columns the unsharded weight would)."""
-    if not _is_dtensor(p):
-        return ()
-    dim = proj.coordinate_dim(group["projection"], p.shape, group["transposed"])
-    sharded = {pl.dim for pl in p.placements if pl.is_shard()}
-    return tuple(p.device_mesh.get_coordinate() or ()) if dim is None or dim in sharded else ()
 
 
 @dataclass(eq=False)
@@ -99,7 +73,7 @@ class Work:
 
     @property
     def local(self) -> Tensor:
-        return _local(self.param)
+        return local(self.param)
 
 
 class FullKey(NamedTuple):
@@ -220,7 +194,7 @@ class FRUGAL(Optimizer):
                     raise HyperparameterError(
                         f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
                         "valid choices for other shapes: block, randk")
-                if projection in proj.MATRIX and _is_dtensor(p):
+                if projection in proj.MATRIX and is_dtensor(p):
                     raise HyperparameterError(
                         f"projection {projection!r} needs each whole weight matrix (for its basis), "
                         f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
@@ -245,7 +219,7 @@ class FRUGAL(Optimizer):
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved["params"], group["params"]):
                 for name, v in exact.get(key, {}).items():
-                    self.state[p][name] = v.to(device=_local(p).device)
+                    self.state[p][name] = v.to(device=local(p).device)
         self._layout = None
 
     def materialize_state(self, step: int) -> None:
@@ -276,18 +250,18 @@ class FRUGAL(Optimizer):
                 elif role == FULL:
                     rule.init_state(self.state[p], p)
                 elif group["projection"] in proj.COORDINATE:
-                    subspace.coordinates(self.state[p], rule, _local(p), group, window,
-                                         layout.idents[gi][pi], _shard(p, group))
+                    subspace.coordinates(self.state[p], rule, local(p), group, window,
+                                         layout.idents[gi][pi], shard_key(p, group))
                 else:  # the basis comes from the checkpoint (svd: from a gradient)
-                    state, local = self.state[p], _local(p)
-                    shape = proj.reduced_shape(group["projection"], local.shape, group["transposed"],
+                    state = self.state[p]
+                    shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"],
                                                group["density"])
-                    m, n = proj.logical_shape(local.shape, group["transposed"])
-                    side = n if proj.matrix_side(local.shape, group["transposed"]) == "right" else m
-                    rank = proj.matrix_rank(local.shape, group["density"])
-                    state["proj"] = torch.zeros(side, rank, dtype=local.dtype, device=local.device)
+                    m, n = proj.logical_shape(p.shape, group["transposed"])
+                    side = n if proj.matrix_side(p.shape, group["transposed"]) == "right" else m
+                    rank = proj.matrix_rank(p.shape, group["density"])
+                    state["proj"] = torch.zeros(side, rank, dtype=p.dtype, device=p.device)
                     state["window"] = window
-                    rule.init_state(state, local, shape)
+                    rule.init_state(state, p, shape)
 
     def _get_layout(self) -> _Layout:
         if self._layout is not None:
@@ -408,7 +382,7 @@ class FRUGAL(Optimizer):
             for w in batch:
                 self._write_back(w)                                       # 5. write back
         for w in single:
-            self._step_single(w, step)
+            update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step)
         self.param_groups[0]["step"] = step + 1
         return loss
 
@@ -427,7 +401,7 @@ class FRUGAL(Optimizer):
                     raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")
                 roles.append((gi, pi, group, p, role))
-        return [Work(p, _local(p.grad), group, self.state[p] if role != FREE else {}, role,
+        return [Work(p, local(p.grad), group, self.state[p] if role != FREE else {}, role,
                      layout.idents[gi][pi])
                 for gi, pi, group, p, role in roles if p.grad is not None]
 
@@ -473,7 +447,7 @@ class FRUGAL(Optimizer):
                 w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
                                                          w.subspace)
             return
-        w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, _shard(w.param, group))
+        w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, shard_key(w.param, group))
         w.target = proj.project(p, projection, transposed, w.subspace)
         w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
         w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
@@ -500,7 +474,7 @@ class FRUGAL(Optimizer):
             grads.append(w.full_grad)
             rule = STATE_FULL[g["state_full"]]
             for name in rule.state_names:
-                states[name].append(_local(w.state[name]))
+                states[name].append(local(w.state[name]))
             if rule.counts_steps:
                 steps.append(w.state["step"])
         for key, (targets, grads, states, steps) in buckets.items():
@@ -535,40 +509,3 @@ class FRUGAL(Optimizer):
             else:
                 proj.write_coordinates_(p, g["projection"], g["transposed"], w.subspace, w.target)
         w.target = w.full_grad = w.free_grad = w.subspace = None
-
-    # ---- the reference: Algorithm 1, one tensor at a time ------------------------------------
-    def _step_single(self, w: Work, step: int) -> None:
-        """theta <- theta (1 - lr wd) - lr_full P^{-1}(d_full(P(g))) - lr_free d_free(g - P^{-1}(P(g))),
-        computed in float32 (at least) and rounded once into the weights."""
-        g, p, grad = w.group, w.local, w.grad
-        full_rule, free_rule = STATE_FULL[g["state_full"]], STATE_FREE[g["state_free"]]
-        hp = {"betas": tuple(g["betas"]), "eps": g["eps"], "momentum": g["momentum"]}
-        lr = g["lr"]
-        lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
-        lr_free = lr * g["state_free_lr_scale"]
-        new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * g["weight_decay"])
-        if w.role == FULL:
-            full_rule.init_state(w.state, w.param)
-            new -= lr_full * full_rule.direction(grad, {k: _local(v) for k, v in w.state.items()}, **hp)
-        elif w.role == FREE:
-            if free_rule.direction is not None:
-                new -= lr_free * free_rule.direction(grad)
-        else:
-            projection, transposed = g["projection"], g["transposed"]
-            window = step // g["update_gap"]
-            if projection in proj.MATRIX:
-                sub = subspace.matrix(w.state, full_rule, p, grad, g, window, w.ident)
-            else:
-                sub = subspace.coordinates(w.state, full_rule, p, g, window, w.ident, _shard(w.param, g))
-            g_full = proj.project(grad, projection, transposed, sub)
-            d_full = full_rule.direction(g_full, w.state, **hp)
-            new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
-            if free_rule.direction is not None:
-                g_free = grad - proj.project_back(g_full, p.shape, projection, transposed, sub)
-                new -= lr_free * free_rule.direction(g_free)
-        if self._rounds_stochastically(w):
-            shard = tuple(w.param.device_mesh.get_coordinate() or ()) if _is_dtensor(w.param) else ()
-            seed = proj.mix_seed(g["seed"], step, w.ident, *shard)
-            stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
-        else:
-            p.copy_(new)

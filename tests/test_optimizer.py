@@ -541,9 +541,12 @@ def test_deepcopy_and_torch_scheduler():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
     run_steps(opt, params, 2)
     sched.step()
-    twin_params = clone(params)
     twin = copy.deepcopy(opt)
     assert twin.step_count == 2 and twin.active_blocks() == opt.active_blocks()
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    set_grads(twin_params, grads_for(twin_params, 2))
+    twin.step()  # the copy steps its own (copied) parameters
+    assert not torch.equal(twin_params[0], params[0]) and twin.step_count == 3 and opt.step_count == 2
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)
 
 
