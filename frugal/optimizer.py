@@ -61,6 +61,7 @@ _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA lay
 class Work:
     """One tensor's share of a step; phases 2-5 fill in and consume the last four fields."""
     param: Tensor
+    local: Tensor  # the parameter's local values (itself unless it is an FSDP2 shard)
     grad: Tensor  # local values, read only
     group: dict
     state: dict
@@ -70,10 +71,6 @@ class Work:
     target: Tensor | None = None  # what the state-full rule updates in place
     full_grad: Tensor | None = None  # the gradient the state-full rule sees
     free_grad: Tensor | None = None  # the gradient the state-free rule sees
-
-    @property
-    def local(self) -> Tensor:
-        return local(self.param)
 
 
 class FullKey(NamedTuple):
@@ -401,7 +398,7 @@ class FRUGAL(Optimizer):
                     raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")
                 roles.append((gi, pi, group, p, role))
-        return [Work(p, local(p.grad), group, self.state[p] if role != FREE else {}, role,
+        return [Work(p, local(p), local(p.grad), group, self.state[p] if role != FREE else {}, role,
                      layout.idents[gi][pi])
                 for gi, pi, group, p, role in roles if p.grad is not None]
 

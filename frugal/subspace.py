@@ -37,7 +37,7 @@ def is_dtensor(t) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The values this process holds: the local shard of an FSDP2 DTensor (same storage)."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def mesh_coordinate(p: Tensor) -> tuple[int, ...]:
