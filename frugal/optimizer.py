@@ -23,16 +23,17 @@ back (Algorithm 1 of the paper).
 
 Split tensors go through 2-5 a batch at a time (about one layer), so their temporaries stay far
 below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` runs
-``frugal.reference.update_tensor`` instead: Algorithm 1 literally, one tensor at a time, with no fused kernels and
-no gather/scatter shortcuts; it is the reference the fast path is tested against, and the path of
-bfloat16 weights with ``stochastic_rounding=True``.
+``frugal.reference.update_tensor`` instead: Algorithm 1 literally, one tensor at a time, with no
+fused kernels and no gather/scatter shortcuts; it is the reference the fast path is tested
+against, and the path of bfloat16 weights with ``stochastic_rounding=True``.
 
 Where methods built on FRUGAL plug in: a state-full rule with its own state layout (Adafactor-style
 factors, AdaMeM) is a ``rules.StateFullRule`` with its ``init_state``; a state-free rule that reads
-the state-full update (Fira's per-column norm ratio of ``P^{-1}(target)`` and ``full_grad``) runs in
-phase 4, after phase 3 has filled ``Work.target``; a per-step projection refresh with an
-error-feedback buffer (LDAdam) is a ``frugal.subspace`` option (``update_gap=1``, ``reproject``)
-plus a buffer added to the gradient in phase 2.
+the state-full update (Fira scales the residual by the per-column norm ratio of the update and
+the reduced gradient) runs in phase 4, after phase 3 has filled ``Work.target`` next to
+``Work.full_grad`` (phase 4 would hand it the batch's ``Work`` records); a per-step projection
+refresh with an error-feedback buffer (LDAdam) is a ``frugal.subspace`` option (``update_gap=1``,
+``reproject``) plus a buffer added to the gradient in phase 2.
 """
 from __future__ import annotations
 

@@ -150,8 +150,8 @@ def floor_bytes(kind: str, c: dict) -> float | None:
 def methods(sign_update: str) -> list:
     """(label, build(model) -> optimizer, floor kind)."""
     def build(name, **hp):
-        if name not in ("adamw",):
-            hp.setdefault("sign_update", sign_update)
+        if "sign_update" in frugal.registry.accepted_keys(name):
+            hp["sign_update"] = sign_update
         return lambda m: frugal.build_optimizer(m, name, **hp)
     return [
         ("adamw fused", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, fused=True), "plain"),

@@ -439,6 +439,9 @@ def test_sgdm_rule():
     ({"betas": (1.2, 0.9)}, ["1.2", "[0, 1)"]),
     ({"betas": (0.9, -0.1)}, ["-0.1", "[0, 1)"]),
     ({"eps": -1.0}, ["eps", "-1.0"]),
+    ({"sign_update": "fast"}, ["'fast'", "auto", "compiled", "eager"]),
+    ({"stochastic_rounding": 1}, ["stochastic_rounding", "1", "True or False"]),
+    ({"foreach": "no"}, ["foreach", "'no'", "True or False"]),
 ])
 def test_bad_input_names_value_and_choices(kwargs, words):
     with pytest.raises(ValueError) as err:
