@@ -8,8 +8,8 @@ shapes alone, so it works on a model built on the `meta` device (a 7B model cost
 - AdamW: two moments per parameter (8 bytes/param in fp32).
 - blockwise: the non-projectable tensors' moments plus those of round(density * L) whole layers.
 - column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
-  columns (rows; elements for randk), and their indices (int32; for randk that is half the
-  moments' size: the paper counts a seed, the implementation keeps the indices, see below).
+  columns (rows; elements for randk), and their indices (randk's, int32, are half the moments'
+  size: the paper counts a seed, the implementation keeps the indices, see below).
 - svd / random (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
   Appendix D's layout: the projection matrix on the larger side (max(m, n) x r) and the moments on
   the smaller side (min(m, n) x r), 26/24 = 13/12 of the coordinate projections' cost for LLaMA.
@@ -108,11 +108,11 @@ def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int
 
 
 def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:
-    """The sorted indices a coordinate projection keeps (frugal/subspace.py): int32 below 2^31
-    elements. Tiny for column/row/randperm; for randk half the size of its two moments: the
-    paper's Appendix D counts only a seed, but regenerating k sorted indices every step costs
+    """The sorted indices a coordinate projection keeps (frugal/subspace.py): tiny for
+    column/row/randperm; for randk (int32) half the size of its two moments. The paper's
+    Appendix D counts only a seed for randk, but drawing k sorted indices again every step costs
     more time than the moments' update itself, so they are kept, and counted."""
-    return k * torch.empty((), dtype=proj.index_dtype(numel)).element_size()
+    return k * torch.empty((), dtype=proj.index_dtype(projection, numel)).element_size()
 
 
 def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], hp: dict) -> list[torch.Tensor]:

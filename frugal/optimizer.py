@@ -446,6 +446,7 @@ class FRUGAL(Optimizer):
                                                          w.subspace)
             return
         w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, shard_key(w.param, group))
+        w.subspace = w.subspace.long()  # once, not in each of the three gathers/scatters below
         w.target = proj.project(p, projection, transposed, w.subspace)
         w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
         w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates

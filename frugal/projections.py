@@ -142,10 +142,12 @@ def coordinate_count(projection: str, shape, transposed: bool, density: float) -
     return round_half_up(density * size)
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    """int32 indices (half the memory of int64; gather, index_select and scatter_ take them) for
-    tensors below 2^31 elements."""
-    return torch.int32 if numel < 2**31 else torch.int64
+def index_dtype(projection: str, numel: int) -> torch.dtype:
+    """How a coordinate projection keeps its indices. randk keeps k = density * numel of them, as
+    many as the moments have elements: int32 (below 2^31 elements) halves that, at the cost of one
+    conversion to int64 per step (torch's gathers and scatters run on int64). Column and row
+    indices are tiny: int64."""
+    return torch.int32 if projection == "randk" and numel < 2**31 else torch.int64
 
 
 def coordinate_indices(projection, shape, transposed, density, seed, window, ident, device=None,
@@ -157,7 +159,7 @@ def coordinate_indices(projection, shape, transposed, density, seed, window, ide
     size = math.prod(shape) if dim is None else shape[dim]
     k = coordinate_count(projection, shape, transposed, density)
     idx = random_subset(size, k, generator(seed, window, ident, device=device, shard=shard))
-    return idx.to(index_dtype(math.prod(shape)))
+    return idx.to(index_dtype(projection, math.prod(shape)))
 
 
 def matrix_rank(shape, density: float) -> int:
