@@ -17,43 +17,58 @@ give bitwise the same weights (tested in fp32, bf16, fp16 and fp64).
 - ``"compiled"``: the compiled pass for every tensor; an error if it cannot compile.
 - ``"eager"``: never compile.
 
-One compiled graph serves every tensor size (dynamic shapes on flat views) and ``lr`` and the decay
-enter as 0-d tensors, so LR schedules do not recompile. The first use compiles (seconds; inductor
-caches the result on disk for later processes).
+Compiled calls take ``PACK`` tensors at a time (one call per tensor would cost ~20 us of Python
+each, as much as the pass over a 1M-element tensor, and on a GPU more than the kernel itself).
+Two graphs (``PACK`` tensors, one tensor) serve every tensor size (dynamic shapes on flat views),
+and ``lr`` and the decay enter as 0-d tensors, so LR schedules do not recompile. The first use
+compiles (seconds; inductor caches the result on disk for later processes).
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 SIGN_UPDATES = ("auto", "compiled", "eager")
 AUTO_MIN_NUMEL = 1 << 16
+PACK = 8  # tensors per compiled call: a call costs ~20 us of Python, as much as a 1M-element pass
 _COMPILED_DEVICES = ("cpu", "cuda")
 
-_compiled_sign = None
+_compiled: dict[int, object] = {}  # tensors per call -> compiled function
 _unavailable: dict[str, str] = {}  # device type -> why compiling failed ("auto" stays eager there)
 
 
-def _sign_step(p: Tensor, g: Tensor, lr: Tensor, decay: Tensor) -> None:
-    """One pass: ``p <- round(round(p * decay) - lr * sign(g))`` in ``lr``'s dtype (the op-math
-    type: float32 for 16-bit weights), rounding to ``p``'s dtype where eager ``mul_``/``add_`` do."""
-    x = (p.to(lr.dtype) * decay).to(p.dtype).to(lr.dtype)
-    p.copy_((x - torch.sign(g).to(lr.dtype) * lr).to(p.dtype))
+def _sign_step(params, grads, lr: Tensor, decay: Tensor) -> None:
+    """One pass per tensor: ``p <- round(round(p * decay) - lr * sign(g))`` in ``lr``'s dtype (the
+    op-math type: float32 for 16-bit weights), rounding to ``p``'s dtype where eager ``mul_`` and
+    ``add_`` do."""
+    for p, g in zip(params, grads):
+        x = (p.to(lr.dtype) * decay).to(p.dtype).to(lr.dtype)
+        p.copy_((x - torch.sign(g).to(lr.dtype) * lr).to(p.dtype))
 
 
-def _kernel():
-    global _compiled_sign
-    if _compiled_sign is None:
-        # emulate_precision_casts keeps the intermediate rounding to bf16/fp16 that eager does.
-        _compiled_sign = torch.compile(_sign_step, dynamic=True, fullgraph=True,
-                                       options={"emulate_precision_casts": True})
-    return _compiled_sign
+def _kernel(count: int):
+    """The compiled pass over ``count`` tensors of any sizes (one graph per count and dtype)."""
+    if count not in _compiled:
+        # emulate_precision_casts keeps the intermediate rounding to bf16/fp16 that eager does
+        # (and turns off Triton's FMA contraction, which would skip a rounding on CUDA).
+        _compiled[count] = torch.compile(_sign_step, dynamic=True, fullgraph=True,
+                                         options={"emulate_precision_casts": True})
+    return _compiled[count]
+
+
+def _call(params: list[Tensor], grads: list[Tensor], scalars) -> None:
+    # Without "duck shaping" every tensor size is its own symbol: no guard on which sizes are
+    # equal, so one graph serves any PACK tensors (of at least 2 elements: sizes 0 and 1 are
+    # specialised). The setting is read when dynamo traces, i.e. on a first call.
+    with fx_config.patch(use_duck_shape=False):
+        _kernel(len(params))([p.view(-1) for p in params], [g.view(-1) for g in grads], *scalars)
 
 
 def _use_compiled(mode: str, p: Tensor, g: Tensor) -> bool:
-    if mode == "eager" or not (p.is_contiguous() and g.is_contiguous()):
+    if mode == "eager" or not (p.is_contiguous() and g.is_contiguous()) or p.numel() < 2:
         return False
     if mode == "compiled":
         return True
@@ -83,27 +98,33 @@ def sign_update_(params: list[Tensor], grads: list[Tensor], *, lr: float, decay:
     All tensors share one device and dtype (the optimizer buckets them so)."""
     if mode not in SIGN_UPDATES:
         raise ValueError(f"Invalid sign_update: {mode!r}; valid choices: {', '.join(SIGN_UPDATES)}")
-    eager_p, eager_g = [], []
-    scalars = None
+    eager_p, eager_g, fast_p, fast_g = [], [], [], []
     for p, g in zip(params, grads):
-        if not _use_compiled(mode, p, g):
-            eager_p.append(p)
-            eager_g.append(g)
-            continue
-        scalars = scalars or _scalars(p, lr, decay)
-        try:
-            _kernel()(p.view(-1), g.view(-1), *scalars)
-        except Exception as err:  # compile errors surface at the first call, before p is written
-            if mode == "compiled":
-                raise RuntimeError(f"sign_update='compiled' could not compile the sign update on "
-                                   f"{p.device.type}: {err}. Use sign_update='auto' (falls back to "
-                                   "eager ops) or 'eager'.") from err
-            _unavailable[p.device.type] = f"{type(err).__name__}: {err}"
-            warnings.warn(f"FRUGAL: the compiled sign update is unavailable on {p.device.type} "
-                          f"({_unavailable[p.device.type]}); using eager ops (same results, slower). "
-                          "Pass sign_update='eager' to silence this.", RuntimeWarning, stacklevel=2)
-            eager_p.append(p)
-            eager_g.append(g)
+        compiled = _use_compiled(mode, p, g)
+        (fast_p if compiled else eager_p).append(p)
+        (fast_g if compiled else eager_g).append(g)
+    if fast_p:
+        scalars = _scalars(fast_p[0], lr, decay)
+        # packs of PACK tensors, the rest one by one: two graphs, whatever the number of tensors
+        cuts = list(range(0, len(fast_p) - len(fast_p) % PACK, PACK))
+        calls = [slice(i, i + PACK) for i in cuts]
+        calls += [slice(i, i + 1) for i in range(len(cuts) * PACK, len(fast_p))]
+        for part in calls:
+            try:
+                _call(fast_p[part], fast_g[part], scalars)
+            except Exception as err:  # compile errors surface at a first call, before p is written
+                if mode == "compiled":
+                    raise RuntimeError(f"sign_update='compiled' could not compile the sign update on "
+                                       f"{fast_p[0].device.type}: {err}. Use sign_update='auto' "
+                                       "(falls back to eager ops) or 'eager'.") from err
+                device = fast_p[0].device.type
+                if device not in _unavailable:
+                    _unavailable[device] = f"{type(err).__name__}: {err}"
+                    warnings.warn(f"FRUGAL: the compiled sign update is unavailable on {device} "
+                                  f"({_unavailable[device]}); using eager ops (same results, slower). "
+                                  "Pass sign_update='eager' to silence this.", RuntimeWarning, stacklevel=2)
+                eager_p += fast_p[part]
+                eager_g += fast_g[part]
     _eager(eager_p, eager_g, lr, decay)
 
 

@@ -41,13 +41,29 @@ def test_compiled_equals_eager_bitwise(dtype, lr, decay):
 
 
 @needs_compiler
+def test_packs_of_tensors_any_sizes_one_graph_each():
+    """PACK tensors per call, the rest one by one; new sizes do not recompile."""
+    from torch._dynamo.utils import counters
+    sizes = [kernels.AUTO_MIN_NUMEL + 17 * i for i in range(kernels.PACK + 3)]
+    params, grads = tensors(torch.float32, [(n,) for n in sizes])
+    eager = [p.clone() for p in params]
+    kernels.sign_update_(eager, grads, lr=1e-2, decay=0.99, mode="eager")
+    kernels.sign_update_(params, grads, lr=1e-2, decay=0.99, mode="auto")
+    assert all(torch.equal(p, e) for p, e in zip(params, eager))
+    graphs = counters["stats"]["unique_graphs"]
+    params, grads = tensors(torch.float32, [(n + 5,) for n in reversed(sizes)], seed=1)
+    kernels.sign_update_(params, grads, lr=3e-2, decay=1.0, mode="auto")
+    assert counters["stats"]["unique_graphs"] == graphs  # other sizes and LR: no recompile
+
+
+@needs_compiler
 def test_auto_compiles_large_tensors_only(monkeypatch):
     calls = []
     real = kernels._kernel
 
-    def spy():
-        kernel = real()
-        return lambda p, *args: (calls.append(p.numel()), kernel(p, *args))
+    def spy(count):
+        kernel = real(count)
+        return lambda ps, *args: (calls.extend(p.numel() for p in ps), kernel(ps, *args))
 
     monkeypatch.setattr(kernels, "_kernel", spy)
     monkeypatch.setattr(kernels, "_unavailable", {})
@@ -57,7 +73,7 @@ def test_auto_compiles_large_tensors_only(monkeypatch):
 
 
 def test_auto_falls_back_once_with_a_warning(monkeypatch):
-    def broken():
+    def broken(count):
         def kernel(*args):
             raise RuntimeError("no working C++ compiler")
         return kernel
@@ -83,7 +99,7 @@ def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
     eager run, over block switches, with weight decay and a state-free LR scale."""
     calls = []
     real = kernels._kernel
-    monkeypatch.setattr(kernels, "_kernel", lambda: (calls.append(1), real())[1])
+    monkeypatch.setattr(kernels, "_kernel", lambda count: (calls.append(count), real(count))[1])
     shapes = [(256, 256), (256, 260), (300,)]
     runs = {}
     for mode in ("auto", "eager"):
