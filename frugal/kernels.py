@@ -43,10 +43,14 @@ _unavailable: dict[str, str] = {}  # device type -> why compiling failed ("auto"
 def _sign_step(params, grads, lr: Tensor, decay: Tensor) -> None:
     """One pass per tensor: ``p <- round(round(p * decay) - lr * sign(g))`` in ``lr``'s dtype (the
     op-math type: float32 for 16-bit weights), rounding to ``p``'s dtype where eager ``mul_`` and
-    ``add_`` do."""
+    ``add_`` do. ``lr * sign(g)`` is written as a choice between lr, -lr and 0 (as torch.sign,
+    0 for g = 0 and NaN): the same values with fewer instructions than sign then multiply, which
+    keeps the pass memory-bound on two cores."""
+    zero = torch.zeros_like(lr)
     for p, g in zip(params, grads):
         x = (p.to(lr.dtype) * decay).to(p.dtype).to(lr.dtype)
-        p.copy_((x - torch.sign(g).to(lr.dtype) * lr).to(p.dtype))
+        step = torch.where(g > 0, lr, torch.where(g < 0, -lr, zero))
+        p.copy_((x - step).to(p.dtype))
 
 
 def _kernel(count: int):
