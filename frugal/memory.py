@@ -108,7 +108,7 @@ def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int
 
 
 def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:
-    """The sorted indices a coordinate projection keeps (frugal/subspace.py): tiny for
+    """The sorted indices a coordinate projection keeps (frugal/state_management.py): tiny for
     column/row/randperm; for randk (int32) half the size of its two moments. The paper's
     Appendix D counts only a seed for randk, but drawing k sorted indices again every step costs
     more time than the moments' update itself, so they are kept, and counted."""

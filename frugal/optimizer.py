@@ -7,7 +7,7 @@ back (Algorithm 1 of the paper).
    active blocks), wholly state-free (inactive blocks, ``always_state_free`` groups) or split (the
    other projections). Block-projected tensors leaving the state-full set drop their state here,
    before any state is allocated, so a block switch peaks at the resting state plus one block.
-2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.subspace``:
+2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
    chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
    reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
    zeros that collect the update), and the gradient its state-free rule sees (matrix projections:
@@ -32,7 +32,7 @@ factors, AdaMeM) is a ``rules.StateFullRule`` with its ``init_state``; a state-f
 the state-full update (Fira scales the residual by the per-column norm ratio of the update and
 the reduced gradient) runs in phase 4, after phase 3 has filled ``Work.target`` next to
 ``Work.full_grad`` (phase 4 would hand it the batch's ``Work`` records); a per-step projection
-refresh with an error-feedback buffer (LDAdam) is a ``frugal.subspace`` option (``update_gap=1``,
+refresh with an error-feedback buffer (LDAdam) is a ``frugal.state_management`` option (``update_gap=1``,
 ``reproject``) plus a buffer added to the gradient in phase 2.
 """
 from __future__ import annotations
@@ -47,11 +47,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import subspace
+from . import state_management
 from .hparams import HyperparameterError, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
 from .rules import STATE_FREE, STATE_FULL
-from .subspace import is_dtensor, local, shard_key
+from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
 _BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed")
@@ -131,7 +131,7 @@ class FRUGAL(Optimizer):
     ``row``, ``randk`` keep that share of columns, rows or random coordinates; ``svd``,
     ``random`` and ``randperm`` use rank round(:math:`\rho\min(m, n)`) on the smaller side.
     ``reset_state`` decides what the state-full rule sees after a change of subspace (fresh,
-    re-projected or stale state: see ``frugal.subspace``). An unchanged projection leaves the
+    re-projected or stale state: see ``frugal.state_management``). An unchanged projection leaves the
     state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
     stays state-full keeps its state and only entering blocks start fresh.
 
@@ -248,7 +248,7 @@ class FRUGAL(Optimizer):
                 elif role == FULL:
                     rule.init_state(self.state[p], p)
                 elif group["projection"] in proj.COORDINATE:
-                    subspace.coordinates(self.state[p], rule, local(p), group, window,
+                    state_management.coordinates(self.state[p], rule, local(p), group, window,
                                          layout.idents[gi][pi], shard_key(p, group))
                 else:  # the basis comes from the checkpoint (svd: from a gradient)
                     state = self.state[p]
@@ -437,7 +437,7 @@ class FRUGAL(Optimizer):
         p, projection, transposed = w.local, group["projection"], group["transposed"]
         window = step // group["update_gap"]
         if projection in proj.MATRIX:
-            w.subspace = subspace.matrix(w.state, rule, p, w.grad, group, window, w.ident)
+            w.subspace = state_management.matrix(w.state, rule, p, w.grad, group, window, w.ident)
             w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
             w.target = torch.zeros_like(w.full_grad)  # collects the state-full update
             w.free_grad = w.grad
@@ -445,7 +445,7 @@ class FRUGAL(Optimizer):
                 w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
                                                          w.subspace)
             return
-        w.subspace = subspace.coordinates(w.state, rule, p, group, window, w.ident, shard_key(w.param, group))
+        w.subspace = state_management.coordinates(w.state, rule, p, group, window, w.ident, shard_key(w.param, group))
         w.subspace = w.subspace.long()  # once, not in each of the three gathers/scatters below
         w.target = proj.project(p, projection, transposed, w.subspace)
         w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)

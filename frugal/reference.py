@@ -9,7 +9,7 @@ this path too, since the new weights must exist in float32 before they are round
 
 computed in float32 (at least) and rounded once into the weights. A tensor's role decides P:
 ``FULL`` (the identity: non-projectable tensors, active blocks), ``FREE`` (zero: inactive blocks,
-``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix projection, ``frugal.subspace``).
+``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix projection, ``frugal.state_management``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import projections as proj
-from . import subspace
+from . import sharding, state_management
 from .kernels import stochastic_round_
 from .rules import STATE_FREE, STATE_FULL
 
@@ -27,7 +27,7 @@ FULL, FREE, SPLIT = "state-full", "state-free", "split"
 def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: str, ident: int,
                   step: int) -> None:
     """One step of one tensor (``grad``: its local values; ``param`` may be an FSDP2 DTensor)."""
-    g, p = group, subspace.local(param)
+    g, p = group, sharding.local(param)
     full_rule, free_rule = STATE_FULL[g["state_full"]], STATE_FREE[g["state_free"]]
     hp = {"betas": tuple(g["betas"]), "eps": g["eps"], "momentum": g["momentum"]}
     lr = g["lr"]
@@ -36,7 +36,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * g["weight_decay"])
     if role == FULL:
         full_rule.init_state(state, param)
-        new -= lr_full * full_rule.direction(grad, {k: subspace.local(v) for k, v in state.items()}, **hp)
+        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **hp)
     elif role == FREE:
         if free_rule.direction is not None:
             new -= lr_free * free_rule.direction(grad)
@@ -44,9 +44,9 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
         projection, transposed = g["projection"], g["transposed"]
         window = step // g["update_gap"]
         if projection in proj.MATRIX:
-            sub = subspace.matrix(state, full_rule, p, grad, g, window, ident)
+            sub = state_management.matrix(state, full_rule, p, grad, g, window, ident)
         else:
-            sub = subspace.coordinates(state, full_rule, p, g, window, ident, subspace.shard_key(param, g))
+            sub = state_management.coordinates(state, full_rule, p, g, window, ident, sharding.shard_key(param, g))
         g_full = proj.project(grad, projection, transposed, sub)
         d_full = full_rule.direction(g_full, state, **hp)
         new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
@@ -55,7 +55,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
             new -= lr_free * free_rule.direction(g_free)
     if g["stochastic_rounding"] and p.dtype == torch.bfloat16:
         # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike
-        seed = proj.mix_seed(g["seed"], step, ident, *subspace.mesh_coordinate(param))
+        seed = proj.mix_seed(g["seed"], step, ident, *sharding.mesh_coordinate(param))
         stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
     else:
         p.copy_(new)

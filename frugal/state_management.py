@@ -1,4 +1,5 @@
-"""The state-full subspace of one projected tensor over time: choose it each window, carry its state.
+"""Optimizer state management (Appendix C): a projected tensor's state-full subspace, window by
+window, and what its state becomes when the subspace changes.
 
 Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the state ``s`` becomes
 ``P_w(P_{w'}^{-1}(s))``. ``reset_state`` picks what the optimizer does instead of (or as) that:
@@ -24,37 +25,6 @@ from torch import Tensor
 
 from . import projections as proj
 from .rules import StateFullRule
-
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
-
-
-def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def local(t: Tensor) -> Tensor:
-    """The values this process holds: the local shard of an FSDP2 DTensor (same storage)."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
-
-
-def mesh_coordinate(p: Tensor) -> tuple[int, ...]:
-    """Where a sharded tensor's local part sits on its device mesh (() when not sharded)."""
-    return tuple(p.device_mesh.get_coordinate() or ()) if is_dtensor(p) else ()
-
-
-def shard_key(p: Tensor, group: dict) -> tuple[int, ...]:
-    """Keys the coordinate draw of an FSDP2 shard: its place on the device mesh when the
-    selection runs along a sharded dimension (rows, randk's flat index), so shards draw different
-    coordinates; () otherwise (unsharded, or columns of a row-sharded weight: every shard then
-    picks the columns the unsharded weight would)."""
-    if not is_dtensor(p):
-        return ()
-    dim = proj.coordinate_dim(group["projection"], p.shape, group["transposed"])
-    sharded = {pl.dim for pl in p.placements if pl.is_shard()}
-    return mesh_coordinate(p) if dim is None or dim in sharded else ()
 
 
 def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window: int, ident: int,
