@@ -5,42 +5,52 @@ original-format shards ``c4-train.XXXXX-of-01024.json.gz`` / ``c4-validation.XXX
 (in ``<dir>/en/`` or ``<dir>/`` itself) through the same streaming code
 (``load_dataset("json", data_files=..., streaming=True)``): most clusters keep C4 on a shared disk.
 
+Readers and files. With ``F`` shard files and ``R`` logical readers, ``g = gcd(F, R)`` groups of
+readers share ``g`` groups of files: reader ``r`` reads the files of group ``r % g`` and, inside each
+file, every ``R/g``-th document (``member = r // g``). C4's 1024 files with R = 64 give every reader
+16 whole files per epoch; a directory with fewer files makes readers share them (each parses the
+whole file and tokenizes only its own documents, the expensive part).
+
 Shuffling, designed for exact resume. ``datasets``' ``.shuffle(buffer_size=...)`` cannot be resumed
 exactly (its buffer is not checkpointed; documents are lost). Instead:
 
 1. the order of the shard files is a permutation seeded by ``(seed, epoch)``;
-2. each file is read in windows of ``shuffle_window`` documents and every window is permuted by a
-   generator seeded by ``(seed, epoch, file, window)``.
+2. a reader takes its documents of a file in windows of ``shuffle_window`` and permutes every window
+   with a generator seeded by ``(seed, epoch, file, window, member)``.
 
-A position is then ``[epoch, file slot, window * shuffle_window + index in the permuted window]``;
-resuming re-opens that file, skips to the window start (``IterableDataset.skip``), re-derives the same
-permutation and continues at the same index: no replay, no skip. C4's files are themselves random
-samples of the crawl, so file-order plus window shuffling decorrelates as well as a buffer would.
+A position is then ``[epoch, file slot, index among the reader's documents of that file]``; resuming
+re-opens that file, skips to the window start (``IterableDataset.skip``), re-derives the permutation
+and continues at the same index: no replay, no skip. C4's files are themselves random samples of the
+crawl, so file order plus window shuffling decorrelates as well as a buffer would.
 
-Sharding: with ``n`` readers (ranks x workers) and a file count divisible by ``n`` (C4 train: 1024
-files), each reader owns whole files. Otherwise (a single local test shard, say) every reader
-parses each file but keeps only documents ``r, r+n, ...`` of it -- still disjoint, and only its own
-documents are tokenized (the expensive part).
+Memory per reader: one open stream (``datasets`` reads 1 MB JSON chunks here instead of its 10 MB
+default), one window of texts and the ids of CHUNK documents: 4.4 MB resident per open reader
+(scripts/bench_data.py --readers-memory). Readers open their file on their first turn.
 """
 from __future__ import annotations
 
 import glob
+import math
 import os
-from itertools import islice
 
 import numpy as np
 
-from .core import Source
+from .errors import DataConfigError, DataFileNotFoundError
+from .rows import Source
 from .tokenizer import encode_batch
 
 __all__ = ["C4Source", "c4_files"]
+
+JSON_CHUNK_BYTES = 1 << 20  # datasets' json reader block: bounds each open stream's buffers
+RAW_BATCH = 256  # raw documents pulled from a stream at a time
+CHUNK = 64  # documents tokenized together
 
 
 def c4_files(path: str, split: str) -> list[str]:
     """The sorted local shard files of a split, accepting ``<dir>/en/`` or the ``en`` dir itself."""
     path = os.path.expanduser(str(path))
     if not os.path.isdir(path):
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"data.path={path!r} is not a directory. Point it at a folder of C4 shards "
             "(en/c4-train.00000-of-01024.json.gz ...), or set data.path=null to stream from the Hub."
         )
@@ -49,14 +59,14 @@ def c4_files(path: str, split: str) -> list[str]:
                        + glob.glob(os.path.join(path, sub, f"c4-{split}.*.json")))
         if files:
             return files
-    raise FileNotFoundError(
+    raise DataFileNotFoundError(
         f"data.path={path!r} has no C4 {split} shards: expected files like "
         f"{os.path.join(path, 'en', f'c4-{split}.00000-of-XXXXX.json.gz')}"
     )
 
 
-def _hub_error(exc: Exception) -> RuntimeError:
-    return RuntimeError(
+def _hub_error(exc: Exception) -> DataConfigError:
+    return DataConfigError(
         "Could not stream allenai/c4 from the Hugging Face Hub "
         f"({type(exc).__name__}: {str(exc)[:200]}). Offline or on a cluster without internet, point "
         "data.path at a directory of local C4 shards, e.g. data.path=/datasets/c4 containing "
@@ -71,27 +81,37 @@ class C4Source(Source):
 
     def __init__(self, path, tokenizer, info, shuffle: bool = True, shuffle_window: int = 1024):
         import datasets
+        from datasets.exceptions import DatasetNotFoundError
 
+        if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1:
+            raise DataConfigError(f"data.shuffle_window={shuffle_window!r} is invalid: expected an integer >= 1")
         self.path = path
         self.tok, self.info = tokenizer, info
         self.shuffle = bool(shuffle)
         self.window = int(shuffle_window)
-        if self.window < 1:
-            raise ValueError(f"data.shuffle_window must be >= 1, got {shuffle_window}")
         self.pad_id, self.eos_id = info.pad_id, info.eos_id
-        try:
-            if path is None:
-                self._train = datasets.load_dataset("allenai/c4", "en", split="train", streaming=True)
-                self._val = datasets.load_dataset("allenai/c4", "en", split="validation", streaming=True)
-            else:
-                files = {"train": c4_files(path, "train"), "validation": c4_files(path, "validation")}
-                self._train = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
-                self._val = datasets.load_dataset("json", data_files=files, split="validation", streaming=True)
-        except (ConnectionError, OSError) as exc:
-            if isinstance(exc, FileNotFoundError) and path is not None:
-                raise
-            raise _hub_error(exc) from exc
+        self.prefix, self.suffix = tuple(info.prefix), tuple(info.suffix)
+        self.vocab_size = info.vocab_size
+        if path is None:
+            try:
+                self._train = datasets.load_dataset("allenai/c4", "en", split="train", streaming=True,
+                                                    chunksize=JSON_CHUNK_BYTES)
+                self._val = datasets.load_dataset("allenai/c4", "en", split="validation", streaming=True,
+                                                  chunksize=JSON_CHUNK_BYTES)
+            # Offline (HF_DATASETS_OFFLINE) or no network: ConnectionError; a Hub that answers "no such
+            # dataset" (a mirror, a gated copy): DatasetNotFoundError.
+            except (ConnectionError, DatasetNotFoundError) as exc:
+                raise _hub_error(exc) from exc
+        else:
+            files = {"train": c4_files(path, "train"), "validation": c4_files(path, "validation")}
+            self._train = datasets.load_dataset("json", data_files=files, split="train", streaming=True,
+                                                chunksize=JSON_CHUNK_BYTES)
+            self._val = datasets.load_dataset("json", data_files=files, split="validation", streaming=True,
+                                              chunksize=JSON_CHUNK_BYTES)
         self.n_files = self._train.n_shards
+
+    def identity(self) -> dict:
+        return {"name": self.name, "files": self.n_files, "shuffle": self.shuffle, "shuffle_window": self.window}
 
     def _file_order(self, seed: int, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -99,43 +119,54 @@ class C4Source(Source):
         return np.random.default_rng([int(seed), int(epoch), 11]).permutation(self.n_files)
 
     def train_docs(self, reader, n_readers, seed, start, max_tokens):
-        W = self.window
-        whole_files = self.n_files % n_readers == 0
+        groups = math.gcd(self.n_files, n_readers)
+        share, group, member = n_readers // groups, reader % groups, reader // groups
         epoch, slot, minor = (int(x) for x in start)
-        resuming, produced = True, 0  # a resumed epoch may legitimately have nothing left
+        produced, whole_epoch = 0, slot == 0 and minor == 0
         while True:
-            order = self._file_order(seed, epoch)
-            mine = order[reader::n_readers] if whole_files else order
-            while slot < len(mine):
-                fid = int(mine[slot])
-                window, skip = divmod(minor, W)
-                ds = self._train.shard(num_shards=self.n_files, index=fid)
-                if window:
-                    ds = ds.skip(window * W)
-                # .iter(batch_size) rather than iter(ds): inside a DataLoader worker, iter(ds) would
-                # re-split the shards across workers by itself (and stop workers beyond n_shards);
-                # the partition here is ours, decided above.
-                for raw in ds.iter(batch_size=W):
-                    raw = raw["text"]
-                    texts = [text for j, text in enumerate(raw)
-                             if whole_files or (window * W + j) % n_readers == reader]
-                    if self.shuffle:
-                        perm = np.random.default_rng([int(seed), epoch, fid, window, 13]).permutation(len(texts))
-                        texts = [texts[q] for q in perm]
-                    toks = encode_batch(self.tok, self.info, texts[skip:], max_tokens) if skip < len(texts) else []
-                    for k, t in enumerate(toks, start=skip):
-                        yield [epoch, slot, window * W + k], t, [epoch, slot, window * W + k + 1]
-                    produced += len(toks)
-                    skip, window = 0, window + 1
+            files = self._file_order(seed, epoch)[group::groups]
+            while slot < len(files):
+                for k, ids in self._file_docs(int(files[slot]), share, member, seed, epoch, minor, max_tokens):
+                    produced += 1
+                    yield [epoch, slot, k], ids, [epoch, slot, k + 1]
                 slot, minor = slot + 1, 0
-            if produced == 0 and not resuming:
-                raise RuntimeError(f"c4: reader {reader} of {n_readers} found no documents in a whole epoch")
-            epoch, slot, resuming, produced = epoch + 1, 0, False, 0
+            if produced == 0 and whole_epoch:
+                raise DataConfigError(
+                    f"c4: reader {reader} of data.readers={n_readers} found no documents in a whole epoch "
+                    f"({self.n_files} shard file(s)); lower data.readers or add shards")
+            epoch, slot, produced, whole_epoch = epoch + 1, 0, 0, True
+
+    def _file_docs(self, fid, share, member, seed, epoch, start, max_tokens):
+        """``(index, ids)`` of this reader's documents of one file (every share-th, from member),
+        from the reader's own document ``start`` on, window-shuffled."""
+        W = self.window
+        window, skip = divmod(start, W)
+        ds = self._train.shard(num_shards=self.n_files, index=fid)
+        if window:
+            ds = ds.skip(window * W * share)
+        texts: list[str] = []
+        # .iter(batch_size) rather than iter(ds): inside a DataLoader worker, iter(ds) would re-split
+        # the shards across workers by itself; the partition here is ours.
+        for raw in ds.iter(batch_size=RAW_BATCH * share):
+            texts += raw["text"][member::share]
+            while len(texts) >= W:
+                yield from self._window(texts[:W], window, skip, fid, member, seed, epoch, max_tokens)
+                texts, window, skip = texts[W:], window + 1, 0
+        if texts:
+            yield from self._window(texts, window, skip, fid, member, seed, epoch, max_tokens)
+
+    def _window(self, texts, window, skip, fid, member, seed, epoch, max_tokens):
+        if self.shuffle:
+            perm = np.random.default_rng([int(seed), int(epoch), int(fid), int(window), int(member), 13])
+            texts = [texts[q] for q in perm.permutation(len(texts))]
+        for i in range(skip, len(texts), CHUNK):
+            for k, ids in enumerate(encode_batch(self.tok, self.info, texts[i:i + CHUNK], max_tokens), start=i):
+                yield window * self.window + k, ids
 
     def val_docs(self, max_tokens):
         # The validation split in its natural (file, line) order: the same documents on every run.
         try:
-            for batch in self._val.iter(batch_size=256):
+            for batch in self._val.iter(batch_size=CHUNK):
                 yield from encode_batch(self.tok, self.info, batch["text"], max_tokens)
         except ConnectionError as exc:  # a Hub stream that drops mid-way
             raise _hub_error(exc) from exc

@@ -9,9 +9,9 @@ Malformed JSON lines are never dropped silently: reading collects every bad line
 with the count and the first locations (``file:line``), because a corpus with silently missing
 documents makes runs incomparable.
 
-Validation is held out deterministically: every ``val_every``-th document (in sorted-file order) --
-spread over all files, independent of seeds, identical across runs and ranks. Training documents are
-shuffled by a per-epoch permutation seeded by ``(seed, epoch, reader)``.
+Validation is held out deterministically: every ``val_stride``-th document (in sorted-file order,
+starting with the first) -- spread over all files, independent of seeds, identical across runs and
+ranks, and never empty. Training documents are shuffled per epoch (``data/indexed.py``).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 
-from .core import Source
+from .errors import DataConfigError, DataFileNotFoundError
+from .indexed import IndexedSource
 from .tokenizer import encode_batch
 
 __all__ = ["LocalSource", "read_documents", "find_files"]
@@ -34,7 +34,7 @@ SUFFIXES = (".txt", ".jsonl", ".json", ".json.gz", ".jsonl.gz", ".txt.gz")
 def find_files(path: str) -> list[str]:
     """The supported files under ``path`` (a file, a directory searched recursively, or a glob)."""
     if path is None:
-        raise ValueError("data.path is null: the local source needs data.path=<file, directory or glob>")
+        raise DataConfigError("data.path is null: the local source needs data.path=<file, directory or glob>")
     path = os.path.expanduser(str(path))
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
@@ -43,9 +43,9 @@ def find_files(path: str) -> list[str]:
     elif os.path.isfile(path):
         files = [path]
     else:
-        raise FileNotFoundError(f"data.path={path!r} does not exist (expected a file, a directory or a glob)")
+        raise DataFileNotFoundError(f"data.path={path!r} does not exist (expected a file, a directory or a glob)")
     if not files:
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"data.path={path!r} holds no data files; supported: {', '.join(SUFFIXES)}"
         )
     return files
@@ -56,7 +56,7 @@ def _open_text(fname: str):
 
 
 def read_documents(files: list[str], text_field: str = "text") -> list[str]:
-    """All documents of the files, in order; raises ValueError listing every malformed line."""
+    """All documents of the files, in order; raises DataConfigError listing every malformed line."""
     docs: list[str] = []
     bad: list[str] = []
     for fname in files:
@@ -78,7 +78,7 @@ def read_documents(files: list[str], text_field: str = "text") -> list[str]:
             try:
                 items = json.loads(content)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{fname}: not valid JSON ({exc})") from exc
+                raise DataConfigError(f"{fname}: not valid JSON ({exc})") from exc
             for i, item in enumerate(items):
                 text = item if isinstance(item, str) else (item.get(text_field) if isinstance(item, dict) else None)
                 if not isinstance(text, str):
@@ -100,70 +100,45 @@ def read_documents(files: list[str], text_field: str = "text") -> list[str]:
             docs.append(text)
     if bad:
         shown = ", ".join(bad[:5]) + (f" ... (+{len(bad) - 5} more)" if len(bad) > 5 else "")
-        raise ValueError(
+        raise DataConfigError(
             f"{len(bad)} malformed line(s) (not JSON, or without a string field {text_field!r}) in the data "
             f"files: {shown}. Fix or remove them; nothing was skipped silently."
         )
     return docs
 
 
-class IndexedSource(Source):
-    """A source with random access to numbered training documents (local texts, token files).
-
-    Reader ``r`` of ``n`` owns training documents ``r, r+n, r+2n, ...``; each epoch visits them in a
-    permutation seeded by ``(seed, epoch, reader)``. Position = ``[epoch, index in that order, 0]``.
-    """
-
-    shuffle = True
-    TOKENIZE_CHUNK = 256
-
-    def n_train(self) -> int:
-        raise NotImplementedError
-
-    def get_train(self, indices: np.ndarray, max_tokens: int | None) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def order(self, reader: int, n_readers: int, seed: int, epoch: int) -> np.ndarray:
-        mine = np.arange(reader, self.n_train(), n_readers)
-        if len(mine) == 0:
-            raise ValueError(
-                f"{self.name}: {self.n_train()} training documents cannot feed {n_readers} readers "
-                "(ranks x DataLoader workers); use fewer workers or more data"
-            )
-        if self.shuffle:
-            mine = mine[np.random.default_rng([int(seed), int(epoch), int(reader), 7]).permutation(len(mine))]
-        return mine
-
-    def train_docs(self, reader, n_readers, seed, start, max_tokens):
-        epoch, i = int(start[0]), int(start[1])
-        while True:
-            order = self.order(reader, n_readers, seed, epoch)
-            while i < len(order):
-                chunk = order[i:i + self.TOKENIZE_CHUNK]
-                for toks in self.get_train(chunk, max_tokens):
-                    yield [epoch, i, 0], toks, [epoch, i + 1, 0]
-                    i += 1
-            epoch, i = epoch + 1, 0
-
-
 class LocalSource(IndexedSource):
     name = "local"
 
-    def __init__(self, path, tokenizer, info, text_field: str = "text", val_every: int = 100,
+    def __init__(self, path, tokenizer, info, text_field: str = "text", val_stride: int = 100,
                  shuffle: bool = True):
-        if int(val_every) < 2:
-            raise ValueError(f"data.val_every must be >= 2 (every k-th document is held out), got {val_every}")
-        self.files = find_files(path)
+        if isinstance(val_stride, bool) or not isinstance(val_stride, int) or val_stride < 2:
+            raise DataConfigError(f"data.val_stride={val_stride!r} is invalid: expected an integer >= 2 (every "
+                                  "val_stride-th document is held out for validation)")
+        self.path, self.files = path, find_files(path)
         docs = read_documents(self.files, text_field)
+        self.n_docs, self.val_stride = len(docs), val_stride
+        self.bytes = sum(os.path.getsize(f) for f in self.files)
         if not docs:
-            raise ValueError(f"data.path={path!r}: the files hold no documents")
-        k = int(val_every)
-        self.val_texts = docs[::k]
-        self.train_texts = [d for i, d in enumerate(docs) if i % k]
+            raise DataConfigError(f"data.path={path!r} ({self.bytes:,} bytes): the files hold no documents")
+        self.val_texts = docs[::val_stride]
+        self.train_texts = [d for i, d in enumerate(docs) if i % val_stride]
         if not self.train_texts:
-            raise ValueError(f"data.path={path!r}: only {len(docs)} document(s), none left for training")
+            raise DataConfigError(
+                f"data.path={path!r} ({self.bytes:,} bytes) holds only {len(docs)} document(s), all held out for "
+                "validation; give it more text (.txt files are split into documents at blank lines)")
         self.tok, self.info, self.shuffle = tokenizer, info, bool(shuffle)
         self.pad_id, self.eos_id = info.pad_id, info.eos_id
+        self.prefix, self.suffix = tuple(info.prefix), tuple(info.suffix)
+        self.vocab_size = info.vocab_size
+
+    def identity(self) -> dict:
+        return {"name": self.name, "train_docs": len(self.train_texts), "val_stride": self.val_stride,
+                "shuffle": self.shuffle}
+
+    def describe_validation(self) -> str:
+        return (f"every {self.val_stride}th of the {self.n_docs:,} documents in data.path={self.path!r}, "
+                f"{self.bytes:,} bytes: {len(self.val_texts):,} held out")
 
     def n_train(self):
         return len(self.train_texts)
@@ -172,5 +147,5 @@ class LocalSource(IndexedSource):
         return encode_batch(self.tok, self.info, [self.train_texts[i] for i in indices], max_tokens)
 
     def val_docs(self, max_tokens):
-        for i in range(0, len(self.val_texts), self.TOKENIZE_CHUNK):
-            yield from encode_batch(self.tok, self.info, self.val_texts[i:i + self.TOKENIZE_CHUNK], max_tokens)
+        for i in range(0, len(self.val_texts), self.CHUNK):
+            yield from encode_batch(self.tok, self.info, self.val_texts[i:i + self.CHUNK], max_tokens)

@@ -23,16 +23,15 @@ loss is exactly ``H(X1 | X0)`` for the first prediction and the entropy rate
 over the ``seq_len - 1`` predictions of a row (it differs from ``h`` by ~(H1 - h) / seq_len).
 
 Row ``g`` of a split is generated from its own RNG seeded by ``(language_seed, split, seed, g)``, so
-the stream is random-access: sharding across ranks and workers is "reader r takes rows r, r+n, ...",
-and resuming is "start at row j" -- exact by construction.
+the stream is random-access: logical reader r of R takes rows r, r+R, ..., and resuming is "start at
+row j" -- exact by construction.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from .core import Source
+from .errors import DataConfigError
+from .rows import Source
 
 __all__ = ["MarkovLanguage", "SyntheticSource"]
 
@@ -48,11 +47,11 @@ class MarkovLanguage:
     def __init__(self, vocab_size: int = 512, successors: int = 8, branching: int = 3,
                  alpha: float = 0.5, seed: int = 0):
         if not 2 <= branching <= successors <= vocab_size:
-            raise ValueError(
-                f"need 2 <= branching ({branching}) <= successors ({successors}) <= vocab_size ({vocab_size})"
+            raise DataConfigError(
+                f"data: need 2 <= branching ({branching}) <= successors ({successors}) <= vocab_size ({vocab_size})"
             )
         if alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {alpha}")
+            raise DataConfigError(f"data.alpha must be > 0, got {alpha}")
         V, s, m = int(vocab_size), int(successors), int(branching)
         self.V, self.s, self.m = V, s, m
         rng = np.random.default_rng([int(seed), 1729])
@@ -130,20 +129,27 @@ class SyntheticSource(Source):
     """Rows of ``seq_len`` symbols from :class:`MarkovLanguage`; no padding, no tokenizer."""
 
     name = "synthetic"
-    CHUNK = 64  # rows generated together (vectorised over rows)
+    CHUNK = 64  # validation rows generated together (vectorised over rows)
+    TRAIN_CHUNK = 16  # per reader: one process may serve many readers, each starting with one chunk
 
     def __init__(self, seq_len: int, vocab_size: int = 512, successors: int = 8, branching: int = 3,
                  alpha: float = 0.5, language_seed: int = 0):
         self.language = MarkovLanguage(vocab_size, successors, branching, alpha, language_seed)
-        self.language_seed = int(language_seed)
+        self.language_seed, self.alpha = int(language_seed), float(alpha)
         self.seq_len = int(seq_len)
         self.vocab_size = int(vocab_size)
         self.loss_floor = self.language.loss_floor(self.seq_len)
         self.entropy_rate = self.language.entropy_rate
         self.unigram_entropy = self.language.unigram_entropy
         self.pad_id, self.eos_id = 0, None
+        self.rows = {"seq_len": self.seq_len, "truncation": None}  # complete windows of the chain
 
-    def rows(self, split: int, seed: int, indices: np.ndarray) -> np.ndarray:
+    def identity(self) -> dict:
+        lang = self.language
+        return {"name": self.name, "vocab_size": self.vocab_size, "successors": lang.s, "branching": lang.m,
+                "alpha": self.alpha, "language_seed": self.language_seed}
+
+    def sample_rows(self, split: int, seed: int, indices: np.ndarray) -> np.ndarray:
         u = np.stack([np.random.default_rng([self.language_seed, split, seed, int(g)]).random(self.seq_len)
                       for g in indices])
         return self.language.sample(u)
@@ -151,14 +157,14 @@ class SyntheticSource(Source):
     def train_docs(self, reader, n_readers, seed, start, max_tokens):
         j = int(start[1])
         while True:
-            local = np.arange(j, j + self.CHUNK)
-            for i, row in zip(local, self.rows(0, seed, reader + local * n_readers)):
+            local = np.arange(j, j + self.TRAIN_CHUNK)
+            for i, row in zip(local, self.sample_rows(0, seed, reader + local * n_readers)):
                 yield [0, int(i), 0], row, [0, int(i) + 1, 0]
-            j += self.CHUNK
+            j += self.TRAIN_CHUNK
 
     def val_docs(self, max_tokens):
         # Validation rows ignore the training seed: every run evaluates on the same rows.
         j = 0
         while True:
-            yield from self.rows(1, 0, np.arange(j, j + self.CHUNK))
+            yield from self.sample_rows(1, 0, np.arange(j, j + self.CHUNK))
             j += self.CHUNK

@@ -2,9 +2,16 @@
 
 The T5 tokenizer (t5-base) has 32000 sentencepiece pieces plus 100 sentinel ``<extra_id_N>`` tokens
 (ids 32000-32099), while the paper's LLaMA embeds 32000 ids. Sentinels only appear when a document
-literally contains the string ``<extra_id_N>``; we map every id >= the model's vocabulary to the unk
-id when all such ids are special/added tokens (that is the T5 case), and raise when ordinary pieces
-would not fit (e.g. the GPT-2 tokenizer with a 32000-id model): that is a config mistake, not data.
+literally contains the string ``<extra_id_N>``; ids at or above the vocabulary the model embeds are
+mapped to the unk id when all of them are added/special tokens (the T5 case), and a tokenizer whose
+ordinary pieces would not fit is refused (e.g. the GPT-2 tokenizer with a 32000-id model): that is a
+config mistake, not data.
+
+``vocab_from``: ``model`` keeps the model config's vocabulary (the paper: LLaMA embeds 32000 ids for
+T5's 32100); ``tokenizer`` sizes the embedding to what the tokenizer emits on ordinary text (its
+pieces and the special tokens the pipeline writes, without trailing added tokens such as sentinels):
+the right default for your own small tokenizer, whose 1,000 pieces would otherwise sit in a
+32,000-row embedding.
 """
 from __future__ import annotations
 
@@ -13,7 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "TokenizerInfo", "encode_batch"]
+from .errors import DataConfigError, DataFileNotFoundError
+
+__all__ = ["load_tokenizer", "TokenizerInfo", "encode_batch", "VOCAB_FROM"]
+
+VOCAB_FROM = ("model", "tokenizer")
 
 
 def load_tokenizer(name_or_path: str):
@@ -25,20 +36,23 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer, T5Tokenizer
 
     if name_or_path is None:
-        raise ValueError("data.tokenizer is null: set it to a Hugging Face name (t5-base, gpt2) or a local directory")
+        raise DataConfigError("data.tokenizer is null: set it to a Hugging Face name (t5-base, gpt2) or a local "
+                              "directory")
     name_or_path = str(name_or_path)
     path = Path(name_or_path).expanduser()
     looks_local = path.exists() or name_or_path.startswith((".", "/", "~"))
     if looks_local and not path.exists():
-        raise FileNotFoundError(f"data.tokenizer={name_or_path!r}: no such directory")
+        raise DataFileNotFoundError(f"data.tokenizer={name_or_path!r}: no such directory")
     try:
         if path.is_dir() and (path / "spiece.model").exists() and not (path / "tokenizer_config.json").exists():
             tok = T5Tokenizer.from_pretrained(str(path))
         else:
             tok = AutoTokenizer.from_pretrained(str(path) if looks_local else name_or_path)
+    # transformers reports a missing/unreachable tokenizer as OSError and an unusable directory as
+    # ValueError; both are the user's setting, not a bug.
     except (OSError, ValueError) as exc:
         offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-        raise OSError(
+        raise DataConfigError(
             f"Could not load the tokenizer data.tokenizer={name_or_path!r}"
             + (" (HF_HUB_OFFLINE is set)" if offline else " (no network or not in the Hugging Face cache?)")
             + ". Pass a local directory instead: data.tokenizer=/path/to/tokenizer_dir (a folder with "
@@ -52,10 +66,34 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-class TokenizerInfo:
-    """The few ids the pipeline needs, plus the id remapping that keeps every id < model_vocab_size."""
+def _special_layout(tok) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer itself puts before and after a text (T5: none and [</s>]; GPT-2: none).
 
-    def __init__(self, tok, model_vocab_size: int | None = None):
+    Found by tokenizing a probe with and without special tokens, so it is exactly what
+    ``tok(text)`` does, whatever the tokenizer class.
+    """
+    probe = "a b"
+    plain = list(tok(probe, add_special_tokens=False)["input_ids"])
+    full = list(tok(probe, add_special_tokens=True)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    raise DataConfigError(
+        f"cannot tell where the tokenizer {getattr(tok, 'name_or_path', '?')!r} puts its special tokens "
+        f"({full} with them, {plain} without); use data.truncation=prefix"
+    )
+
+
+class TokenizerInfo:
+    """The ids the pipeline needs, the special-token layout, and the remapping that keeps ids in range.
+
+    ``vocab_size``: the embedding size the data asks for (``vocab_from=tokenizer``), or None to keep
+    the model's. ``prefix``/``suffix``: what ``tok(text)`` adds around a text.
+    """
+
+    def __init__(self, tok, model_vocab_size: int | None = None, vocab_from: str = "model"):
+        if vocab_from not in VOCAB_FROM:
+            raise DataConfigError(f"data.vocab_from={vocab_from!r} is invalid; choose one of {list(VOCAB_FROM)}")
         self.name = getattr(tok, "name_or_path", "?")
         self.eos_id = tok.eos_token_id
         # GPT-2 has no pad token: pad with EOS. Pads are masked by position (labels -100), never by id,
@@ -63,22 +101,29 @@ class TokenizerInfo:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (self.eos_id or 0)
         self.unk_id = tok.unk_token_id
         self.size = len(tok)
-        self.model_vocab_size = model_vocab_size
+        self.prefix, self.suffix = _special_layout(tok)
+        needed = {i for i in (self.eos_id, self.pad_id, self.unk_id, *self.prefix, *self.suffix) if i is not None}
+        extra = (set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}).keys())) - needed
+        core = self.size
+        while core > 0 and core - 1 in extra:
+            core -= 1
+        self.core_size = core  # ids ordinary text produces, plus the specials the pipeline writes
+        self.vocab_size = core if vocab_from == "tokenizer" else None
+        limit = core if vocab_from == "tokenizer" else model_vocab_size
         self.remap_from = None  # ids >= remap_from are replaced by unk_id
-        if model_vocab_size is not None and self.size > model_vocab_size:
-            special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}).keys())
-            too_big = [i for i in range(model_vocab_size, self.size)]
-            ordinary = [i for i in too_big if i not in special]
-            if ordinary or self.unk_id is None or self.unk_id >= model_vocab_size:
-                raise ValueError(
+        if limit is not None and self.size > limit:
+            ordinary = [i for i in range(limit, self.size) if i not in extra]
+            if ordinary or self.unk_id is None or self.unk_id >= limit:
+                raise DataConfigError(
                     f"The tokenizer {self.name!r} has {self.size} ids but the model embeds only "
-                    f"{model_vocab_size} ({len(ordinary)} ordinary pieces would not fit). Use the model's "
-                    "tokenizer (model.tokenizer) or set model.vocab_size >= the tokenizer size."
+                    f"{limit} ({len(ordinary)} ordinary pieces would not fit). Use the model's "
+                    "tokenizer (model.tokenizer), set model.vocab_size >= the tokenizer size, or "
+                    "data.vocab_from=tokenizer to size the embedding from the tokenizer."
                 )
-            self.remap_from = model_vocab_size
+            self.remap_from = limit
         for name, value in (("eos", self.eos_id), ("pad", self.pad_id)):
-            if value is not None and model_vocab_size is not None and value >= model_vocab_size:
-                raise ValueError(f"the tokenizer's {name} id {value} is >= model vocab {model_vocab_size}")
+            if value is not None and limit is not None and value >= limit:
+                raise DataConfigError(f"the tokenizer's {name} id {value} is >= model vocab {limit}")
 
 
 def _cut_at_word(text: str, max_chars: int) -> str:
@@ -94,25 +139,23 @@ def _cut_at_word(text: str, max_chars: int) -> str:
 
 
 def encode_batch(tok, info: TokenizerInfo, texts: list[str], max_tokens: int | None = None) -> list[np.ndarray]:
-    """Tokenize documents (batched: ~2x faster than one call per document) and append EOS to each.
+    """The text ids of each document (no special tokens), the first ``max_tokens`` of them if given.
 
-    ``max_tokens``: only the first max_tokens ids are needed (truncate-and-pad batches). Long texts are
-    then tokenized from a word-boundary prefix of 8 characters per token, and re-tokenized in full
-    only when that prefix turns out too short, so the result is identical to full tokenization
-    followed by truncation -- at about half the cost on C4 (mean ~480 tokens per document).
+    Batched (about 2x faster than one call per document). With ``max_tokens`` (truncate-and-pad rows
+    need only the start of a document), a long text is tokenized from a word-boundary prefix of 8
+    characters per token and re-tokenized in full only when that prefix turns out too short, so the
+    result is identical to full tokenization followed by truncation -- at about half the cost on C4
+    (mean ~480 tokens per document). Special tokens (EOS, ...) are added by the row format
+    (``data.rows.RowFormat``), which knows the truncation rule.
     """
     chars = None if max_tokens is None else 8 * max_tokens
     cut = [t if chars is None or len(t) <= chars else _cut_at_word(t, chars) for t in texts]
-    ids = tok(cut, add_special_tokens=False)["input_ids"]
+    ids = tok(cut, add_special_tokens=False)["input_ids"] if cut else []
     out = []
     for text, short, seq in zip(texts, cut, ids):
-        complete = short is text
-        if not complete and len(seq) < max_tokens:
-            seq, complete = tok(text, add_special_tokens=False)["input_ids"], True
+        if short is not text and len(seq) < max_tokens:
+            seq = tok(text, add_special_tokens=False)["input_ids"]
         arr = np.asarray(seq, dtype=np.int64)
-        if complete and info.eos_id is not None:
-            # An incomplete prefix has >= max_tokens ids, so its EOS would be truncated away anyway.
-            arr = np.append(arr, info.eos_id)
         if max_tokens is not None:
             arr = arr[:max_tokens]
         if info.remap_from is not None:

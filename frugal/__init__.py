@@ -5,15 +5,19 @@ state-full subspace, updated with a stateful rule (AdamW, Lion, SGD with momentu
 complement, updated with a state-free rule (signSGD, SGD) that keeps no optimizer state.
 
     import frugal
+    optimizer = frugal.FRUGAL(model, lr=1e-3, density=0.25)      # any transformers model, or your own
+    print(frugal.describe(optimizer, model=model))                # which tensors are split, what it costs
+
     optimizer = frugal.build_optimizer(model, "frugal", lr=1e-3, density=0.25, update_gap=200)
     scheduler = frugal.build_scheduler(optimizer, "cosine_restarts", total_steps=200_000, cycle_length=10_000)
 """
 from .optimizer import FRUGAL
-from .grouping import param_groups
+from .grouping import param_groups, resolve_params
 from .hparams import HyperparameterError
 from .registry import OPTIMIZERS, build_optimizer
 from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
+from .summary import describe
 
 __all__ = [
     "FRUGAL",
@@ -21,8 +25,10 @@ __all__ = [
     "OPTIMIZERS",
     "build_optimizer",
     "build_scheduler",
+    "describe",
     "estimate_state_bytes",
     "param_groups",
+    "resolve_params",
     "state_bytes",
 ]
 __version__ = "0.1.0"

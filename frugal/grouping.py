@@ -1,4 +1,4 @@
-"""Which parameters FRUGAL may split, and which layer (block) each belongs to.
+"""Which parameters FRUGAL may split, and which block (layer) each belongs to.
 
 The paper (Section 5, Appendix D) splits only the 2-D weights of the attention and MLP projections
 inside transformer blocks ("Linear layers"). Embeddings, norms and the output head stay state-full
@@ -6,59 +6,197 @@ with the state-full rule and are never reset: the paper found them to be the par
 most from a state-free update (Table 4: moving the output layer to signSGD costs 14 perplexity
 points). Biases are tiny and stay state-full too.
 
-Classification is an ordered list of regular expressions over full parameter names (first match
-wins), so adding a model family means adding rows to `_RULES`, not editing logic. The module class
-is looked up only to tell transformers' GPT-2 `Conv1D` (weight stored as (in, out)) from
-`nn.Linear` (out, in); it is matched by class name so this module never imports transformers.
+Blocks are found from the module structure, so no model family needs its own names:
+
+- a *block list* is an `nn.ModuleList` or `nn.Sequential` of at least two children of one class,
+  each holding a matrix weight: the transformer layers (LLaMA's `model.layers`, GPT-2's
+  `transformer.h`, BERT's `encoder.layer`, T5's `encoder.block` and `decoder.block`, ...). Only
+  the outermost lists count: the experts of a mixture-of-experts layer belong to that layer.
+- a *matrix weight* is the 2-D weight of an `nn.Linear`, of transformers' `Conv1D` (GPT-2; stored
+  (in, out), hence `transposed=True`) or an `nn.MultiheadAttention` input projection. Modules are
+  matched by class (Conv1D by class name), so this module never imports transformers.
+- the projectable tensors are the matrix weights inside block lists. Everything else (embeddings,
+  position embeddings, norms, biases, a pooler, the output head) is state-full.
+- blocks are numbered in module order across all block lists: an encoder-decoder model (T5) has
+  encoder layers 0..E-1, then decoder layers E..E+D-1, so `block_order="descending"` starts at the
+  decoder's top layer, the one nearest the output, as it does in a decoder-only model.
+
+`target_modules` overrides the projectable set with names, as users know from PEFT and
+galore-torch: a list of names matches every module whose qualified name equals one of them or ends
+with `"." + name` (`["q_proj", "v_proj"]`, `["mlp"]`); a single string is a regular expression
+matched against the whole qualified name (`r".*\\.layers\\.\\d+\\.mlp\\..*"`). Every matrix weight
+in or below a matched module is projectable; one outside any block list forms a block of its own,
+numbered after the layers.
+
+`resolve_params` is what `FRUGAL(params)` does with its first argument, so that the obvious calls
+(`FRUGAL(model)`, `FRUGAL(model.named_parameters())`, `FRUGAL(model.parameters())`, the grouped
+dicts of HF Trainer) do FRUGAL, or warn loudly why not.
 """
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 # The kinds a caller may move wholly to the state-free rule (Table 4 of the paper).
 STATE_FREE_MODULE_CHOICES = ("embeddings", "norms", "output")
+# Param-group keys that FRUGAL reads; a group carrying any of them was split by its author.
+FRUGAL_GROUP_KEYS = ("projectable", "block", "transposed", "always_state_free")
 
-# Ordered (pattern, kind) rules; the first pattern that matches a full parameter name decides.
-# "projectable" patterns capture the layer index as group 1. The optional prefix lets wrapped
-# models (e.g. `base_model.model.` or `_orig_mod.`) keep working.
+# Name rules for the kinds of non-projectable tensors, a fallback where the module class does not
+# tell (first match wins). The optional prefix lets wrapped models (`_orig_mod.`) keep working.
 _PREFIX = r"(?:^|.*\.)"
-_RULES: list[tuple[re.Pattern, str]] = [
-    # LLaMA-style (transformers LlamaForCausalLM and relatives: Mistral, Qwen2, ...).
-    (re.compile(_PREFIX + r"layers\.(\d+)\.self_attn\.[qkvo]_proj\.weight$"), "projectable"),
-    (re.compile(_PREFIX + r"layers\.(\d+)\.mlp\.(?:gate|up|down)_proj\.weight$"), "projectable"),
-    # GPT-2 (transformers GPT2LMHeadModel; Conv1D modules).
-    (re.compile(_PREFIX + r"h\.(\d+)\.attn\.(?:c_attn|c_proj)\.weight$"), "projectable"),
-    (re.compile(_PREFIX + r"h\.(\d+)\.mlp\.(?:c_fc|c_proj)\.weight$"), "projectable"),
-    # Non-projectable kinds.
+_KIND_RULES: list[tuple[re.Pattern, str]] = [
     (re.compile(_PREFIX + r"(?:embed_tokens|wte|wpe|embed_positions)\.weight$"), "embeddings"),
     (re.compile(_PREFIX + r"(?:[A-Za-z_]*norm|ln_\w+)\.(?:weight|bias)$"), "norms"),
     (re.compile(_PREFIX + r"lm_head\.weight$"), "output"),
     (re.compile(r".*\.bias$|^bias$"), "bias"),
 ]
-
-_LINEAR_CLASS_NAMES = ("Linear",)
-_TRANSPOSED_CLASS_NAMES = ("Conv1D",)
-
-
-def classify(name: str) -> tuple[str, int | None]:
-    """Return (kind, block) of a full parameter name; kind "other" when no rule matches."""
-    for pattern, kind in _RULES:
-        match = pattern.match(name)
-        if match:
-            block = int(match.group(1)) if kind == "projectable" else None
-            return kind, block
-    return "other", None
+# transformers' GPT-2-family Conv1D weights, for callers that give names but no modules.
+_CONV1D_NAME = re.compile(r"(?:^|\.)(?:c_attn|q_attn|c_proj|c_fc)\.weight$")
 
 
-def _owner_class_name(model: nn.Module, name: str) -> str:
-    module_name = name.rsplit(".", 1)[0] if "." in name else ""
-    return type(model.get_submodule(module_name)).__name__
+@dataclass
+class TensorRole:
+    """What FRUGAL does with one trainable tensor: `block` is None unless it is projectable."""
+    name: str
+    param: torch.Tensor
+    kinds: frozenset[str]  # subset of embeddings, norms, output, bias
+    block: int | None = None
+    transposed: bool = False
 
 
+# ---- the module structure ----------------------------------------------------------------------
+def _matrix_weights(module: nn.Module) -> list[tuple[str, bool]]:
+    """(attribute, transposed) of the matrix weights `module` holds itself."""
+    if isinstance(module, nn.Linear):
+        return [("weight", False)]
+    if type(module).__name__ == "Conv1D":
+        return [("weight", True)]
+    if isinstance(module, nn.MultiheadAttention):  # its out_proj is an nn.Linear child
+        return [(a, False) for a in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")]
+    return []
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    children = list(module)
+    return (len({type(c) for c in children}) == 1
+            and all(any(_matrix_weights(m) for m in c.modules()) for c in children))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _ancestors(name: str) -> list[str]:
+    """`name` and every enclosing module name, innermost first ("" is the model itself)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def block_lists(model: nn.Module) -> list[str]:
+    """Qualified names of the outermost block lists of `model`, in module order."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if any(a in found for a in _ancestors(name)[1:]):
+            continue
+        if _is_block_list(module):
+            found.append(name)
+    return found
+
+
+def _target_matcher(target_modules):
+    if target_modules is None:
+        return None
+    if isinstance(target_modules, str):
+        try:
+            pattern = re.compile(target_modules)
+        except re.error as err:
+            raise ValueError(f"Invalid target_modules regular expression {target_modules!r}: {err}") from None
+        return lambda name: pattern.fullmatch(name) is not None
+    targets = tuple(target_modules)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"Invalid target_modules {target_modules!r}: expected module names "
+                         "(e.g. ['q_proj', 'v_proj']) or one regular expression")
+    return lambda name: any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _kind(name: str, module: nn.Module, output: nn.Module | None) -> str | None:
+    if output is not None and module is output:
+        return "output"
+    if isinstance(module, nn.Embedding):
+        return "embeddings"
+    if "norm" in type(module).__name__.lower():
+        return "norms"
+    for pattern, kind in _KIND_RULES:
+        if pattern.match(name):
+            return kind
+    return None
+
+
+def module_roles(model: nn.Module, target_modules=None) -> list[TensorRole]:
+    """The role of every trainable tensor of `model` (tied tensors once), in parameter order."""
+    matches = _target_matcher(target_modules)
+    lists = block_lists(model)
+    unit: dict[str, int] = {}  # block-list child -> block index
+    for list_name in lists:
+        for child in model.get_submodule(list_name).named_children():
+            unit[_join(list_name, child[0])] = len(unit)
+
+    weights: dict[str, tuple[int, bool]] = {}  # qualified weight name -> (block, transposed)
+    matched_any = False
+    for name, module in model.named_modules():
+        attrs = _matrix_weights(module)
+        if not attrs:
+            continue
+        ancestors = _ancestors(name)
+        block = next((unit[a] for a in ancestors if a in unit), None)
+        if matches is not None:
+            if not any(matches(a) for a in ancestors if a):
+                continue
+            matched_any = True
+            if block is None:  # a targeted matrix outside the layers: a block of its own
+                block = len(unit)
+                unit[name] = block
+        if block is None:
+            continue
+        for attr, transposed in attrs:
+            p = getattr(module, attr, None)
+            if isinstance(p, nn.Parameter) and p.dim() == 2 and p.is_floating_point():
+                weights[_join(name, attr)] = (block, transposed)
+    if matches is not None and not matched_any:
+        examples = [n for n, m in model.named_modules() if _matrix_weights(m)][:6]
+        raise ValueError(f"target_modules {target_modules!r} matched no nn.Linear / Conv1D module of "
+                         f"{type(model).__name__}; its matrix modules are named like {examples}")
+
+    get_output = getattr(model, "get_output_embeddings", None)  # transformers' API, duck-typed
+    output = get_output() if callable(get_output) else None
+    roles: dict[int, TensorRole] = {}
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        kind = None if name in weights else _kind(name, module, output) or "other"
+        role = roles.setdefault(id(param), TensorRole(name, param, frozenset()))
+        names_of.setdefault(id(param), []).append(name)
+        if kind is not None:
+            role.kinds = role.kinds | {kind}
+    for key, role in roles.items():
+        # A tied tensor is projectable only if every name it is reachable by is a matrix weight.
+        if not role.kinds:
+            role.block, role.transposed = weights[names_of[key][0]]
+        role.kinds = role.kinds - {"other"}
+    return list(roles.values())
+
+
+# ---- building param groups ---------------------------------------------------------------------
 def _normalise_state_free_modules(state_free_modules) -> tuple[str, ...]:
     if state_free_modules is None:
         return ()
@@ -74,78 +212,213 @@ def _normalise_state_free_modules(state_free_modules) -> tuple[str, ...]:
     return chosen
 
 
-def param_groups(model: nn.Module, state_free_modules: Iterable[str] = ()) -> list[dict]:
+def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = ()) -> list[dict]:
+    chosen = set(_normalise_state_free_modules(state_free_modules))
+    state_full, state_free = [], []
+    by_block: dict[tuple[int, bool], list[torch.Tensor]] = {}
+    for role in roles:
+        if role.block is not None:
+            by_block.setdefault((role.block, role.transposed), []).append(role.param)
+        elif role.kinds & chosen:
+            state_free.append(role.param)
+        else:
+            state_full.append(role.param)
+    groups: list[dict] = []
+    if state_full:
+        groups.append({"params": state_full, "projectable": False})
+    for (block, transposed), params in sorted(by_block.items(), key=lambda kv: kv[0]):
+        groups.append({"params": params, "projectable": True, "block": block, "transposed": transposed})
+    if state_free:
+        groups.append({"params": state_free, "projectable": False, "always_state_free": True})
+    return groups
+
+
+_REMEDY = ("FRUGAL splits the 2-D weights inside transformer blocks, found in a model as an "
+           "nn.ModuleList or nn.Sequential of at least two layers of one class (in plain tensors: 2-D "
+           "shapes that repeat layer after layer). Name the modules to split with "
+           "frugal.param_groups(model, target_modules=[...]) (names as in PEFT, or one regular expression), "
+           "or pass the groups yourself: FRUGAL([{'params': [...], 'projectable': True, 'block': i}, ..., "
+           "{'params': [embeddings, norms, head]}])")
+
+
+def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
+                 target_modules=None) -> list[dict]:
     """Split `model`'s trainable parameters into FRUGAL param groups.
 
     Returns, in this order (empty groups omitted):
       - one group of non-projectable tensors (embeddings, norms, output head, biases, anything
-        unrecognised): state-full with the state-full rule, never reset;
-      - one group per transformer layer N with `projectable=True, block=N` and
-        `transposed=True` for GPT-2's Conv1D weights (stored (in, out)), so that orientation-
-        dependent projections treat every weight as (out, in);
+        outside the transformer blocks): state-full with the state-full rule, never reset;
+      - one group per block N with `projectable=True, block=N` and `transposed=True` for
+        transformers' Conv1D weights (stored (in, out)), so that orientation-dependent
+        projections treat every weight as (out, in);
       - one group `always_state_free=True` with the kinds listed in `state_free_modules`
         (any of "embeddings", "norms", "output"; the paper's Table 4).
 
+    `target_modules` replaces the automatic choice of projectable weights (module docstring).
     Tied parameters (GPT-2's wte = lm_head) are listed once; a tied tensor has every kind of the
     names it is reachable by, and moves to the state-free set if any of those kinds is listed.
     Parameters with `requires_grad=False` are left out (an optimizer has nothing to do for them).
 
-    Raises ValueError for unknown `state_free_modules` entries, and for a model in which no
-    transformer-block projection is recognised (pass your own groups to FRUGAL then).
+    Raises ValueError for unknown `state_free_modules` entries, target_modules that match nothing,
+    and a model in which no projectable weight is found.
     """
-    chosen = set(_normalise_state_free_modules(state_free_modules))
+    groups = _groups(module_roles(model, target_modules), state_free_modules)
+    if not any(g["projectable"] for g in groups):
+        raise ValueError(f"No projectable weights found in {type(model).__name__}. {_REMEDY}")
+    return groups
 
-    kinds: dict[int, set[str]] = {}  # id(param) -> kinds over all its names
-    blocks: dict[int, int] = {}
-    transposed: dict[int, bool] = {}
-    order: list[torch.Tensor] = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
-            continue
-        key = id(param)
-        if key not in kinds:
-            kinds[key] = set()
-            order.append(param)
-        kind, block = classify(name)
-        if kind == "projectable":
-            owner = _owner_class_name(model, name)
-            is_matrix_module = owner in _LINEAR_CLASS_NAMES or owner in _TRANSPOSED_CLASS_NAMES
-            if param.dim() != 2 or not is_matrix_module:
-                kind, block = "other", None  # e.g. a LoRA-wrapped or quantised module: keep it safe
-            else:
-                blocks[key] = block
-                transposed[key] = owner in _TRANSPOSED_CLASS_NAMES
-        kinds[key].add(kind)
 
-    state_full: list[torch.Tensor] = []
-    state_free: list[torch.Tensor] = []
-    by_block: dict[tuple[int, bool], list[torch.Tensor]] = {}
-    for param in order:
-        key = id(param)
-        param_kinds = kinds[key]
-        if "projectable" in param_kinds and len(param_kinds) == 1:
-            by_block.setdefault((blocks[key], transposed[key]), []).append(param)
-        elif param_kinds & chosen:
-            state_free.append(param)
-        else:
-            state_full.append(param)
+# ---- FRUGAL(params): the obvious calls ---------------------------------------------------------
+def _repeating_run(shapes: list[tuple]) -> tuple[int, int, int] | None:
+    """(start, period, repeats >= 2) of the stretch of `shapes` that repeats with a fixed period and
+    covers the most entries; ties go to the shorter period, then the earlier start."""
+    best, best_key = None, None
+    n = len(shapes)
+    for period in range(1, n // 2 + 1):
+        run = 0
+        for j in range(n - period + 1):
+            if j < n - period and shapes[j] == shapes[j + period]:
+                run += 1
+                continue
+            repeats = (run + period) // period
+            if repeats >= 2:
+                key = (repeats * period, -period, -(j - run))
+                if best_key is None or key > best_key:
+                    best, best_key = (j - run, period, repeats), key
+            run = 0
+    return best
 
-    if not by_block:
-        raise ValueError(
-            f"No transformer-block projection weights recognised in {type(model).__name__}: "
-            "frugal.param_groups knows transformers' LLaMA-style (`model.layers.N.self_attn.q_proj`, "
-            "`mlp.gate_proj`, ...) and GPT-2 (`transformer.h.N.attn.c_attn`, `mlp.c_fc`, ...) names. "
-            "For another model pass the groups yourself, e.g. FRUGAL(params=[{'params': [...], "
-            "'projectable': True, 'block': i}, ..., {'params': [embeddings, norms, head]}])."
-        )
 
-    groups: list[dict] = []
-    if state_full:
-        groups.append({"params": state_full, "projectable": False})
-    for (block, is_transposed), params in sorted(by_block.items(), key=lambda kv: kv[0]):
-        groups.append(
-            {"params": params, "projectable": True, "block": block, "transposed": is_transposed}
-        )
-    if state_free:
-        groups.append({"params": state_free, "projectable": False, "always_state_free": True})
+def _matrix_like(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.is_floating_point() and t.requires_grad
+
+
+def _blocks_from_shapes(tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, bool]], str]:
+    """Plain tensors: the longest stretch of 2-D tensors whose shapes repeat with a fixed period
+    is taken for the transformer layers (one period = one layer). Parameter lists follow module
+    order, so embeddings come before that stretch and the output head after it."""
+    positions = [i for i, t in enumerate(tensors) if _matrix_like(t)]
+    run = _repeating_run([tuple(tensors[i].shape) for i in positions])
+    if run is None:
+        return {}, ""
+    start, period, repeats = run
+    picked = {id(tensors[positions[start + k]]): (k // period, False) for k in range(period * repeats)}
+    return picked, (f"the longest stretch of 2-D tensors whose shapes repeat every {period} tensors, "
+                    f"taken for {repeats} transformer layers, every weight read as (out, in) like nn.Linear")
+
+
+def _blocks_from_names(names: list[str], tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, bool]], str]:
+    """Named tensors: `<prefix>.<i>.<rest>` with at least two indices i under one prefix is a block
+    list; a 2-D `...weight` whose `rest` occurs with the same shape in at least two of its blocks is
+    projectable (so a layer-0-only relative position bias, or a narrower last layer, is not)."""
+    parsed: list[tuple[str, int, tuple] | None] = []  # (prefix, index, (rest, shape))
+    for name, t in zip(names, tensors):
+        parts = name.split(".")
+        i = next((k for k, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        ok = i is not None and _matrix_like(t) and name.endswith("weight")
+        parsed.append((".".join(parts[:i]), int(parts[i]), (".".join(parts[i + 1:]), tuple(t.shape)))
+                      if ok else None)
+    indices: dict[str, set[int]] = {}
+    rests: dict[tuple[str, tuple], set[int]] = {}
+    for entry in filter(None, parsed):
+        indices.setdefault(entry[0], set()).add(entry[1])
+        rests.setdefault((entry[0], entry[2]), set()).add(entry[1])
+    lists = [p for p in indices if len(indices[p]) >= 2]
+    offset, start = 0, {}
+    for prefix in lists:
+        start[prefix], offset = offset, offset + max(indices[prefix]) + 1
+    picked = {}
+    for name, t, entry in zip(names, tensors, parsed):
+        if entry and entry[0] in start and len(rests[(entry[0], entry[2])]) >= 2:
+            picked[id(t)] = (start[entry[0]] + entry[1], bool(_CONV1D_NAME.search(name)))
+    return picked, (f"the 2-D weights repeated in the numbered layers of {lists or 'no layer list'} "
+                    "(GPT-2's c_attn/c_proj/c_fc read as Conv1D, others as nn.Linear)")
+
+
+def _params_list(params) -> list:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _split_groups(groups: list[dict], what: str) -> list[dict]:
+    """Split groups without FRUGAL keys (plain or named tensors) into projectable blocks and the
+    rest, keeping each group's own settings (e.g. HF Trainer's weight_decay) on its parts."""
+    items = [(gi, item) for gi, g in enumerate(groups) for item in _params_list(g["params"])]
+    named = bool(items) and all(isinstance(item, tuple) for _, item in items)
+    tensors = [item[1] if named else item for _, item in items]
+    if named:
+        picked, rule = _blocks_from_names([item[0] for _, item in items], tensors)
+    elif all(isinstance(t, torch.Tensor) for t in tensors):
+        picked, rule = _blocks_from_shapes(tensors)
+    else:
+        return groups  # mixed or foreign entries: torch's own checks report them
+
+    out: list[dict] = []
+    for gi, group in enumerate(groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        own = [(item, t) for (g, item), t in zip(items, tensors) if g == gi]
+        rest = [item for item, t in own if id(t) not in picked]
+        by_block: dict[tuple[int, bool], list] = {}
+        for item, t in own:
+            if id(t) in picked:
+                by_block.setdefault(picked[id(t)], []).append(item)
+        if rest or not own:
+            out.append({**settings, "params": rest, "projectable": False})
+        for (block, transposed), params in sorted(by_block.items(), key=lambda kv: kv[0]):
+            out.append({**settings, "params": params, "projectable": True, "block": block,
+                        "transposed": transposed})
+    n_blocks = len({b for b, _ in picked.values()})
+    if picked:
+        warnings.warn(
+            f"frugal.FRUGAL got {what} without FRUGAL group keys and guessed the split: {len(picked)} "
+            f"2-D tensors in {n_blocks} blocks are projectable ({rule}); the other {len(tensors) - len(picked)} "
+            "tensors (embeddings, output head, norms, biases, ...) stay state-full. To be exact, pass "
+            "the model: FRUGAL(model, ...), with HF Trainer optimizer_cls_and_kwargs=(frugal.FRUGAL, "
+            "{'model': model, ...}); frugal.describe(optimizer) prints the split.", stacklevel=4)
+    return out
+
+
+def _no_projectable_warning(what: str) -> None:
+    warnings.warn(
+        f"frugal.FRUGAL found no projectable parameters in {what}: every tensor is state-full, so this "
+        f"runs the state-full rule (AdamW) on everything and saves no memory. {_REMEDY}", stacklevel=4)
+
+
+def resolve_params(params) -> list[dict] | object:
+    """Param groups for `FRUGAL(params, ...)` from whatever a user passes as `params`.
+
+    - an nn.Module: `param_groups(model)` (the structure above); no warning.
+    - groups carrying any FRUGAL key (projectable, block, transposed, always_state_free): as given.
+    - `model.named_parameters()`, `model.parameters()` or groups without FRUGAL keys (HF Trainer's
+      `[{'params': [...], 'weight_decay': wd}, {'params': [...], 'weight_decay': 0.0}]`): the
+      projectable tensors are guessed from names (numbered layers) or, for plain tensors, from the
+      shape pattern the layers repeat; each group keeps its own settings on its parts, and a
+      warning says what was picked and how to be exact (pass the model).
+
+    Whenever the result has no projectable tensor (and the groups do not all say so themselves),
+    a UserWarning says that FRUGAL will behave as the state-full rule alone, and how to fix it.
+    Anything torch would reject (a lone tensor, a set, mixed named and unnamed) is returned as is.
+    """
+    if isinstance(params, nn.Module):
+        groups = _groups(module_roles(params))
+        if not any(g["projectable"] for g in groups):
+            _no_projectable_warning(type(params).__name__)
+        return groups
+    if isinstance(params, (torch.Tensor, set)):
+        return params
+    items = list(params)
+    if not items:
+        return items
+    if all(isinstance(g, dict) for g in items):
+        if any(key in g for g in items for key in FRUGAL_GROUP_KEYS):
+            deliberate = all("projectable" in g or g.get("always_state_free") for g in items)
+            if not deliberate and not any(g.get("projectable") for g in items):
+                _no_projectable_warning("the given param groups")
+            return items
+        groups, what = items, "param groups"
+    else:
+        named = all(isinstance(x, tuple) for x in items)
+        groups, what = [{"params": items}], "named parameters" if named else "plain tensors"
+    groups = _split_groups(groups, what)
+    if not any(g.get("projectable") for g in groups):
+        _no_projectable_warning(what)
     return groups

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from . import hparams
+from . import external, hparams
 from .hparams import HyperparameterError
 from . import projections as proj
 from .registry import optimizer_groups, resolve
@@ -47,6 +47,8 @@ def _tensor_bytes(obj) -> int:
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):  # e.g. APOLLO's projector objects
+        return _tensor_bytes(vars(obj))
     return 0
 
 
@@ -138,6 +140,8 @@ def estimate_state_bytes(model: nn.Module, name: str, svd_layout: str = "paper",
     if svd_layout not in ("implementation", "paper"):
         raise HyperparameterError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
     name, hp = resolve(name, hparams)
+    if name in external.PACKAGES:
+        return external.estimate_state_bytes(model, name, hp)
     if name == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         return sum(2 * p.numel() * p.element_size() + _STEP_BYTES for p in params)

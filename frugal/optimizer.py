@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import state_management
+from . import grouping, state_management
 from .hparams import HyperparameterError, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
 from .rules import STATE_FREE, STATE_FULL
@@ -159,6 +159,7 @@ class FRUGAL(Optimizer):
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
                  momentum=0.9, seed=0, sign_update="auto", stochastic_rounding=False, foreach=True):
+        params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
                         state_full=state_full, state_free=state_free,

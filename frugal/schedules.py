@@ -14,37 +14,23 @@ holds plain numbers only.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
 import torch
 
-SCHEDULE_CHOICES = ("constant", "cosine", "cosine_restarts")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    # Integral floats are accepted because YAML/CLI overrides such as 1e4 arrive as floats.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= {minimum})")
-    return value
-
-
-def _check_fraction(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"Invalid {name}: {value!r} (expected a number in [0, 1])")
-    return float(value)
+from .hparams import HyperparameterError, _integer, _number
 
 
 def _warmup_steps(length: int, warmup_fraction, warmup_steps) -> int:
     """Warmup length within one cycle of `length` steps: explicit steps win over the fraction."""
     if warmup_steps is not None:
-        steps = _check_int("warmup_steps", warmup_steps, 0)
+        steps = _integer("warmup_steps", warmup_steps, 0)
         if steps > length:
-            raise ValueError(f"Invalid warmup_steps: {steps} (longer than the cycle of {length} steps)")
+            raise HyperparameterError(f"Invalid warmup_steps: {steps} (longer than the cycle of {length} steps)")
         return steps
-    return int(round(_check_fraction("warmup_fraction", warmup_fraction) * length))
+    return int(round(_number("warmup_fraction", warmup_fraction, 0.0, 1.0) * length))
 
 
 def cosine_multiplier(step: int, *, cycle_length: int, warmup_steps: int, min_lr_ratio: float,
@@ -74,38 +60,35 @@ def constant_multiplier(step: int, *, warmup_steps: int) -> float:
     return 1.0
 
 
-def cosine_restarts(total_steps: int, cycle_length: int | None = None, warmup_fraction: float = 0.1,
-                    min_lr_ratio: float = 0.1, warmup_steps: int | None = None) -> Callable[[int], float]:
-    """The paper's default: cosine cycles of `cycle_length` steps (default: one cycle over
-    `total_steps`), each with its own linear warmup, decaying to `min_lr_ratio` of the peak."""
-    _check_int("total_steps", total_steps, 1)
-    cycle_length = total_steps if cycle_length is None else _check_int("cycle_length", cycle_length, 1)
+def _cosine(total_steps, cycle_length, warmup_fraction, min_lr_ratio, warmup_steps, restart):
+    _integer("total_steps", total_steps, 1)
+    cycle_length = total_steps if cycle_length is None else _integer("cycle_length", cycle_length, 1)
     return functools.partial(
         cosine_multiplier,
         cycle_length=cycle_length,
         warmup_steps=_warmup_steps(cycle_length, warmup_fraction, warmup_steps),
-        min_lr_ratio=_check_fraction("min_lr_ratio", min_lr_ratio),
-        restart=True,
+        min_lr_ratio=_number("min_lr_ratio", min_lr_ratio, 0.0, 1.0),
+        restart=restart,
     )
+
+
+def cosine_restarts(total_steps: int, cycle_length: int | None = None, warmup_fraction: float = 0.1,
+                    min_lr_ratio: float = 0.1, warmup_steps: int | None = None) -> Callable[[int], float]:
+    """The paper's default: cosine cycles of `cycle_length` steps (default: one cycle over
+    `total_steps`), each with its own linear warmup, decaying to `min_lr_ratio` of the peak."""
+    return _cosine(total_steps, cycle_length, warmup_fraction, min_lr_ratio, warmup_steps, restart=True)
 
 
 def cosine(total_steps: int, warmup_fraction: float = 0.1, min_lr_ratio: float = 0.1,
            warmup_steps: int | None = None) -> Callable[[int], float]:
     """One cosine cycle over `total_steps` with linear warmup (Table 7 of the paper; 3B runs)."""
-    _check_int("total_steps", total_steps, 1)
-    return functools.partial(
-        cosine_multiplier,
-        cycle_length=total_steps,
-        warmup_steps=_warmup_steps(total_steps, warmup_fraction, warmup_steps),
-        min_lr_ratio=_check_fraction("min_lr_ratio", min_lr_ratio),
-        restart=False,
-    )
+    return _cosine(total_steps, None, warmup_fraction, min_lr_ratio, warmup_steps, restart=False)
 
 
 def constant(total_steps: int, warmup_fraction: float = 0.1,
              warmup_steps: int | None = None) -> Callable[[int], float]:
     """Constant LR after a linear warmup over `warmup_fraction` of `total_steps` (Table 6)."""
-    _check_int("total_steps", total_steps, 1)
+    _integer("total_steps", total_steps, 1)
     return functools.partial(
         constant_multiplier, warmup_steps=_warmup_steps(total_steps, warmup_fraction, warmup_steps)
     )
@@ -121,12 +104,12 @@ SCHEDULES: dict[str, Callable[..., Callable[[int], float]]] = {
 def build_lambda(name: str, total_steps: int, **kwargs) -> Callable[[int], float]:
     """The pure multiplier function of schedule `name` (validated)."""
     if name not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
+        raise HyperparameterError(f"Unknown schedule {name!r}; valid choices: {sorted(SCHEDULES)}")
     factory = SCHEDULES[name]
-    allowed = set(factory.__code__.co_varnames[: factory.__code__.co_argcount]) - {"total_steps"}
+    allowed = set(inspect.signature(factory).parameters) - {"total_steps"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
-        raise ValueError(
+        raise HyperparameterError(
             f"Schedule {name!r} does not take {unknown}; valid keyword arguments: {sorted(allowed)}"
         )
     return factory(total_steps, **kwargs)

@@ -4,38 +4,111 @@ Why transformers instead of a vendored copy: the reference code carried a 900-li
 drifted from upstream; the paper's LLaMA configs are exactly ``LlamaForCausalLM`` (SwiGLU, RMSNorm,
 rotary embeddings, untied embeddings) and GPT-2 124M is ``GPT2LMHeadModel``. Nothing is downloaded:
 the config node carries every shape, and weights come from the model's own ``_init_weights``.
+
+A model config (``configs/model/*.yaml``, or a plain dict) has exactly the keys of ``CONFIG_KEYS``;
+a missing, unknown or invalid value raises ``ModelConfigError`` naming it. Activation checkpointing is
+a property of the training loop (``train.activation_checkpointing``), not of the model's shape.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
 
-__all__ = ["build_model", "FAMILIES", "count_parameters"]
+__all__ = ["build_model", "count_parameters", "ModelConfigError", "FAMILIES", "CONFIG_KEYS"]
 
 FAMILIES = ("llama", "gpt2")
 
+# Every key of a model config, with what it means (the YAML files carry the values).
+CONFIG_KEYS = {
+    "name": "the config's name (logs, tables, per-model preset lookups)",
+    "family": f"one of {FAMILIES}",
+    "hidden_size": "width of the residual stream",
+    "intermediate_size": "MLP width (llama: required; gpt2: null = 4 x hidden_size)",
+    "num_attention_heads": "attention heads (hidden_size must be divisible by it)",
+    "num_hidden_layers": "transformer blocks",
+    "max_position_embeddings": "longest sequence the model accepts",
+    "vocab_size": "embedding rows (a data source with its own vocabulary overrides it)",
+    "tie_word_embeddings": "share the input embedding with the output layer",
+    "rms_norm_eps": "epsilon of the norms (RMSNorm for llama, LayerNorm for gpt2)",
+    "initializer_range": "std of the normal weight initialisation",
+    "dropout": "dropout probability (gpt2: residual, embedding and attention; llama: attention)",
+    "tokenizer": "the tokenizer the data pipeline uses for this model (${model.tokenizer})",
+}
 
-def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    # Works for dict and OmegaConf DictConfig alike (both support .get).
-    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+class ModelConfigError(ValueError):
+    """A bad model config value: the message names the key, the value and what is valid."""
 
 
-def _llama(cfg: Mapping[str, Any], vocab_size: int):
+def _get(cfg: Mapping[str, Any], key: str) -> Any:
+    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+
+
+def _check(cfg: Mapping[str, Any], vocab_size: int | None) -> dict[str, Any]:
+    """The config as plain values, every one checked; raises ModelConfigError."""
+    name = _get(cfg, "name") or "?"
+    unknown = sorted(set(cfg.keys()) - set(CONFIG_KEYS)) if hasattr(cfg, "keys") else []
+    if unknown:
+        raise ModelConfigError(f"model config {name!r}: unknown key(s) {unknown}; valid keys: {list(CONFIG_KEYS)}")
+    family = _get(cfg, "family")
+    if family not in FAMILIES:
+        raise ModelConfigError(f"model.family={family!r} is not supported; valid choices: {list(FAMILIES)}")
+
+    def integer(key: str, value: Any = None, optional: bool = False) -> int | None:
+        value = _get(cfg, key) if value is None else value
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelConfigError(f"model.{key}={value!r} in model config {name!r} is invalid: expected an integer >= 1")
+        return value
+
+    def number(key: str, low: float, high: float | None = None) -> float:
+        value = _get(cfg, key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and value >= low and (high is None or value < high)
+        if not ok:
+            span = f"a number in [{low:g}, {high:g})" if high is not None else f"a number >= {low:g}"
+            raise ModelConfigError(f"model.{key}={value!r} in model config {name!r} is invalid: expected {span}")
+        return float(value)
+
+    out = {
+        "hidden_size": integer("hidden_size"),
+        "intermediate_size": integer("intermediate_size", optional=family == "gpt2"),
+        "num_attention_heads": integer("num_attention_heads"),
+        "num_hidden_layers": integer("num_hidden_layers"),
+        "max_position_embeddings": integer("max_position_embeddings"),
+        "vocab_size": integer("vocab_size", vocab_size),
+        "rms_norm_eps": number("rms_norm_eps", 1e-12),
+        "initializer_range": number("initializer_range", 1e-12),
+        "dropout": number("dropout", 0.0, 1.0),
+        "tie_word_embeddings": _get(cfg, "tie_word_embeddings"),
+    }
+    if not isinstance(out["tie_word_embeddings"], bool):
+        raise ModelConfigError(f"model.tie_word_embeddings={out['tie_word_embeddings']!r} in model config "
+                               f"{name!r} is invalid: expected true or false")
+    if out["hidden_size"] % out["num_attention_heads"]:
+        raise ModelConfigError(f"model.hidden_size={out['hidden_size']} is not divisible by "
+                               f"model.num_attention_heads={out['num_attention_heads']} (model config {name!r})")
+    return out
+
+
+def _llama(c: dict[str, Any]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden = int(_get(cfg, "hidden_size"))
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(_get(cfg, "intermediate_size")),
-        num_attention_heads=int(_get(cfg, "num_attention_heads")),
-        num_key_value_heads=int(_get(cfg, "num_key_value_heads", _get(cfg, "num_attention_heads"))),
-        num_hidden_layers=int(_get(cfg, "num_hidden_layers")),
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 1024)),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        initializer_range=float(_get(cfg, "initializer_range", 0.02)),
-        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_attention_heads"],  # the paper's models use full multi-head attention
+        num_hidden_layers=c["num_hidden_layers"],
+        max_position_embeddings=c["max_position_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"],
+        initializer_range=c["initializer_range"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        attention_dropout=c["dropout"],  # LLaMA has no other dropout
         # The T5 ids (pad 0, eos 1) are what C4 batches carry; the model never generates in training,
         # but keeping them consistent avoids surprises in generate() for sanity checks.
         pad_token_id=0,
@@ -47,19 +120,23 @@ def _llama(cfg: Mapping[str, Any], vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-def _gpt2(cfg: Mapping[str, Any], vocab_size: int):
+def _gpt2(c: dict[str, Any]):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab_size,
-        n_embd=int(_get(cfg, "hidden_size")),
-        n_layer=int(_get(cfg, "num_hidden_layers")),
-        n_head=int(_get(cfg, "num_attention_heads")),
-        n_positions=int(_get(cfg, "max_position_embeddings", 1024)),
-        n_inner=_get(cfg, "intermediate_size"),  # None = 4 * hidden, GPT-2's own default
-        layer_norm_epsilon=float(_get(cfg, "layer_norm_eps", _get(cfg, "rms_norm_eps", 1e-5))),
-        initializer_range=float(_get(cfg, "initializer_range", 0.02)),
-        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
+        vocab_size=c["vocab_size"],
+        n_embd=c["hidden_size"],
+        n_layer=c["num_hidden_layers"],
+        n_head=c["num_attention_heads"],
+        n_positions=c["max_position_embeddings"],
+        n_inner=c["intermediate_size"],  # None = 4 * hidden, GPT-2's own default
+        layer_norm_epsilon=c["rms_norm_eps"],
+        initializer_range=c["initializer_range"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        # transformers' GPT2Config defaults all three to 0.1; the config decides (gpt2_124m.yaml: 0).
+        resid_pdrop=c["dropout"],
+        embd_pdrop=c["dropout"],
+        attn_pdrop=c["dropout"],
         use_cache=False,
         attn_implementation="sdpa",
     )
@@ -70,40 +147,15 @@ _BUILDERS = {"llama": _llama, "gpt2": _gpt2}
 
 
 def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
-    """Build a randomly initialised causal LM from one ``configs/model/*.yaml`` node.
+    """Build a randomly initialised causal LM from one ``configs/model/*.yaml`` node (or a dict).
 
     ``vocab_size`` overrides ``cfg.vocab_size``: a data source with its own vocabulary (the synthetic
     language, token files made from it) decides how many ids the model embeds. Building under
     ``with torch.device("meta"):`` allocates nothing, so parameter counts and memory estimates of the
-    7B config are free. ``gradient_checkpointing: true`` trades compute for activation memory
-    (recomputes each block in backward), the usual way to fit the 1B-7B models.
+    7B config are free. Raises ModelConfigError for a missing, unknown or invalid key.
     """
-    family = _get(cfg, "family")
-    if family not in _BUILDERS:
-        raise ValueError(f"model.family={family!r} is not supported; valid choices: {list(FAMILIES)}")
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-        if _get(cfg, key) is None:
-            raise ValueError(f"model config {(_get(cfg, 'name') or '?')!r} is missing the key {key!r}")
-    if family == "llama" and _get(cfg, "intermediate_size") is None:
-        raise ValueError("a llama model config needs 'intermediate_size'")
-    if int(_get(cfg, "hidden_size")) % int(_get(cfg, "num_attention_heads")):
-        raise ValueError(
-            f"hidden_size={_get(cfg, 'hidden_size')} is not divisible by "
-            f"num_attention_heads={_get(cfg, 'num_attention_heads')}"
-        )
-    vocab = int(vocab_size if vocab_size is not None else _get(cfg, "vocab_size"))
-    if vocab < 1:
-        raise ValueError(f"vocab_size must be positive, got {vocab}")
-    model = _BUILDERS[family](cfg, vocab)
-    if _get(cfg, "gradient_checkpointing", False):
-        # use_reentrant=False is the variant that works with autocast and unused parameters.
-        # transformers 5 renamed the method (the old name warns); requirements allow 4.46+.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
+    checked = _check(cfg, vocab_size)
+    return _BUILDERS[_get(cfg, "family")](checked)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

@@ -1,29 +1,42 @@
-"""Data pipeline throughput beside what a llama_60m training step consumes, on this machine.
+"""Data pipeline throughput per DataLoader worker, and the workers each paper model needs on an A100.
 
-    python scripts/bench_data.py [--docs 4000] [--tokenizer DIR] [--train-steps 3]
+    python scripts/bench_data.py [--docs 4000] [--tokenizer DIR] [--train-steps 0]
 
-Paths measured (tokens = batch positions B x seq_len delivered, pads included, because that is what a
-training step consumes; the non-pad share is printed too):
+Rates are batch positions per second (B x seq_len, pads included: what a training step processes),
+measured in one process with 0 DataLoader workers and one logical reader, which is the work one
+worker does, per CPU second of the process (what a worker on its own core delivers, robust to a
+loaded machine) and per wall second; the non-pad share is printed too. Paths:
 
-* c4-local streaming: a local C4-format shard generated here (``en/c4-train.00000-of-01024.json.gz``,
-  documents of C4-like length), read through ``datasets`` streaming, shuffled and tokenized on the fly,
-  with 0 DataLoader workers (= the rate of one worker) ;
-* tokens: the same shard pre-tokenized by ``data.tokens.pretokenize`` and read from the memory map;
+* c4-local streaming: a generated C4-format shard (``en/c4-train.00000-of-01024.json.gz``, documents
+  of C4-like length) read through ``datasets`` streaming, window-shuffled and tokenized on the fly,
+  as truncate-and-pad rows (the paper) and packed;
+* tokens: the same shard written by ``data.token_files.pretokenize`` (rows layout, and documents
+  layout read with packing), read from the memory map;
 * synthetic: the Markov language generated on the fly.
 
 Without network the T5 tokenizer cannot be downloaded, so by default a sentencepiece unigram model
 with T5's id layout is trained on the generated text (8000 pieces); pass ``--tokenizer`` a local
 t5-base directory to measure the real one (sentencepiece speed depends little on vocabulary size).
 
-Training consumption: forward+backward of llama_60m on B x 256 tokens with bf16 autocast on this CPU.
-The A100 line is an estimate: tokens/s = 0.4 (MFU) x 312e12 bf16 FLOP/s / (6 x params) FLOP/token,
-and "workers needed" = that rate / the one-worker streaming rate (tokenization is per-worker work).
+Workers per A100 (per rank), for every paper model: the GPU consumes
+``MFU x 312e12 / flops_per_token`` positions/s, with flops_per_token = 6 x (Linear weights in blocks
++ output head) + 12 x layers x hidden x seq_len (PaLM, Chowdhery et al. 2022, appendix B: matmul
+FLOPs of forward and backward plus attention) at ``--mfu`` (default 0.5: the upper end of what
+models this small reach on an A100; a faster step needs more data, so erring high is the safe side),
+and needs ``safety x that / one worker's rate`` workers, rounded up to a power of two so that
+``data.readers=64`` stays a multiple of 8 GPUs x workers (``--safety`` 2: cluster cores differ from
+this machine's, real T5 text and vocabulary differ from the generated shard, and a compiled model may
+beat the MFU estimate).
+
+``--readers-memory``: resident memory of one process serving 64 logical C4 readers, each with its
+own open shard stream (what ``data.readers=64`` costs without DataLoader workers).
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import math
 import os
 import random
 import re
@@ -38,11 +51,14 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from data import build_data  # noqa: E402
-from data.tokens import pretokenize  # noqa: E402
-from models import build_model  # noqa: E402
+from data.token_files import pretokenize  # noqa: E402
+from models import build_model, count_parameters  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = re.findall(r"[A-Za-z']+", open(os.path.join(ROOT, "tests", "assets", "tinyshakespeare_slice.txt")).read())
+PAPER_MODELS = ("llama_60m", "llama_130m", "llama_350m", "llama_1b", "llama_3b", "gpt2_124m")
+A100_BF16 = 312e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA A100 datasheet)
+SEQ_LEN = 256
 
 
 def c4_like_docs(n: int, seed: int = 0) -> list[str]:
@@ -63,8 +79,8 @@ def c4_like_docs(n: int, seed: int = 0) -> list[str]:
 
 def make_shard(root: str, n_docs: int) -> str:
     os.makedirs(os.path.join(root, "en"), exist_ok=True)
-    for split, name, n, seed in (("train", "c4-train.00000-of-01024.json.gz", n_docs, 0),
-                                 ("validation", "c4-validation.00000-of-00008.json.gz", max(50, n_docs // 20), 1)):
+    for name, n, seed in (("c4-train.00000-of-01024.json.gz", n_docs, 0),
+                          ("c4-validation.00000-of-00008.json.gz", max(50, n_docs // 20), 1)):
         with gzip.open(os.path.join(root, "en", name), "wt") as f:
             for i, text in enumerate(c4_like_docs(n, seed)):
                 f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"u{i}"}) + "\n")
@@ -88,27 +104,38 @@ def make_tokenizer(root: str, shard_root: str) -> str:
     return tok_dir
 
 
-def rate(dm, n_batches: int, warmup: int = 2) -> tuple[float, float]:
-    """(batch tokens/s, share of non-pad tokens) over n_batches after warmup."""
+def rate(dm, n_batches: int, warmup: int = 0) -> tuple[float, float, float]:
+    """(positions per wall second, positions per CPU second of this process, non-pad share) over
+    n_batches after warmup. On a shared machine the CPU-time rate is what one worker on its own core
+    delivers; the wall rate is what this run happened to get."""
     it = dm.train_batches()
     for _ in range(warmup):
         next(it)
     real = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n_batches):
         b = next(it)
         real += int((b["labels"] != -100).sum())
-    dt = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     total = n_batches * b["input_ids"].numel()
-    return total / dt, real / total
+    return total / wall, total / cpu, real / total
 
 
-def train_rate(batch: int, steps: int) -> tuple[float, float, int]:
+def flops_per_token(name: str) -> tuple[float, int]:
+    """Training FLOPs per position (PaLM's formula) and total parameters of a model config."""
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "model", f"{name}.yaml")))
+    with torch.device("meta"):
+        counts = count_parameters(build_model(cfg))
+    matmul = counts["linear_in_blocks"] + cfg["hidden_size"] * cfg["vocab_size"]  # + the output head
+    attention = 12 * cfg["num_hidden_layers"] * cfg["hidden_size"] * SEQ_LEN
+    return 6 * matmul + attention, counts["total"]
+
+
+def cpu_train_rate(batch: int, steps: int) -> tuple[float, float]:
     cfg = yaml.safe_load(open(os.path.join(ROOT, "configs", "model", "llama_60m.yaml")))
     torch.manual_seed(0)
     model = build_model(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, 32000, (batch, 256))
+    ids = torch.randint(0, 32000, (batch, SEQ_LEN))
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -119,7 +146,28 @@ def train_rate(batch: int, steps: int) -> tuple[float, float, int]:
         if i:  # the first step pays one-off allocation costs
             times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]
-    return batch * 256 / step, step, params
+    return batch * SEQ_LEN / step, step
+
+
+def readers_memory(shard: str, tok: str, readers: int = 64) -> tuple[float, float]:
+    """RSS (MB) of one process before and after each of `readers` C4 readers opened its own shard."""
+    import psutil
+
+    links = os.path.join(os.path.dirname(shard), "many")
+    os.makedirs(os.path.join(links, "en"), exist_ok=True)
+    src = os.path.join(shard, "en", "c4-train.00000-of-01024.json.gz")
+    for i in range(readers):  # one file per reader: gcd(files, readers) = readers
+        os.symlink(src, os.path.join(links, "en", f"c4-train.{i:05d}-of-01024.json.gz"))
+    os.symlink(os.path.join(shard, "en", "c4-validation.00000-of-00008.json.gz"),
+               os.path.join(links, "en", "c4-validation.00000-of-00008.json.gz"))
+    cfg = {"name": "c4", "path": links, "tokenizer": tok, "seq_len": SEQ_LEN, "readers": readers}
+    dm = build_data(cfg, micro_batch_size=8, model_vocab_size=32000)
+    it = dm.train_batches()
+    next(it)
+    before = psutil.Process().memory_info().rss / 1e6
+    for _ in range(readers - 1):
+        next(it)
+    return before, psutil.Process().memory_info().rss / 1e6
 
 
 def main(argv=None):
@@ -127,47 +175,72 @@ def main(argv=None):
     ap.add_argument("--docs", type=int, default=4000, help="documents in the generated train shard")
     ap.add_argument("--tokenizer", default=None, help="a local tokenizer dir (default: train one here)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--mfu", type=float, default=0.5)
+    ap.add_argument("--safety", type=float, default=2.0)
+    ap.add_argument("--train-steps", type=int, default=0, help="also time llama_60m fwd+bwd on this CPU")
+    ap.add_argument("--readers-memory", action="store_true")
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         shard = make_shard(os.path.join(tmp, "c4"), args.docs)
         tok = args.tokenizer or make_tokenizer(tmp, shard)
-        c4 = {"name": "c4", "path": shard, "tokenizer": tok, "seq_len": 256, "packing": False, "num_workers": 0}
-        # One whole epoch from a cold start: tokenization happens per window of 1024 documents, so a
-        # shorter measurement would time batches already tokenized by the first next().
+        c4 = {"name": "c4", "path": shard, "tokenizer": tok, "seq_len": SEQ_LEN, "packing": False, "readers": 1}
+        # One whole epoch from a cold start: documents are tokenized in chunks as windows are read.
         n_stream = args.docs // args.batch - 1
-        rows = []
-        r, share = rate(build_data(c4, micro_batch_size=args.batch, model_vocab_size=32000), n_stream, 0)
-        rows.append(("c4-local streaming + tokenize (1 worker)", r, share))
-        r, share = rate(build_data(dict(c4, packing=True), micro_batch_size=args.batch, model_vocab_size=32000),
-                        n_stream // 2, 0)
-        rows.append(("c4-local streaming + tokenize, packing (1 worker)", r, share))
+        rows.append(("c4-local streaming + tokenize, truncate-and-pad",
+                     *rate(build_data(c4, micro_batch_size=args.batch, model_vocab_size=32000), n_stream)))
+        stream_rate = rows[-1][2]
+        rows.append(("c4-local streaming + tokenize, packing", *rate(build_data(dict(c4, packing=True), micro_batch_size=args.batch, model_vocab_size=32000),
+                        n_stream // 2)))
         t0 = time.perf_counter()
-        meta = pretokenize(c4, os.path.join(tmp, "tokens"), model_vocab_size=32000, val_tokens=100_000)
-        pre = meta["splits"]["train"]["tokens"] / (time.perf_counter() - t0)
-        tcfg = {"name": "tokens", "path": os.path.join(tmp, "tokens"), "seq_len": 256, "packing": False}
-        r, share = rate(build_data(tcfg, micro_batch_size=args.batch), 2000)
-        rows.append(("tokens (pre-tokenized memmap)", r, share))
-        r, share = rate(build_data(dict(tcfg, packing=True), micro_batch_size=args.batch), 2000)
-        rows.append(("tokens (pre-tokenized memmap), packing", r, share))
-        r, share = rate(build_data({"name": "synthetic", "seq_len": 256}, micro_batch_size=args.batch), 300)
-        rows.append(("synthetic (Markov language)", r, share))
+        meta = pretokenize(c4, os.path.join(tmp, "rows"), train_rows=args.docs, val_tokens=100_000,
+                           model_vocab_size=32000)
+        pre = meta["splits"]["train"]["docs"] / (time.perf_counter() - t0)
+        pretokenize(dict(c4, packing=True), os.path.join(tmp, "docs"), train_rows=10**9, val_tokens=100_000,
+                    model_vocab_size=32000)
+        tcfg = {"name": "tokens", "seq_len": SEQ_LEN, "readers": 1}
+        rows.append(("tokens, rows layout (memmap)",
+                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "rows")), micro_batch_size=args.batch), 2000, 2)))
+        rows.append(("tokens, documents layout, packing (memmap)",
+                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "docs"), packing=True),
+                                      micro_batch_size=args.batch), 2000, 2)))
+        rows.append(("synthetic (Markov language)",
+                     *rate(build_data({"name": "synthetic", "seq_len": SEQ_LEN, "readers": 1},
+                                      micro_batch_size=args.batch), 300, 2)))
+        memory = readers_memory(shard, tok) if args.readers_memory else None
 
-    train, step, params = train_rate(args.batch, args.train_steps)
-    a100 = 0.4 * 312e12 / (6 * params)
-    stream = rows[0][1]
-    print(f"machine: {os.cpu_count()} CPU cores, SHARED with other jobs while measuring (+-30% or worse); "
-          f"torch {torch.__version__}; tokenizer: {'given' if args.tokenizer else 'sentencepiece unigram 8000, T5 ids, trained here'}")
-    print(f"pretokenize (write) rate: {pre:,.0f} tokens/s of document tokens")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    print(f"machine: {cores} CPU cores, load average {load[0]:.1f} (SHARED with other jobs: +-30% or worse); "
+          f"torch {torch.__version__}; tokenizer: "
+          f"{'given' if args.tokenizer else 'sentencepiece unigram 8000, T5 ids, trained here'}; batch {args.batch} x {SEQ_LEN}")
+    print(f"pretokenize (rows layout) wrote {pre:,.0f} documents/s")
     print()
-    print("| path | tokens/s (B x 256 positions) | non-pad share | x llama_60m CPU step | workers for A100 (est.) |")
-    print("|---|---|---|---|---|")
-    for name, r, share in rows:
-        print(f"| {name} | {r:,.0f} | {share:.2f} | {r / train:,.0f}x | {max(1, -(-a100 // r)):.0f} |")
-    print(f"| llama_60m fwd+bwd, bf16 autocast, {args.batch}x256 on this CPU ({step:.2f} s/step) | {train:,.0f} | | 1x | |")
-    print(f"| llama_60m on an A100 (estimate: 40% of 312 TFLOP/s, 6 x {params / 1e6:.1f}M FLOP/token) | {a100:,.0f} | | | |")
+    print("| path (one worker, one reader) | positions per CPU second | positions per wall second | non-pad share |")
+    print("|---|---|---|---|")
+    for name, wall, cpu, share in rows:
+        print(f"| {name} | {cpu:,.0f} | {wall:,.0f} | {share:.2f} |")
+    if args.train_steps:
+        train, step = cpu_train_rate(args.batch, args.train_steps)
+        print(f"| (llama_60m fwd+bwd, bf16 autocast, on this CPU: {step:.2f} s/step) | | {train:,.0f} | |")
+    print()
+    print(f"Workers per A100 rank for C4 streaming (truncate-and-pad): MFU {args.mfu}, {A100_BF16 / 1e12:.0f} TFLOP/s "
+          f"bf16, one worker {stream_rate:,.0f} positions per CPU second, safety x{args.safety}")
+    print()
+    print("| model | parameters | training GFLOP/position | A100 positions/s | workers (x safety) | num_workers |")
+    print("|---|---|---|---|---|---|")
+    for name in PAPER_MODELS:
+        flops, params = flops_per_token(name)
+        need = args.mfu * A100_BF16 / flops
+        exact = args.safety * need / stream_rate
+        print(f"| {name} | {params / 1e6:,.1f}M | {flops / 1e9:.3f} | {need:,.0f} | {exact:.2f} | "
+              f"{2 ** max(0, math.ceil(math.log2(exact))) if exact > 1 else 1} |")
+    if memory:
+        before, after = memory
+        print(f"\n64 C4 readers in one process (each with its own open shard): RSS {before:,.0f} MB after the first "
+              f"reader's batch, {after:,.0f} MB after all 64 ({(after - before) / 63:.1f} MB per reader)")
 
 
 if __name__ == "__main__":

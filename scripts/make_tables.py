@@ -1,26 +1,32 @@
 """Print finished runs as the paper's tables: our perplexity beside the paper's, and the difference.
 
-    python scripts/make_tables.py multirun/2025-01-01/12-00-00          # every run below a folder
-    python scripts/make_tables.py runs/a runs/b --csv results.csv       # markdown on stdout + a CSV
-    python scripts/make_tables.py multirun/... --format csv              # CSV on stdout
+    python scripts/make_tables.py multirun/table15                     # every run below a folder
+    python scripts/make_tables.py runs/a runs/b --csv results.csv      # markdown on stdout + a CSV
+    python scripts/make_tables.py multirun/table15 --format csv        # CSV on stdout
 
-Each run directory holds `metrics.jsonl` (written by train.py) and `.hydra/config.yaml`. The table a
-run belongs to is its `paper.table` (set by the experiment presets); its row comes from the optimizer
-config (method, density, rules...), its column from the model size, the schedule, or the evaluation
-step (Tables 1, 5, 6/7 read the perplexity at 4k/40k/200k... steps from the eval rows). Runs without
-`paper.table` are listed in a plain table. Several runs in one cell (seeds) are averaged.
+Each run directory holds `metrics.jsonl` (written by train.py) and Hydra's `.hydra/` (config.yaml,
+hydra.yaml, overrides.yaml). The table a run belongs to is its `paper.table` (set by the experiment
+presets); its row comes from the optimizer config (method, density, rules...), its column from the
+model size, the schedule, or the evaluation step (Tables 1, 5, 6/7 read the perplexity at 4k/40k/200k...
+steps from the eval rows). Runs without `paper.table` are listed in a plain table.
+
+Every run is printed: nothing is averaged or dropped. A key whose value differs between the runs of a
+table (read from each run's `.hydra/overrides.yaml`: what a multirun swept, e.g. update_gap in a rho x T
+sweep) becomes a CSV column, and where two runs would share a row and column, their row labels are
+extended with those values ("FRUGAL, rho=0.25, update_gap=100"). The CSV also names each run's
+optimizer option (frugal vs frugal_rho0, galore vs galore_original) and run directory.
 
 Cells: `ours` = validation perplexity at the end of the run (the `end` row, else the last eval row);
-`@N` after it means the run stopped at step N, not at the paper's step; `*` means it is not finished.
-Table 2 also shows the optimizer-state memory we measured (`optimizer_state_bytes`, GiB) beside the
-paper's memory column.
+`@N` after it means the run stopped at step N, not at the paper's step; `*` means it is not finished;
+`[model]` means the run trained another model than the one the table is about: no difference to the
+paper's number is computed for it. Table 2 also shows the optimizer-state memory we measured
+(`optimizer_state_bytes`, GiB) beside the paper's memory column.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import io
-import json
 import math
 import os
 import sys
@@ -32,9 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.paper_tables import GIB, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
+from train_utils.metrics import read_metrics  # noqa: E402
+from train_utils.naming import parse_overrides, short_labels  # noqa: E402
+
+IGNORED_KEYS = ("experiment",)  # a different preset is a different table already
 
 
-def find_runs(paths: list[str]) -> list[Path]:
+def runs_argument_parser(description: str) -> argparse.ArgumentParser:
+    """The command line shared by the scripts that read run directories."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories, or folders to search for them (multirun dirs)")
+    return ap
+
+
+def find_runs(paths: list[str], tool: str = "make_tables") -> list[Path]:
     """Run directories (holding metrics.jsonl) at or below each path, in a stable order."""
     runs: list[Path] = []
     for p in map(Path, paths):
@@ -43,7 +60,7 @@ def find_runs(paths: list[str]) -> list[Path]:
         elif p.is_dir():
             runs.extend(sorted(m.parent for m in p.rglob("metrics.jsonl")))
         else:
-            print(f"make_tables: no run at {p} (expected a directory with metrics.jsonl)", file=sys.stderr)
+            print(f"{tool}: no run at {p} (expected a directory with metrics.jsonl)", file=sys.stderr)
     seen, out = set(), []
     for r in runs:
         if r.resolve() not in seen:
@@ -52,37 +69,52 @@ def find_runs(paths: list[str]) -> list[Path]:
     return out
 
 
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-                    pass
-    return rows
-
-
 def load_run(run: Path) -> dict:
     """Everything the tables need from one run directory."""
-    cfg_path = run / ".hydra" / "config.yaml"
-    if not cfg_path.is_file():
+    hydra_dir = run / ".hydra"
+    if not (hydra_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run}: no .hydra/config.yaml (was it written by train.py?)")
-    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=False)
-    rows = read_metrics(run / "metrics.jsonl")
+    conf = OmegaConf.load(hydra_dir / "config.yaml")
+    cfg = OmegaConf.to_container(conf, resolve=False)
+    choices = {}
+    if (hydra_dir / "hydra.yaml").is_file():
+        choices = OmegaConf.to_container(OmegaConf.load(hydra_dir / "hydra.yaml").hydra.runtime.choices)
+    overrides = {}
+    if (hydra_dir / "overrides.yaml").is_file():
+        overrides = parse_overrides(OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml")))
+    rows = read_metrics(str(run / "metrics.jsonl"))
     evals = {r["step"]: r for r in rows if "val_ppl" in r and r.get("event") in (None, "end")}
     end = next((r for r in reversed(rows) if r.get("event") == "end"), None)
     last_eval = max(evals.values(), key=lambda r: r["step"]) if evals else None
     final = end if end is not None and "val_ppl" in end else last_eval
     state = [r["optimizer_state_bytes"] for r in rows if isinstance(r.get("optimizer_state_bytes"), (int, float))]
     return {
-        "dir": str(run), "cfg": cfg, "evals": evals, "finished": end is not None,
+        "dir": str(run), "cfg": cfg, "conf": conf, "evals": evals, "finished": end is not None,
         "final_ppl": final["val_ppl"] if final else None, "final_step": final["step"] if final else None,
         "state_bytes": max(state) if state else None,
-        "table": (cfg.get("paper") or {}).get("table"),
+        "table": (cfg.get("paper") or {}).get("table"), "choices": choices, "overrides": overrides,
+        "option": choices.get("optimizer") or (cfg.get("optimizer") or {}).get("name"),
+        "model": (cfg.get("model") or {}).get("name"),
     }
+
+
+def effective_value(run: dict, key: str) -> str:
+    """What `key` was in the run: the group option chosen, else the config value, else the override."""
+    if key in run["choices"]:
+        return str(run["choices"][key])
+    try:
+        value = OmegaConf.select(run["conf"], key, default=None)
+    except Exception:  # an interpolation that only resolves inside a live run
+        value = None
+    if value is None:
+        return run["overrides"].get(key, "")
+    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value).replace("'", "")
+
+
+def swept_keys(runs: list[dict]) -> list[str]:
+    """Override keys whose value differs between `runs` (in first-seen order)."""
+    keys = list(dict.fromkeys(k for r in runs for k in r["overrides"] if k not in IGNORED_KEYS))
+    return [k for k in keys if len({effective_value(r, k) for r in runs}) > 1]
 
 
 def _k(step: int) -> str:
@@ -115,47 +147,70 @@ def _paper_step(col: str) -> int | None:
     return int(tail[:-1]) * 1000 if tail.endswith("k") and tail[:-1].isdigit() else None
 
 
+def row_labels(runs: list[dict], base: dict[str, str], cells: dict[str, dict], swept: list[str]) -> dict[str, str]:
+    """{run dir: row label}: the base label, extended with the swept values that tell apart the runs
+    that would otherwise share a row and a column (then with the run directory, if nothing does)."""
+    labels = short_labels(swept)
+    by_base: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_base[base[r["dir"]]].append(r)
+    out = {}
+    for label, group in by_base.items():
+        cols = [c for r in group for c in cells[r["dir"]]]
+        if len(cols) == len(set(cols)):
+            out.update({r["dir"]: label for r in group})
+            continue
+        differing = [k for k in swept if len({effective_value(r, k) for r in group}) > 1]
+        for r in group:
+            extra = [f"{labels[k]}={effective_value(r, k)}" for k in differing] or [f"run={r['dir']}"]
+            out[r["dir"]] = ", ".join([label, *extra])
+    return out
+
+
 def build(runs: list[dict]) -> list[dict]:
-    """Long-format records, one per (table, row, column) that has ours or the paper's number."""
+    """Long-format records: one per (run, column), plus the paper's cells that no run fills."""
     by_table: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         by_table[r["table"] if r["table"] in SPECS else "other"].append(r)
     records = []
     for table in [t for t in SPECS if t in by_table] + (["other"] if "other" in by_table else []):
-        if table == "other":
-            for r in by_table["other"]:
-                opt = r["cfg"].get("optimizer", {})
-                records.append(dict(table="other", row=method(opt), column=size_label(r["cfg"]),
-                                    ours=r["final_ppl"], paper=None, step=r["final_step"], n=1,
-                                    finished=r["finished"], state_gib=_gib(r["state_bytes"]),
-                                    paper_state_gib=None, runs=r["dir"]))
-            continue
-        spec = SPECS[table]
-        acc: dict[tuple[str, str], list] = defaultdict(list)
-        for r in by_table[table]:
-            row = spec["row"](r["cfg"])
-            for col, (ppl, step) in cells_of(r, spec).items():
-                acc[(row, col)].append((ppl, step, r))
-        paper, memory = spec["paper"], spec.get("memory", {})
-        rows = list(paper) + [k[0] for k in acc if k[0] not in paper]
-        rows = list(dict.fromkeys(rows))
-        cols = list(dict.fromkeys([c for v in paper.values() for c in v] + [k[1] for k in acc]))
-        for row in rows:
-            for col in cols:
-                got = acc.get((row, col), [])
-                p = paper.get(row, {}).get(col)
-                if not got and p is None:
-                    continue
-                ours = sum(g[0] for g in got) / len(got) if got else None
-                states = [g[2]["state_bytes"] for g in got if g[2]["state_bytes"] is not None]
+        spec = SPECS.get(table, {"row": lambda c: method(c.get("optimizer", {})), "columns": ("model",), "paper": {}})
+        trs, paper, memory = by_table[table], spec["paper"], spec.get("memory", {})
+        swept = swept_keys(trs)
+        base = {r["dir"]: spec["row"](r["cfg"]) for r in trs}
+        cells = {r["dir"]: cells_of(r, spec) for r in trs}
+        label = row_labels(trs, base, cells, swept)
+        filled = set()
+        for r in trs:
+            differs = spec.get("model") is not None and r["model"] != spec["model"]
+            for col, (ppl, step) in cells[r["dir"]].items():
+                p = paper.get(base[r["dir"]], {}).get(col)
+                filled.add((base[r["dir"]], col))
                 records.append(dict(
-                    table=table, row=row, column=col, ours=ours, paper=p,
-                    step=max(g[1] for g in got) if got else None, n=len(got),
-                    finished=all(g[2]["finished"] for g in got) if got else None,
-                    state_gib=_gib(sum(states) / len(states)) if states else None,
-                    paper_state_gib=memory.get(row, {}).get(col),
-                    runs=";".join(g[2]["dir"] for g in got)))
-    return records
+                    table=table, row=label[r["dir"]], method=base[r["dir"]], option=r["option"], column=col,
+                    ours=ppl, paper=p, diff=None if p is None or differs else ppl - p, step=step,
+                    finished=r["finished"], state_gib=_gib(r["state_bytes"]),
+                    paper_state_gib=memory.get(base[r["dir"]], {}).get(col), model=r["model"],
+                    table_model=spec.get("model"), model_differs=differs, run=r["dir"],
+                    swept={k: effective_value(r, k) for k in swept}))
+        for row, by_col in paper.items():
+            for col, p in by_col.items():
+                if (row, col) not in filled:
+                    records.append(dict(table=table, row=row, method=row, column=col, ours=None, paper=p,
+                                        paper_state_gib=memory.get(row, {}).get(col), table_model=spec.get("model"),
+                                        swept={}))
+    return _in_paper_order(records)
+
+
+def _in_paper_order(records: list[dict]) -> list[dict]:
+    """Within a table: the paper's rows first in its order (our variants right after theirs)."""
+    out = []
+    for table in dict.fromkeys(r["table"] for r in records):
+        recs = [r for r in records if r["table"] == table]
+        order = list(SPECS.get(table, {}).get("paper", {}))
+        rank = {m: i for i, m in enumerate(dict.fromkeys(order + [r["method"] for r in recs]))}
+        out += sorted(recs, key=lambda r: rank[r["method"]])  # stable: runs keep their order
+    return out
 
 
 def _gib(b):
@@ -168,12 +223,10 @@ def _f(x, nd=2):
 
 def markdown(records: list[dict]) -> str:
     out = io.StringIO()
-    tables = list(dict.fromkeys(r["table"] for r in records))
-    for table in tables:
+    for table in dict.fromkeys(r["table"] for r in records):
         recs = [r for r in records if r["table"] == table]
         title = SPECS[table]["title"] if table in SPECS else "Runs without a paper table (paper.table unset)"
-        has_mem = any(r["paper_state_gib"] is not None or r["state_gib"] is not None for r in recs) \
-            and table in SPECS and SPECS[table].get("memory")
+        has_mem = table in SPECS and bool(SPECS[table].get("memory"))
         cols = list(dict.fromkeys(r["column"] for r in recs))
         rows = list(dict.fromkeys(r["row"] for r in recs))
         cell = {(r["row"], r["column"]): r for r in recs}
@@ -197,37 +250,42 @@ def markdown(records: list[dict]) -> str:
                         ours += f" @{r['step']}"
                     if r["finished"] is False:
                         ours += "*"
-                    if r["n"] > 1:
-                        ours += f" (n={r['n']})"
-                diff = _f(r["ours"] - r["paper"], 2) if r["ours"] is not None and r["paper"] is not None else ""
+                    if r["model_differs"]:
+                        ours += f" [{r['model']}]"
+                diff = _f(r.get("diff"), 2)
                 if diff and not diff.startswith("-"):
                     diff = "+" + diff
                 line += [ours, _f(r["paper"]), diff]
                 if has_mem:
-                    line += [_f(r["state_gib"], 4 if (r["state_gib"] or 1) < 0.01 else 2), _f(r["paper_state_gib"])]
+                    line += [_f(r.get("state_gib"), 4 if (r.get("state_gib") or 1) < 0.01 else 2),
+                             _f(r["paper_state_gib"])]
             out.write("| " + " | ".join(line) + " |\n")
+        others = sorted({r["model"] for r in recs if r.get("model_differs")})
+        if others:
+            out.write(f"\n[model]: trained {', '.join(others)}, not the table's {recs[0]['table_model']}; "
+                      f"not comparable to the paper's number (no difference computed).\n")
         out.write("\n")
     return out.getvalue()
 
 
-CSV_FIELDS = ["table", "row", "column", "ours", "paper", "diff", "step", "n", "finished",
-              "state_gib", "paper_state_gib", "runs"]
+CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
+              "state_gib", "paper_state_gib", "model", "table_model", "model_differs", "run"]
 
 
 def to_csv(records: list[dict]) -> str:
+    swept = list(dict.fromkeys(k for r in records for k in r["swept"]))
+    fields = CSV_FIELDS + [k for k in swept if k not in CSV_FIELDS]
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w = csv.DictWriter(buf, fieldnames=fields)
     w.writeheader()
     for r in records:
-        d = dict(r)
-        d["diff"] = (r["ours"] - r["paper"]) if r["ours"] is not None and r["paper"] is not None else None
-        w.writerow({k: ("" if d.get(k) is None else d[k]) for k in CSV_FIELDS})
+        d = {**r, **r["swept"]}
+        w.writerow({k: ("" if d.get(k) is None else d[k]) for k in fields})
     return buf.getvalue()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run directories, or folders to search for them (multirun dirs)")
+    ap = runs_argument_parser(__doc__)
     ap.add_argument("--format", choices=["markdown", "csv"], default="markdown", help="what to print")
     ap.add_argument("--csv", help="also write the CSV here")
     ap.add_argument("--md", help="also write the markdown here")

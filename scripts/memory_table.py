@@ -30,14 +30,16 @@ from scripts.paper_tables import GIB, SIZE, TABLE2_MEMORY_GIB, TABLE2_OPTIMIZERS
 TABLE2_MODELS = ["llama_60m", "llama_130m", "llama_350m", "llama_1b"]
 
 
-def optimizer_config(name: str, configs: Path = ROOT / "configs") -> dict:
-    """configs/optimizer/<name>.yaml with its `defaults` parents merged, interpolations resolved."""
-    node = OmegaConf.load(configs / "optimizer" / f"{name}.yaml")
-    parents = [p for p in node.pop("defaults", []) if p != "_self_"]
-    merged = OmegaConf.merge(*[OmegaConf.create(optimizer_config(p, configs)) for p in parents], node) \
-        if parents else node
-    root = OmegaConf.create({"train": {"seed": 0}, "optimizer": merged})
-    return OmegaConf.to_container(root.optimizer, resolve=True)
+def optimizer_config(option: str) -> dict:
+    """configs/optimizer/<option>.yaml as a run composes it: its registry entry's keys and defaults
+    with the option's changes, interpolations resolved."""
+    from hydra import compose, initialize_config_dir
+
+    import train_utils  # noqa: F401  (registers the config schema the option files build on)
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[f"optimizer={option}"])
+    return OmegaConf.to_container(cfg.optimizer, resolve=True)
 
 
 def model_config(name: str, configs: Path = ROOT / "configs") -> dict:

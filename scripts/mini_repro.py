@@ -24,11 +24,19 @@ than 8 layers) to see ~0.5M tokens per run and get well below the unigram-stage 
 layers, density 0.25 is one state-full block of four, as in llama_tiny. The update gap is scaled with
 the run: the paper switches every 200 of 200k steps (1000 switches); --update-gap 20 gives 12
 switches in 240 steps, every block state-full three times. fp32, because bf16 autocast on CPU is ~3x
-slower here. Runs already finished in --workdir are reused (delete it or pass --force to redo).
+slower here.
+
+Caching. A run already finished in --workdir is reused only if everything that determines it is the
+same: the corpus's content (SHA-256), the tokenizer and every setting (method, learning rate, model
+shape, steps, batch, ...). Each is part of the run directory's name (a hash) and written beside it in
+settings.json, which is compared before reuse; tokenizers are keyed the same way by corpus and
+vocabulary. A changed corpus or setting therefore trains afresh; --force redoes everything (e.g.
+after changing the code itself, which no key covers).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -43,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.paper_tables import TABLE2  # noqa: E402
+from train_utils.metrics import read_metrics  # noqa: E402
 
 # key -> (configs/optimizer option, extra overrides, label, Table 2 row)
 METHODS = {
@@ -64,19 +73,44 @@ def read_text(corpus: Path) -> str:
     return "\n\n".join(f.read_text(errors="replace") for f in files)
 
 
-def train_tokenizer(text: str, out_dir: Path, vocab: int) -> Path:
-    """A sentencepiece unigram model in T5's id layout (pad 0, eos 1, unk 2), loadable by data/."""
+# How the tokenizer is trained (part of its cache key): unigram model, T5's id layout.
+TOKENIZER_SETTINGS = dict(model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0,
+                          hard_vocab_limit=False, input_sentence_size=2_000_000, shuffle_input_sentence=True)
+SETTINGS_FILE = "settings.json"
+
+
+def digest(value) -> str:
+    """SHA-256 of text, or of a JSON-able value in a canonical form."""
+    data = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def cached_dir(parent: Path, label: str, settings: dict) -> Path:
+    """`parent/<label>-<hash of settings>`, holding settings.json: the cache entry for exactly these
+    settings. An entry whose settings.json disagrees (a hash collision, or a hand-edited directory) is
+    refused rather than reused."""
+    path = parent / f"{label}-{digest(settings)[:12]}"
+    saved = path / SETTINGS_FILE
+    if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(settings)):
+        raise SystemExit(f"mini_repro: {path} holds a run of other settings ({saved}); delete it or use --force")
+    path.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def train_tokenizer(text: str, workdir: Path, vocab: int, force: bool = False) -> Path:
+    """A sentencepiece unigram model in T5's id layout (pad 0, eos 1, unk 2), loadable by data/; cached
+    by corpus content and vocabulary."""
     import sentencepiece as spm
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "spiece.model").exists():
+    out_dir = cached_dir(workdir / "tokenizers", f"v{vocab}",
+                         {"corpus_sha256": digest(text), "vocab": vocab, **TOKENIZER_SETTINGS})
+    if (out_dir / "spiece.model").exists() and not force:
         return out_dir
     sample = out_dir / "train.txt"
     sample.write_text(text)
-    spm.SentencePieceTrainer.train(
-        input=str(sample), model_prefix=str(out_dir / "spiece"), vocab_size=vocab, model_type="unigram",
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0, hard_vocab_limit=False,
-        input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
+    spm.SentencePieceTrainer.train(input=str(sample), model_prefix=str(out_dir / "spiece"), vocab_size=vocab,
+                                   minloglevel=2, **TOKENIZER_SETTINGS)
     sample.unlink()
     return out_dir
 
@@ -94,8 +128,20 @@ def unigram_loss(text: str, tok_dir: Path) -> float:
     return -sum(c / n * math.log(c / n) for c in counts.values())
 
 
+# The command-line settings that change what a run trains (everything but output paths and --force).
+RUN_SETTINGS = ("vocab", "hidden", "intermediate", "layers", "heads", "seq_len", "batch", "steps", "update_gap",
+                "val_stride", "eval_tokens", "evals", "seed")
+
+
+def run_dir_for(key: str, opt: str, extra: list[str], lr: float, args, corpus_sha256: str, tok_dir: Path) -> Path:
+    settings = {"method": key, "optimizer": opt, "overrides": extra, "lr": lr, "corpus_sha256": corpus_sha256,
+                "tokenizer": tok_dir.name, **{k: getattr(args, k) for k in RUN_SETTINGS}}
+    return cached_dir(args.workdir / "runs", f"{key}-lr{lr:g}", settings)
+
+
 def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, run_dir: Path) -> dict:
-    """One train.py run; returns its end row (val_loss, val_ppl, optimizer_state_bytes)."""
+    """One train.py run in `run_dir` (from run_dir_for); returns its end row (val_loss, val_ppl,
+    optimizer_state_bytes)."""
     metrics = run_dir / "metrics.jsonl"
     end = _end_row(metrics)
     if end is None or args.force:
@@ -105,7 +151,7 @@ def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, ru
             f"model.num_attention_heads={args.heads}", f"model.vocab_size={args.vocab}",
             f"model.max_position_embeddings={args.seq_len}",
             "data=local", f"data.path={args.corpus}", f"data.tokenizer={tok_dir}", f"data.seq_len={args.seq_len}",
-            "data.packing=true", f"data.val_every={args.val_every}",
+            "data.packing=true", f"data.val_stride={args.val_stride}",
             f"optimizer={opt}", f"optimizer.lr={lr}", *extra,
             f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
             f"train.eval_every={max(1, args.steps // args.evals)}", f"train.eval_tokens={args.eval_tokens}",
@@ -135,8 +181,7 @@ def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, ru
 def _end_row(metrics: Path) -> dict | None:
     if not metrics.exists():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return next((r for r in reversed(rows) if r.get("event") == "end"), None)
+    return next((r for r in reversed(read_metrics(str(metrics))) if r.get("event") == "end"), None)
 
 
 def main(argv=None) -> int:
@@ -156,38 +201,40 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--update-gap", type=int, default=20)
     ap.add_argument("--lr-grid", default="1e-3,3e-3,1e-2", help="AdamW learning rates to try")
-    ap.add_argument("--val-every", type=int, default=20, help="every k-th document is held out")
+    ap.add_argument("--val-stride", type=int, default=20, help="every k-th document is held out")
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run (for the curves)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true", help="rerun runs that already finished in --workdir")
+    ap.add_argument("--force", action="store_true", help="retrain the tokenizer and rerun every run, even if cached")
     args = ap.parse_args(argv)
     args.corpus = args.corpus.resolve()
     started = time.time()
 
     text = read_text(args.corpus)
-    tok_dir = train_tokenizer(text, args.workdir / f"tokenizer_{args.vocab}", args.vocab)
+    corpus_sha256 = digest(text)
+    tok_dir = train_tokenizer(text, args.workdir, args.vocab, force=args.force)
     unigram = unigram_loss(text, tok_dir)
     print(f"corpus {args.corpus.name}: {len(text):,} chars; tokenizer {args.vocab} pieces; unigram-stage loss "
           f"{unigram:.3f} nats (ppl {math.exp(unigram):.1f})", flush=True)
 
     grid = [float(x) for x in args.lr_grid.split(",")]
     print(f"AdamW learning-rate grid {grid}:", flush=True)
-    grid_results = {lr: run("adamw", "adamw", [], lr, args, tok_dir, args.workdir / f"adamw_lr{lr:g}") for lr in grid}
+    grid_dirs = {lr: run_dir_for("adamw", "adamw", [], lr, args, corpus_sha256, tok_dir) for lr in grid}
+    grid_results = {lr: run("adamw", "adamw", [], lr, args, tok_dir, grid_dirs[lr]) for lr in grid}
     best_lr = min(grid, key=lambda lr: grid_results[lr]["val_loss"])
     print(f"best AdamW lr {best_lr:g}; reused for every method", flush=True)
 
     results, run_dirs = {}, {}
     for key, (opt, extra, _, _) in METHODS.items():
         if key == "adamw":
-            end, run_dirs[key] = grid_results[best_lr], args.workdir / f"adamw_lr{best_lr:g}"
+            end, run_dirs[key] = grid_results[best_lr], grid_dirs[best_lr]
         else:
-            run_dirs[key] = args.workdir / key
+            run_dirs[key] = run_dir_for(key, opt, extra, best_lr, args, corpus_sha256, tok_dir)
             end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
         results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
                         "state_bytes": int(end["optimizer_state_bytes"])}
 
-    params = json.loads((run_dirs["adamw"] / "metrics.jsonl").read_text().splitlines()[0]).get("params")
+    params = read_metrics(str(run_dirs["adamw"] / "metrics.jsonl"))[0].get("params")
     emb_share = 2 * args.vocab * args.hidden / params if params else float("nan")
     tokens = args.steps * args.batch * args.seq_len
     adam_state = results["adamw"]["state_bytes"]

@@ -104,14 +104,13 @@ def _density(cfg) -> str:
     return "1.0 (AdamW)" if d == 1 else _rho(d)
 
 
-def _schedule_and_step(cfg, step: int) -> str:
-    return f"{cfg['schedule']['name']} {step // 1000}k"
-
-
 # Each spec: title; row(cfg) -> label; columns: ("model", ...) reads the final perplexity and labels
-# the column by model size, ("steps", [s...]) reads the eval at each step; paper: {row: {col: ppl}}.
+# the column by model size, ("steps", [s...]) reads the eval at each step; paper: {row: {col: ppl}};
+# model: the one model the table is about (None where the columns or rows name the model), so that a
+# run of another model printed under it is flagged.
 SPECS: dict[str, dict] = {
     "table1_projection": dict(
+        model="llama_130m",
         title="Table 1: projection and state-free subspace (LLaMA-130M)", row=_projection,
         columns=("steps", [4000, 40000, 200000]),
         paper={
@@ -132,12 +131,14 @@ SPECS: dict[str, dict] = {
         paper={"175M Mixed Precision": {"100k": 17.43}, "350M Pure bf16": {"100k": 17.75},
                "350M Mixed Precision": {"100k": 15.16}, "1.3B Pure bf16": {"100k": 16.51}}),
     "table4_state_free_modules": dict(
+        model="llama_130m",
         title="Table 4: modules moved to the state-free set (FRUGAL rho=0, LLaMA-130M, 100k)",
         row=_modules, columns=("final", "100k"),
         paper={"Linear": {"100k": 20.02}, "Linear, RMSNorms": {"100k": 20.07},
                "Linear, Embeddings": {"100k": 20.48}, "Linear, Embeddings, RMSNorms": {"100k": 20.55},
                "Linear, Output layer": {"100k": 34.66}}),
     "table5_3b": dict(
+        model="llama_3b",
         title="Table 5: LLaMA-3B", row=lambda c: method(c["optimizer"]),
         columns=("steps", [100000, 200000, 300000]),
         paper={"AdamW": {"100k": 14.2, "200k": 12.25, "300k": 10.93},
@@ -151,35 +152,42 @@ SPECS: dict[str, dict] = {
                "FRUGAL, rho=0.25": {"60M": 24.07, "130M": 18.79, "350M": 14.96},
                "FRUGAL, rho=0.0": {"60M": 24.54, "130M": 19.11, "350M": 15.20}}),
     "table10_pure_bf16": dict(
+        model="llama_130m",
         title="Table 10: pure bf16 (LLaMA-130M, 100k)", row=lambda c: method(c["optimizer"]),
         columns=("final", "100k"),
         paper={"AdamW": {"100k": 21.88}, "GaLore, rho=0.25": {"100k": 24.19},
                "BAdam, rho=0.25": {"100k": 25.03}, "FRUGAL, rho=0.25": {"100k": 23.17},
                "FRUGAL, rho=0.0": {"100k": 22.64}}),
     "table11_state_free_rule": dict(
+        model="llama_130m",
         title="Table 11: state-free rule (FRUGAL rho=0.25, LLaMA-130M, 200k)", row=_state_free_rule,
         columns=("final", "200k"),
         paper={"signSGD": {"200k": 18.60}, "SGD": {"200k": 19.11}, "AdamW": {"200k": 18.13}}),
     "table12_lion": dict(
+        model="llama_130m",
         title="Table 12: Lion as the state-full rule (LLaMA-130M, 200k)", row=lambda c: method(c["optimizer"]),
         columns=("final", "200k"),
         paper={"AdamW": {"200k": 18.13}, "Lion": {"200k": 18.55},
                "GaLore (+Lion), rho=0.25": {"200k": 21.65}, "FRUGAL (+Lion), rho=0.25": {"200k": 18.89}}),
     "table13_gpt2": dict(
+        model="gpt2_124m",
         title="Table 13: GPT-2 124M (200k)", row=lambda c: method(c["optimizer"]), columns=("final", "200k"),
         paper={"AdamW": {"200k": 21.94}, "GaLore, rho=0.25": {"200k": 25.84},
                "BAdam, rho=0.25": {"200k": 25.43}, "FRUGAL, rho=0.25": {"200k": 23.23},
                "FRUGAL, rho=0.0": {"200k": 25.04}}),
     "table14_block_order": dict(
+        model="llama_130m",
         title="Table 14: block order (FRUGAL rho=1/3, LLaMA-130M, 200k)",
         row=lambda c: str(c["optimizer"].get("block_order")), columns=("final", "200k"),
         paper={"random": {"200k": 18.50}, "ascending": {"200k": 18.54}, "descending": {"200k": 18.50}}),
     "table15_update_gap": dict(
+        model="llama_130m",
         title="Table 15: update gap T (FRUGAL rho=0.25, LLaMA-130M, 200k)",
         row=lambda c: f"T={c['optimizer'].get('update_gap')}", columns=("final", "200k"),
         paper={f"T={t}": {"200k": v} for t, v in
                [(10, 18.82), (20, 18.73), (50, 18.69), (100, 18.65), (200, 18.60), (500, 18.60), (1000, 18.61)]}),
     "tables6_7_schedules": dict(
+        model="llama_130m",
         title="Tables 6 and 7: constant and one-cycle cosine schedules (LLaMA-130M)",
         row=lambda c: method(c["optimizer"]), columns=("schedule_steps", [100000, 200000]),
         paper={"AdamW": {"constant 100k": 19.51, "constant 200k": 18.51, "cosine 100k": 19.38, "cosine 200k": 17.95},
@@ -188,6 +196,7 @@ SPECS: dict[str, dict] = {
                "FRUGAL, rho=0.25": {"constant 100k": 19.97, "constant 200k": 18.85, "cosine 100k": 19.62, "cosine 200k": 18.16},
                "FRUGAL, rho=0.0": {"constant 100k": 20.33, "constant 200k": 19.14, "cosine 100k": 19.83, "cosine 200k": 18.34}}),
     "table16_density": dict(
+        model="llama_130m",
         title="Table 16: density rho (LLaMA-130M, 200k)", row=_density, columns=("final", "200k"),
         paper={"1.0 (AdamW)": {"200k": 18.13}, "0.5": {"200k": 18.40}, "0.3333": {"200k": 18.50},
                "0.33": {"200k": 18.50}, "0.25": {"200k": 18.63}, "0.125": {"200k": 18.71},
@@ -203,7 +212,3 @@ SPECS: dict[str, dict] = {
 
 def size_label(cfg) -> str:
     return _size(cfg)
-
-
-def schedule_step_label(cfg, step: int) -> str:
-    return _schedule_and_step(cfg, step)

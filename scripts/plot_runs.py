@@ -3,29 +3,37 @@
     python scripts/plot_runs.py multirun/2025-01-01/12-00-00 --out table15.png
     python scripts/plot_runs.py runs/a runs/b --out cmp.png --smooth 50 --logy
 
-Each curve is labelled by its method, density (rho) and update gap (T) from the run's resolved config
-(plus the model when the runs differ in model), so a sweep reads without a legend lookup. Runs are
-found as in make_tables.py (directories holding metrics.jsonl, searched recursively).
+Each curve is labelled by its method, density (rho) and update gap (T) from the run's config, then by
+every other key the runs were swept over (plus the model when the runs differ in model), so a sweep
+reads without a legend lookup. Runs are found as in make_tables.py (directories holding
+metrics.jsonl, searched recursively).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.make_tables import find_runs, load_run, read_metrics  # noqa: E402
+from scripts.make_tables import effective_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
 from scripts.paper_tables import method  # noqa: E402
+from train_utils.metrics import read_metrics  # noqa: E402
+from train_utils.naming import short_labels  # noqa: E402
+
+SHOWN = ("model", "optimizer.density", "optimizer.update_gap")  # in every label already
 
 
-def label(cfg: dict, with_model: bool) -> str:
-    opt = cfg.get("optimizer", {})
+def label(run: dict, swept: list[str], with_model: bool) -> str:
+    """Method, rho and T, then whatever else the runs were swept over (so no two curves look alike)."""
+    opt = run["cfg"].get("optimizer", {})
     text = method(opt)
     if opt.get("name") in ("frugal", "galore", "badam") and "update_gap" in opt:
         text += f", T={opt['update_gap']}"
+    extra = [k for k in swept if k not in SHOWN]
+    short = short_labels(extra)
+    text += "".join(f", {short[k]}={effective_value(run, k)}" for k in extra)
     if with_model:
-        text = f"{cfg['model']['name']}: {text}"
+        text = f"{run['model']}: {text}"
     return text
 
 
@@ -49,14 +57,15 @@ def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = F
     import matplotlib.pyplot as plt
 
     runs = [load_run(d) for d in run_dirs]
-    with_model = len({r["cfg"]["model"]["name"] for r in runs}) > 1
+    with_model = len({r["model"] for r in runs}) > 1
+    swept = swept_keys(runs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
     for r in runs:
-        rows = read_metrics(Path(r["dir"]) / "metrics.jsonl")
+        rows = read_metrics(str(Path(r["dir"]) / "metrics.jsonl"))
         train = [x for x in rows if "loss" in x and "event" not in x]
         evals = [x for x in rows if "val_ppl" in x and x.get("event") is None]
         tokens_at = {x["step"]: x.get("tokens") for x in train}
-        name = label(r["cfg"], with_model)
+        name = label(r, swept, with_model)
         if train:
             loss = smooth([x["loss"] for x in train], smooth_window)
             line, = axes[0][0].plot([x["step"] for x in train], loss, label=name, lw=1)
@@ -95,14 +104,13 @@ def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = F
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+")
+    ap = runs_argument_parser(__doc__)
     ap.add_argument("--out", default="runs.png")
     ap.add_argument("--smooth", type=int, default=20, help="moving-average window of the training loss")
     ap.add_argument("--logy", action="store_true", help="log scale for the loss panels too")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
-    dirs = find_runs(args.runs)
+    dirs = find_runs(args.runs, tool="plot_runs")
     if not dirs:
         print("plot_runs: no runs found", file=sys.stderr)
         return 1

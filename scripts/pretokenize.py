@@ -1,12 +1,21 @@
 """Tokenize a data source once into memory-mapped token files, so sweeps skip tokenization.
 
-    python scripts/pretokenize.py --data c4 --model llama_60m --out tokens/c4_t5 \
-        data.path=/datasets/c4 --train-tokens 2000000000
+    # what one paper run of llama_130m reads: 200,000 steps x 512 rows, and 10M scored validation tokens
+    python scripts/pretokenize.py --data c4 --model llama_130m --out tokens/c4_t5_130m data.path=/datasets/c4
 
     # then train on them:
-    python train.py data=tokens data.path=tokens/c4_t5
+    python train.py experiment=table2 model=llama_130m data=tokens data.path=tokens/c4_t5_130m
 
-Positional ``key=value`` arguments override the data config (``data.path=...``, ``data.tokenizer=...``)
+Sizes are counted as a run consumes them, after truncation: a run reads steps x batch-size rows (one
+document per row when truncating and padding, the paper's setting; seq_len ids of concatenated
+documents when packing) and scores every row's ids but the first. ``--steps`` defaults to the paper's
+step count for ``--model`` (configs/setup/paper.yaml), ``--batch-size`` to the paper's
+512, ``--val-tokens`` to the paper's 10M scored validation tokens; ``--train-rows`` sets the count
+directly. With a truncate-and-pad config (``data.packing=false``) the files hold the rows themselves
+(``--layout rows``: e.g. 255 text ids + ``</s>``, about half the size of whole documents);
+``--layout documents`` keeps whole documents, for packing or another seq_len.
+
+Positional ``key=value`` arguments override the data config (``data.path=...``, ``data.seq_len=...``)
 or the model config (``model.tokenizer=...``). The model config supplies the tokenizer
 (``${model.tokenizer}``) and the vocabulary the ids must fit (T5 sentinels are mapped to unk).
 """
@@ -22,9 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from data.tokens import pretokenize  # noqa: E402
+from data.token_files import LAYOUTS, pretokenize  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "setup", "paper.yaml")
 
 
 def _config(kind: str, name: str):
@@ -35,14 +45,32 @@ def _config(kind: str, name: str):
     return OmegaConf.load(path)
 
 
+def paper_settings(model: str, need_steps: bool) -> dict:
+    """The paper's steps (per model), global batch and validation tokens, from the presets' config."""
+    if not os.path.isfile(PAPER):
+        raise SystemExit(f"{PAPER} not found: pass --steps (or --train-rows), --batch-size and --val-tokens")
+    paper = OmegaConf.load(PAPER)
+    steps = paper.paper.steps
+    if need_steps and model not in steps:
+        raise SystemExit(f"--model {model!r} has no paper step count in {os.path.relpath(PAPER, ROOT)} "
+                         f"(models: {sorted(steps)}); pass --steps or --train-rows")
+    return {"steps": int(steps[model]) if model in steps else None, "batch_size": int(paper.train.batch_size),
+            "val_tokens": int(paper.train.eval_tokens)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="c4", help="configs/data/<name>.yaml or a yaml file")
-    ap.add_argument("--model", default="llama_60m", help="configs/model/<name>.yaml (tokenizer, vocab)")
+    ap.add_argument("--model", default="llama_60m", help="configs/model/<name>.yaml (tokenizer, vocab; paper steps)")
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--train-tokens", type=int, default=None, help="stop after this many (default: one epoch)")
-    ap.add_argument("--val-tokens", type=int, default=10_000_000)
-    ap.add_argument("--max-doc-tokens", type=int, default=None, help="truncate documents (default: keep all)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (default: the paper's for --model)")
+    ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the paper's 512)")
+    ap.add_argument("--train-rows", type=int, default=None, help="rows to write (default: steps x batch size)")
+    ap.add_argument("--val-tokens", type=int, default=None,
+                    help="scored validation tokens (default: the paper's train.eval_tokens, 10M)")
+    ap.add_argument("--layout", default="auto", choices=LAYOUTS,
+                    help="rows (truncate-and-pad rows as read) | documents (whole documents) | auto: rows "
+                         "unless the config packs")
     ap.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     ap.add_argument("overrides", nargs="*", help="data.KEY=VALUE or model.KEY=VALUE")
     args = ap.parse_args(argv)
@@ -50,13 +78,24 @@ def main(argv=None) -> dict:
     cfg = OmegaConf.create({"model": _config("model", args.model), "data": _config("data", args.data)})
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(args.overrides))
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    paper = paper_settings(str(cfg.model.name), need_steps=args.train_rows is None and args.steps is None)
+    steps = args.steps if args.steps is not None else paper.get("steps")
+    batch = args.batch_size if args.batch_size is not None else paper.get("batch_size")
+    rows = args.train_rows if args.train_rows is not None else steps * batch
+    val_tokens = args.val_tokens if args.val_tokens is not None else paper["val_tokens"]
+    print(f"writing {rows:,} training rows ({steps:,} steps x {batch} rows)" if args.train_rows is None
+          else f"writing {rows:,} training rows", f"and {val_tokens:,} scored validation tokens to {args.out}")
     t0 = time.time()
-    meta = pretokenize(data_cfg, args.out, model_vocab_size=int(cfg.model.vocab_size),
-                       train_tokens=args.train_tokens, val_tokens=args.val_tokens, dtype=args.dtype,
-                       max_doc_tokens=args.max_doc_tokens)
+    meta = pretokenize(data_cfg, args.out, train_rows=rows, val_tokens=val_tokens,
+                       model_vocab_size=int(cfg.model.vocab_size), layout=args.layout, dtype=args.dtype)
     took = time.time() - t0
     n = sum(s["tokens"] for s in meta["splits"].values())
-    print(json.dumps(meta["splits"]), f"{n} tokens in {took:.1f}s ({n / max(took, 1e-9):,.0f} tokens/s)")
+    print(json.dumps({"layout": meta["layout"], "splits": meta["splits"]}))
+    print(f"{n:,} tokens in {took:.1f}s ({n / max(took, 1e-9):,.0f} tokens/s)")
+    train = meta["splits"]["train"]
+    if train["rows"] < rows:
+        print(f"note: the source holds {train['rows']:,} training rows in one epoch, fewer than {rows:,}: a run "
+              f"of that length repeats them {rows / max(train['rows'], 1):.2f} times (logged as epoch events)")
     return meta
 
 

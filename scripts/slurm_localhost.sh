@@ -3,12 +3,15 @@
 #
 #   sudo scripts/slurm_localhost.sh install        # apt-get install slurmctld slurmd slurm-client munge
 #   sudo scripts/slurm_localhost.sh up   [DIR]     # start munged, slurmctld, slurmd; wait until the node is idle
+#   scripts/slurm_localhost.sh conf [DIR]          # only write DIR/slurm.conf and the sacct stand-in
 #   eval "$(scripts/slurm_localhost.sh env [DIR])" # SLURM_CONF + the sacct stand-in first on PATH
 #   sudo scripts/slurm_localhost.sh down [DIR]     # stop the daemons this script started (by pidfile)
 #
 # Why it looks like this:
 # - No systemd and no cgroup plugins on small CI containers, so the daemons are started by hand as root
 #   with proctrack/linuxproc and task/none.
+# - The node gets the CPUs this process may run on. `nproc` alone honours OMP_NUM_THREADS (and
+#   OMP_THREAD_LIMIT): with OMP_NUM_THREADS=1 the node would get 1 CPU and a 2-task job never start.
 # - Everything (slurm.conf, state, spool, logs, pidfiles) lives in DIR (default: $SLURM_LOCAL_DIR or
 #   ./.slurm_localhost), never in /etc/slurm, so the machine's own configuration is untouched; clients
 #   find the cluster through SLURM_CONF.
@@ -30,7 +33,7 @@ need_root() { [ "$(id -u)" = 0 ] || die "'$cmd' must run as root (it starts mung
 
 write_conf() {
   local cpus mem_mib
-  cpus="$(nproc)"
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
   mem_mib="$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)"
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/bin" "$DIR/log"
   cat > "$DIR/slurm.conf" <<EOF
@@ -135,6 +138,10 @@ case "$cmd" in
     [ "${state:-}" = idle ] || { tail -n 20 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true; die "node did not become idle (state: '${state:-none}')"; }
     echo "slurm_localhost: node $HOST idle; SLURM_CONF=$SLURM_CONF"
     ;;
+  conf)
+    write_conf
+    echo "slurm_localhost: wrote $DIR/slurm.conf"
+    ;;
   env)
     echo "export SLURM_CONF='$DIR/slurm.conf'"
     echo "export PATH='$DIR/bin':\"\$PATH\""
@@ -168,7 +175,7 @@ case "$cmd" in
     echo "slurm_localhost: stopped"
     ;;
   *)
-    echo "usage: $0 {install|up|env|down} [DIR]" >&2
+    echo "usage: $0 {install|up|conf|env|down} [DIR]" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Registers the config schema and the run-directory resolvers: configs/ composes only after this import.
+import train_utils  # noqa: E402,F401
+
 # --------------------------------------------------------------------------------------------------
 # Shared data fixtures (session-scoped, built once per test run in a temporary directory; nothing
 # here reads outside the repository or touches the network).

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from frugal import FRUGAL, OPTIMIZERS, build_optimizer, state_bytes
+from frugal import FRUGAL, OPTIMIZERS, build_optimizer, estimate_state_bytes, state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def _grads(model, seed=0):
 
 
 def test_registry_names():
-    assert {"adamw", "frugal", "galore", "badam", "signsgd", "sgd", "lion", "sgdm"} <= set(OPTIMIZERS)
+    assert {"adamw", "frugal", "galore", "badam", "signsgd", "sgd", "lion", "sgdm", "apollo", "adam_mini"} == set(OPTIMIZERS)
 
 
 def test_adamw_is_fused_torch_adamw(llama):
@@ -82,7 +82,7 @@ def test_lion_and_sgdm_are_pure_state_full_rules():
 
 
 @pytest.mark.parametrize("name, hparams, match", [
-    ("adam", {}, r"'adam'.*\['adamw', 'badam', 'frugal', 'galore', 'lion', 'sgd', 'sgdm', 'signsgd'\]"),
+    ("adam", {}, r"'adam'.*\['adam_mini', 'adamw', 'apollo', 'badam', 'frugal', 'galore', 'lion', 'sgd', 'sgdm', 'signsgd'\]"),
     ("frugal", {"density": 1.5}, r"density: 1\.5.*\[0, 1\]"),
     ("frugal", {"density": -0.1}, r"density: -0\.1"),
     ("frugal", {"update_gap": 0}, r"update_gap: 0.*>= 1"),
@@ -152,3 +152,22 @@ def test_one_validator_for_constructor_and_registry(bad, message, llama):
     with pytest.raises(frugal.HyperparameterError, match=message):
         frugal.FRUGAL(frugal.param_groups(model), **bad)
     assert issubclass(frugal.HyperparameterError, ValueError)
+
+
+def test_target_modules_through_the_registry(llama):
+    assert registry.defaults("frugal")["target_modules"] is None
+    assert "target_modules" in registry.accepted_keys("galore") and "target_modules" in registry.accepted_keys("apollo")
+    assert "target_modules" not in registry.accepted_keys("signsgd")
+    opt = frugal.build_optimizer(llama, "frugal", target_modules=["q_proj", "v_proj"], density=0.5)
+    assert sum(len(g["params"]) for g in opt.param_groups if g["projectable"]) == 2 * 4
+    # the estimate groups the same way: q and v of 2 of the 4 layers are state-full
+    full = estimate_state_bytes(llama, "frugal", target_modules=["q_proj", "v_proj"], density=1.0)
+    half = estimate_state_bytes(llama, "frugal", target_modules=["q_proj", "v_proj"], density=0.5)
+    assert full - half == 4 * (2 * 32 * 32 * 4 + 4)  # 4 matrices: AdamW moments and a step counter
+    with pytest.raises(frugal.HyperparameterError, match=r"'signsgd' does not take \['target_modules'\]"):
+        frugal.build_optimizer(llama, "signsgd", target_modules=["q_proj"])
+
+
+def test_entry_docs_name_their_keys():
+    for name, build in frugal.OPTIMIZERS.items():
+        assert all(key in build.__doc__ for key in registry.accepted_keys(name)), name

@@ -1,5 +1,7 @@
 """The real SLURM launch path: a one-node cluster on this machine, a 2-task job through Hydra's submitit
-launcher (`hydra/launcher=slurm`), both DDP ranks training llama_tiny on CPU.
+launcher (`hydra/launcher=slurm`), both DDP ranks training llama_tiny on CPU. Also without a cluster: the
+local launcher's own example (2 processes), its one-line report of a job's error, and the node size
+scripts/slurm_localhost.sh writes.
 
 Needs root and Debian's Slurm packages (installed with apt-get when missing): scripts/slurm_localhost.sh
 brings the cluster up in a temporary directory on free ports and tears it down afterwards. With
@@ -11,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +26,53 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "slurm_localhost.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+LOCAL_LAUNCHER = ROOT / "configs" / "hydra" / "launcher" / "local.yaml"
+TOY = ["model=llama_tiny", "data=synthetic", "train.steps=2", "train.eval_every=0", "train.eval_tokens=256",
+       "data.seq_len=32", "checkpoint.every=0", "train.plot=false", "train.progress_bar=false", "wandb.mode=disabled"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_node_gets_the_real_cpu_count_whatever_omp_num_threads(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "conf", str(tmp_path)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cpus = int(re.search(r"CPUs=(\d+)", (tmp_path / "slurm.conf").read_text()).group(1))
+    assert cpus == len(os.sched_getaffinity(0))
+
+
+def _local_example() -> list[str]:
+    """The command in configs/hydra/launcher/local.yaml's comment."""
+    (line,) = [ln.lstrip("# ").strip() for ln in LOCAL_LAUNCHER.read_text().splitlines() if "python train.py" in ln]
+    return line.split()[2:]  # after `python train.py`
+
+
+def test_local_launchers_own_example_runs(tmp_path):
+    sweep = tmp_path / "multirun"
+    cmd = [sys.executable, "train.py", *_local_example(), *TOY, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["world_size"] == 2 and rows[-1]["event"] == "end"
+
+
+def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
+    """The example without its micro-batch fix: 8 sequences cannot split over 2 x 8. The sweep ends
+    with the job's one clear line, not submitit's traceback of the job runner."""
+    example = [a for a in _local_example() if not a.startswith("train.micro_batch_size")]
+    cmd = [sys.executable, "train.py", *example, *TOY, f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    # Hydra's own closing hint follows the job's line.
+    assert lines[-1].startswith("Set the environment variable HYDRA_FULL_ERROR=1"), proc.stderr[-3000:]
+    assert lines[-2].startswith("error: train.batch_size=8 must equal train.micro_batch_size (8)"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _unavailable() -> str | None:
@@ -71,6 +121,8 @@ def test_two_task_job_through_submitit_launcher(slurm_cluster, tmp_path):
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
            "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=2",
            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5",
+           # the time-limit warning (default 300 s before the end) must not fall inside a 5-minute limit
+           "hydra.launcher.signal_delay_s=60",
            "model=llama_tiny", "data=synthetic", "optimizer=frugal", "train.steps=3", "train.batch_size=4",
            "train.micro_batch_size=2", "train.eval_every=0", "train.eval_tokens=256", "data.seq_len=32",
            "checkpoint.every=0", "train.plot=false", "train.progress_bar=false"]

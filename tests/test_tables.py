@@ -1,13 +1,17 @@
 """scripts/make_tables.py puts runs in the paper's cells; plot_runs.py draws them; memory estimates match.
 
-The table-format checks use run directories fabricated here (metrics.jsonl + .hydra/config.yaml with
-known numbers), so the expected cells are exact; one check runs the real train.py on a tiny model.
+The table-format checks use run directories fabricated here (metrics.jsonl + .hydra/ with known
+numbers), so the expected cells are exact; two checks run the real train.py on a tiny model, one of them
+a real multirun (the README's rho x T sweep) whose every run must come back as its own row.
 """
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +21,21 @@ from scripts import make_tables, plot_runs
 from scripts.paper_tables import GIB
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def fake_run(root: Path, name: str, table: str, model: str, optimizer: dict, ppl_by_step: dict,
-             state_bytes: int = 0, finished: bool = True, schedule: str = "cosine_restarts") -> Path:
+             state_bytes: int = 0, finished: bool = True, schedule: str = "cosine_restarts",
+             overrides: list | None = None, option: str | None = None) -> Path:
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     cfg = {"paper": {"table": table}, "model": {"name": model}, "optimizer": optimizer,
            "schedule": {"name": schedule}, "train": {"precision": "bf16-mixed"}}
     OmegaConf.save(OmegaConf.create(cfg), run / ".hydra" / "config.yaml")
+    if overrides is not None:  # what Hydra writes beside it
+        OmegaConf.save(OmegaConf.create(overrides), run / ".hydra" / "overrides.yaml")
+        choices = {"model": model, "optimizer": option or optimizer["name"], "schedule": schedule}
+        OmegaConf.save(OmegaConf.create({"hydra": {"runtime": {"choices": choices}}}), run / ".hydra" / "hydra.yaml")
     rows = [{"event": "start", "step": 0, "optimizer_state_bytes": state_bytes}]
     for step, ppl in sorted(ppl_by_step.items()):
         rows.append({"step": step, "loss": 3.0, "lr": 1e-3, "tokens": step * 1000,
@@ -124,3 +136,91 @@ def test_real_tiny_runs(tmp_path, capsys):
     for r in got.values():
         assert float(r[header.index("ours")]) > 1 and r[header.index("step")] == "3"
     assert float(got["FRUGAL, rho=0.25"][header.index("state_gib")]) < float(got["AdamW"][header.index("state_gib")])
+
+
+def _csv(capsys, *args) -> list[dict]:
+    capsys.readouterr()
+    assert make_tables.main([*map(str, args), "--format", "csv"]) == 0
+    return list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+
+
+def test_sweep_keeps_every_run_with_its_swept_values(tmp_path, capsys):
+    """A rho x T sweep: four runs, four records; T (swept) is a column and tells the rows apart."""
+    for rho, t, ppl in [(0.125, 100, 24.1), (0.125, 200, 24.0), (0.25, 100, 23.7), (0.25, 200, 23.6)]:
+        fake_run(tmp_path, f"{rho}-{t}", "table2", "llama_60m", {"name": "frugal", "density": rho, "update_gap": t},
+                 {200000: ppl}, overrides=["experiment=table2", "model=llama_60m", f"optimizer.density={rho}",
+                                           f"optimizer.update_gap={t}"])
+    rows = _csv(capsys, tmp_path)
+    ours = [r for r in rows if r["ours"]]
+    assert len(ours) == 4 and {r["run"] for r in ours} == {str(tmp_path / d) for d in
+                                                           ("0.125-100", "0.125-200", "0.25-100", "0.25-200")}
+    got = {(r["optimizer.density"], r["optimizer.update_gap"]): r for r in ours}
+    assert float(got[("0.25", "200")]["ours"]) == 23.6 and float(got[("0.125", "100")]["ours"]) == 24.1
+    assert got[("0.25", "200")]["row"] == "FRUGAL, rho=0.25, update_gap=200"
+    assert got[("0.25", "200")]["paper"] == "23.59" and got[("0.25", "200")]["option"] == "frugal"
+    assert "model=" not in got[("0.25", "200")]["row"]  # the model did not vary: not part of the label
+    assert make_tables.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| FRUGAL, rho=0.25, update_gap=100 | 23.70 | 23.59 | +0.11 |" in out
+    assert "| FRUGAL, rho=0.125, update_gap=200 | 24.00 |" in out
+
+
+def test_options_with_the_same_method_are_told_apart(tmp_path, capsys):
+    fake_run(tmp_path, "a", "table2", "llama_60m", {"name": "galore", "density": 0.25}, {200000: 25.0},
+             overrides=["optimizer=galore"], option="galore")
+    fake_run(tmp_path, "b", "table2", "llama_60m", {"name": "galore", "density": 0.25, "lr": 0.01}, {200000: 26.0},
+             overrides=["optimizer=galore_original"], option="galore_original")
+    rows = {r["option"]: r for r in _csv(capsys, tmp_path) if r["ours"]}
+    assert rows["galore"]["row"] == "GaLore, rho=0.25, optimizer=galore"
+    assert rows["galore_original"]["row"] == "GaLore, rho=0.25, optimizer=galore_original"
+
+
+def test_a_run_of_another_model_is_flagged(tmp_path, capsys):
+    fake_run(tmp_path, "tiny", "table15_update_gap", "llama_tiny", {"name": "frugal", "density": 0.25, "update_gap": 200},
+             {200000: 30.0})
+    (row,) = [r for r in _csv(capsys, tmp_path) if r["ours"]]
+    assert row["model_differs"] == "True" and row["table_model"] == "llama_130m" and row["diff"] == ""
+    assert make_tables.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| T=200 | 30.00 [llama_tiny] | 18.60 |  |" in out
+    assert "[model]: trained llama_tiny, not the table's llama_130m" in out
+
+
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory):
+    """The README's rho x T example as a real multirun at toy scale: 4 jobs of train.py."""
+    sweep = tmp_path_factory.mktemp("sweep") / "t2"
+    cmd = [sys.executable, "train.py", "-m", "experiment=table2", "model=llama_tiny", "optimizer=frugal",
+           "optimizer.density=0.125,0.25", "optimizer.update_gap=100,200", f"hydra.sweep.dir={sweep}",
+           "data=synthetic", "data.seq_len=32", "train.steps=2", "train.batch_size=2", "train.micro_batch_size=2",
+           "train.eval_every=0", "train.eval_tokens=64", "checkpoint.every=0", "train.plot=false",
+           "train.progress_bar=false", "wandb.mode=disabled"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep
+
+
+def test_real_sweep_table_and_names(real_sweep, capsys):
+    from train_utils import naming
+
+    rows = [r for r in _csv(capsys, real_sweep) if r["ours"]]
+    assert len(rows) == 4, rows
+    assert {(r["optimizer.density"], r["optimizer.update_gap"]) for r in rows} == \
+        {("0.125", "100"), ("0.125", "200"), ("0.25", "100"), ("0.25", "200")}
+    assert len({r["row"] for r in rows}) == 4 and all(r["option"] == "frugal" for r in rows)
+    names, groups = set(), set()
+    for job in sorted(p for p in real_sweep.iterdir() if p.is_dir()):
+        cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
+        hydra_cfg = OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra
+        names.add(naming.run_name(cfg, str(job), hydra_cfg))
+        groups.add(naming.run_group(cfg, hydra_cfg))
+    assert names == {f"llama_tiny-frugal-density={d}-update_gap={t}" for d in ("0.125", "0.25") for t in (100, 200)}
+    assert groups == {"table2-t2"}
+
+
+def test_real_sweep_plot_labels(real_sweep):
+    runs = [make_tables.load_run(d) for d in make_tables.find_runs([str(real_sweep)])]
+    swept = make_tables.swept_keys(runs)
+    labels = {plot_runs.label(r, swept, with_model=False) for r in runs}
+    assert len(labels) == 4 and "FRUGAL, rho=0.125, T=200" in labels

@@ -1,0 +1,127 @@
+r"""Opt-in adaptations beyond the paper: a density schedule and an update gap that grows on plateaus.
+
+Both are off by default and are building blocks for the optimizer and the training loop (see
+docs/concurrent_methods.md for how they are wired); nothing here reads the global RNG or the host.
+
+Density schedule. The paper keeps :math:`\rho` fixed. :func:`scheduled_density` lets it decay from
+``start`` to ``end`` over ``steps`` (``linear``, ``cosine`` or a single ``step``); evaluated at the
+first step of each window, :math:`\rho_w = \rho(w T)`, it stays a pure function of the window, so
+data-parallel ranks and resumed runs agree without saving anything.
+
+Plateau-growing update gap (the AdaFRUGAL proposal). A longer gap :math:`T` costs nothing and lets
+the state-full rule's moments mature; a short one explores the space faster. :class:`PlateauGap`
+multiplies :math:`T` by ``factor`` (up to ``max_gap``) when the loss, observed once per window,
+has not improved by a relative ``threshold`` for ``patience`` windows. Windows are then no longer
+``step // T``: :class:`WindowClock` keeps the window index, its first step and the current gap as
+plain integers (``state_dict`` round-trips them), and applies a new gap at the next window start.
+"""
+from __future__ import annotations
+
+import math
+
+DENSITY_KINDS = ("constant", "linear", "cosine", "step")
+
+
+def scheduled_density(step: int, *, start: float, end: float, steps: int, kind: str = "linear") -> float:
+    """Density at ``step``: ``start`` at step 0, ``end`` from ``steps`` on (``constant``: always
+    ``start``; ``step``: ``start`` before ``steps``, ``end`` after)."""
+    if kind not in DENSITY_KINDS:
+        raise ValueError(f"Invalid density schedule kind: {kind!r}; valid choices: {', '.join(DENSITY_KINDS)}")
+    for name, value in (("start", start), ("end", end)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"Invalid density schedule {name}: {value!r} (must be in [0, 1])")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"Invalid density schedule steps: {steps!r} (must be an integer >= 1)")
+    if kind == "constant":
+        return start
+    f = min(max(step, 0) / steps, 1.0)
+    if kind == "step":
+        return start if f < 1.0 else end
+    if kind == "linear":
+        return start + (end - start) * f
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * f))
+
+
+class WindowClock:
+    """Which window each step belongs to when the update gap may change between windows.
+
+    ``tick(step)`` is called once per optimizer step with the 0-based step about to be taken and
+    returns the window index; a gap set with ``set_gap`` takes effect at the next window start.
+    With a constant gap the window is exactly ``step // update_gap``.
+    """
+
+    def __init__(self, update_gap: int):
+        _check_gap(update_gap)
+        self.update_gap, self.window, self.start, self.pending = update_gap, 0, 0, None
+
+    def tick(self, step: int) -> int:
+        while step - self.start >= self.update_gap:  # a loop, so a skipped step cannot lose a window
+            self.start += self.update_gap
+            self.window += 1
+            if self.pending is not None:
+                self.update_gap, self.pending = self.pending, None
+        return self.window
+
+    def set_gap(self, update_gap: int) -> None:
+        _check_gap(update_gap)
+        self.pending = update_gap
+
+    def state_dict(self) -> dict:
+        return {"update_gap": self.update_gap, "window": self.window, "start": self.start,
+                "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.update_gap, self.window = int(state["update_gap"]), int(state["window"])
+        self.start = int(state["start"])
+        self.pending = None if state["pending"] is None else int(state["pending"])
+
+
+class PlateauGap:
+    """Grow the update gap when the loss stops improving (observed once per window).
+
+    ``observe(loss, gap)`` takes the window's loss (the same value on every rank: the all-reduced
+    mean) and the current gap, and returns the gap for the next window. The loss is smoothed by an
+    EMA (``smoothing``); a window counts as an improvement when the EMA is below
+    ``(1 - threshold)`` times the best EMA so far; after ``patience`` windows without one the gap is
+    multiplied by ``factor`` (capped at ``max_gap``) and the count restarts.
+    """
+
+    def __init__(self, *, patience: int = 3, threshold: float = 0.01, factor: float = 2.0,
+                 max_gap: int = 1000, smoothing: float = 0.0):
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"Invalid patience: {patience!r} (must be an integer >= 1)")
+        if not 0.0 <= threshold < 1.0:
+            raise ValueError(f"Invalid threshold: {threshold!r} (must be in [0, 1))")
+        if not factor > 1.0:
+            raise ValueError(f"Invalid factor: {factor!r} (must be > 1)")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"Invalid smoothing: {smoothing!r} (must be in [0, 1))")
+        _check_gap(max_gap)
+        self.patience, self.threshold, self.factor = patience, threshold, factor
+        self.max_gap, self.smoothing = max_gap, smoothing
+        self.ema = self.best = None
+        self.bad = 0
+
+    def observe(self, loss: float, gap: int) -> int:
+        if not math.isfinite(loss):
+            return gap  # a non-finite loss is the training loop's to handle, not a plateau
+        self.ema = loss if self.ema is None else self.smoothing * self.ema + (1 - self.smoothing) * loss
+        if self.best is None or self.ema < (1.0 - self.threshold) * self.best:
+            self.best, self.bad = self.ema, 0
+            return gap
+        self.bad += 1
+        if self.bad < self.patience:
+            return gap
+        self.bad = 0
+        return min(self.max_gap, max(gap + 1, int(round(gap * self.factor))))
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema, self.best, self.bad = state["ema"], state["best"], int(state["bad"])
+
+
+def _check_gap(gap) -> None:
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
+        raise ValueError(f"Invalid update_gap: {gap!r} (must be an integer >= 1)")

@@ -1,0 +1,339 @@
+"""Per-rank peak device memory of a training run: does it fit, and with what micro-batch?
+
+    python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 train.micro_batch_size=8
+    python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 --search      # largest micro-batch
+    python scripts/memory_plan.py experiment=table5_3b optimizer=adamw --world-size 8 --parallelism fsdp
+    python scripts/memory_plan.py --table                                  # the paper's models, 8 x 80 GB A100
+    python scripts/memory_plan.py --validate             # real CPU steps measured beside their plans (~30 s)
+
+Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
+micro-batch, sequence length, precision, global batch (and `train.activation_checkpointing` /
+`train.parallelism` once the loop has them) come from that config unless an option below sets them.
+The vocabulary is the model's (the paper's C4 runs); `--vocab-size` overrides it (data=synthetic: 512).
+
+Memory is planned on the meta device (nothing allocated; seconds for 7B) by
+`train_utils.memory_plan`; docs/memory_plan.md explains what is counted and how it was validated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hydra.errors import HydraException  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from train_utils.memory_plan import (  # noqa: E402
+    DEVICES, GIB, PARALLELISMS, PRECISIONS, largest_micro_batch, plan_memory,
+)
+
+TABLE_MODELS = ["llama_60m", "llama_130m", "llama_350m", "llama_1b", "llama_3b", "llama_7b"]
+TABLE_OPTIMIZERS = {"AdamW": "adamw", "FRUGAL 0.25": "frugal", "FRUGAL 0": "frugal_rho0", "GaLore": "galore",
+                    "BAdam": "badam"}
+TABLE_SETTINGS = [("DDP", "ddp", False), ("DDP + AC", "ddp", True), ("FSDP2", "fsdp", False),
+                  ("FSDP2 + AC", "fsdp", True)]
+
+
+def compose(overrides: list[str]):
+    """The config train.py would run with these overrides."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def run_settings(cfg, args) -> dict:
+    """Planner keywords from the composed config, with the command-line options on top."""
+    def pick(option, key: str, default=None):
+        return option if option is not None else OmegaConf.select(cfg, key, default=default)
+
+    return dict(
+        micro_batch_size=pick(args.micro_batch, "train.micro_batch_size"),
+        seq_len=pick(args.seq_len, "data.seq_len"),
+        precision=pick(args.precision, "train.precision"),
+        parallelism=pick(args.parallelism, "train.parallelism", "ddp"),
+        activation_checkpointing=pick(args.activation_checkpointing, "train.activation_checkpointing", False),
+        world_size=args.world_size,
+        vocab_size=args.vocab_size,
+        gradient_as_bucket_view=not args.no_bucket_view,
+        autocast_cache=not args.no_autocast_cache,
+    )
+
+
+def device_bytes(args) -> int:
+    return int(args.device_gib * GIB) if args.device_gib else DEVICES[args.device]
+
+
+def search(cfg, settings: dict, args) -> list[tuple]:
+    """(activation checkpointing, micro-batch or None, plan) for the checkpointing setting(s) asked."""
+    settings = dict(settings)
+    settings.pop("micro_batch_size")
+    ac_given = args.activation_checkpointing is not None
+    rows = []
+    for ac in ([settings["activation_checkpointing"]] if ac_given else [False, True]):
+        settings["activation_checkpointing"] = ac
+        micro, plan = largest_micro_batch(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True),
+                                          device_bytes=device_bytes(args),
+                                          global_batch=OmegaConf.select(cfg, "train.batch_size"), **settings)
+        rows.append((ac, micro, plan))
+    return rows
+
+
+def table(args) -> str:
+    """Markdown: per model and optimizer, the largest micro-batch that fits and its per-rank peak."""
+    dev = device_bytes(args)
+    head = "| model | optimizer | " + " | ".join(name for name, _, _ in TABLE_SETTINGS) + " |"
+    lines = [f"Per-rank peak allocated memory (GiB) at the largest micro-batch that fits {dev / GIB:.2f} GiB "
+             f"with the allowance, {args.world_size} GPUs, global batch 512 x 256 tokens, bf16-mixed. "
+             "Cell: micro-batch / peak (required incl. allowance); '-' = nothing fits.", "", head,
+             "|---|---|" + "---|" * len(TABLE_SETTINGS)]
+    for model in args.models:
+        for label, opt_name in TABLE_OPTIMIZERS.items():
+            if opt_name not in args.optimizers:
+                continue
+            cfg = compose([f"model={model}", f"optimizer={opt_name}", "experiment=table2"])
+            opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
+            cells = []
+            for _, parallelism, ac in TABLE_SETTINGS:
+                micro, plan = largest_micro_batch(cfg.model, opt, device_bytes=dev, seq_len=256,
+                                                  world_size=args.world_size, global_batch=512,
+                                                  parallelism=parallelism, activation_checkpointing=ac)
+                cells.append("-" if micro is None else
+                             f"{micro} / {plan.total / GIB:.1f} ({plan.required / GIB:.1f})")
+            lines.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- validation: the plan against the allocator's peak of real steps on CPU ---------------------------
+@dataclass(frozen=True)
+class Case:
+    """A CPU training run to measure. wrapper: "none" (one process: the loop runs without DDP),
+    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place), "ddp-no-view"
+    (gradient_as_bucket_view=False), "ddp-set-to-none" (bucket view, zero_grad(set_to_none=True)),
+    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce)."""
+    model: str
+    vocab: int | None
+    optimizer: dict
+    micro: int
+    seq: int
+    checkpointing: bool = False
+    precision: str = "bf16-mixed"
+    wrapper: str = "none"
+
+
+_SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch at the second step
+VALIDATION_CASES = [
+    Case("llama_20m", None, {"name": "adamw"}, 2, 128),
+    Case("llama_20m", None, _SWITCHING, 2, 128, checkpointing=True),
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 256),
+    Case("llama_20m", 1000, _SWITCHING, 8, 256, checkpointing=True),
+    Case("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64),
+    # The autocast cache: every bf16 weight copy alive at the end of a checkpointed forward (~20% here).
+    Case("llama_60m", 1000, {"name": "frugal", "density": 0.0}, 1, 64, checkpointing=True),
+    Case("llama_20m", 256, {"name": "frugal", "density": 0.25, "projection": "column"}, 4, 256, checkpointing=True),
+    Case("llama_20m", 1000, {"name": "galore", "density": 0.25, "update_gap": 1}, 4, 256),
+    Case("llama_20m", 1000, {"name": "frugal", "density": 0.25, "projection": "randk", "update_gap": 1}, 4, 128),
+    Case("llama_20m", 1000, {"name": "frugal", "density": 0.25, "state_full": "lion", "betas": [0.9, 0.99],
+                             "update_gap": 1}, 4, 128),
+    Case("llama_20m", 1000, {"name": "adamw"}, 4, 256, precision="bf16"),
+    Case("llama_20m", 1000, _SWITCHING, 4, 128, precision="fp32"),
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp"),
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-no-view"),
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-set-to-none"),
+    # FRUGAL does not take FSDP2's DTensor parameters yet (issue 11): measured with torch's AdamW.
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="fsdp"),
+    Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, checkpointing=True, wrapper="fsdp"),
+]
+
+
+def plan_case(case: Case, phase: str | None = None) -> int:
+    """Planned peak of a case (or of one phase of its step), in bytes."""
+    model = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml"))
+    # With set_to_none=True, no_sync micro-batches allocate fresh gradients beside DDP's buckets, while
+    # the reducer swaps its bucket views back in at the synchronising backward: two copies during the
+    # forward and backward passes, one in the optimizer step.
+    copy = case.wrapper == "ddp-no-view" or (case.wrapper == "ddp-set-to-none" and phase is None)
+    # Per-rank DDP memory does not depend on the world size (a plan of one process has no DDP); FSDP2
+    # in one process shards nothing but gathers and reduces as on every rank.
+    plan = plan_memory(model, case.optimizer, micro_batch_size=case.micro, seq_len=case.seq,
+                       activation_checkpointing=case.checkpointing, precision=case.precision,
+                       vocab_size=case.vocab, device_type="cpu", gradient_as_bucket_view=not copy,
+                       world_size=2 if case.wrapper.startswith("ddp") else 1,
+                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp")
+    return plan.phases[phase] if phase else plan.total
+
+
+def measure_case(case: Case) -> tuple[int, int]:
+    """(peak, peak inside optimizer.step) of allocated memory over two optimizer steps of two
+    accumulated micro-batches each, built as the training loop builds them (models.build_model, bf16
+    autocast, train.py's token_loss_sum from fp32 logits, backward, the optimizer's step).
+
+    Measured with the profiler's allocation events: every allocation and free of torch's CPU
+    allocator with its running total, the CPU twin of torch.cuda.max_memory_allocated, which is what
+    the plan predicts. Peak RSS is not used: it keeps freed heap pages, touches pages lazily, counts
+    thread pools, and was seen 25% below and 45% above the allocated peak of the same run. Two steps
+    of two micro-batches reach the state the plan describes: gradients and optimizer state resident
+    while a micro-batch's activations are alive, and a block switch inside the second step.
+    Needs a (one-process) torch.distributed group for the DDP and FSDP wrappers."""
+    import contextlib
+
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import frugal
+    import models
+
+    try:
+        from train_utils.loop import token_loss_sum  # where the loop's helpers are moving (issue 13)
+    except ImportError:
+        from train import token_loss_sum
+
+    cfg = OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml")
+    vocab, ddp, accumulation = case.vocab or cfg.vocab_size, case.wrapper.startswith("ddp"), 2
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = models.build_model(cfg, vocab_size=vocab)
+        if case.precision == "bf16":
+            model.to(torch.bfloat16)
+        if case.checkpointing:  # per transformer block, non-reentrant, through the transformers API
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        wrapped = model
+        if ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view")
+        elif case.wrapper == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.model.layers:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        hp = dict(case.optimizer)
+        optimizer = frugal.build_optimizer(model, hp.pop("name"), **hp)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            for i in range(accumulation):
+                ids = torch.randint(1, vocab, (case.micro, case.seq), generator=generator)
+                sync = not ddp or i == accumulation - 1  # FSDP2 reduce-scatters every micro-batch
+                with contextlib.nullcontext() if sync else wrapped.no_sync():
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+                        logits = wrapped(input_ids=ids, use_cache=False).logits
+                    loss = token_loss_sum(logits, ids)
+                    (loss / ids.numel()).backward()
+                del logits, loss
+            with record_function("optimizer_step"):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=case.wrapper != "ddp")
+        del wrapped, model, optimizer
+    events = []
+
+    def walk(node, in_step: bool) -> None:
+        in_step = in_step or node.name == "optimizer_step"
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.alloc_size, fields.total_allocated, in_step))
+        for child in node.children:
+            walk(child, in_step)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, False)
+    events.sort(key=lambda e: e[0])
+    start = events[0][2] - events[0][1]  # what was allocated before: not this run's
+    return max(e[2] for e in events) - start, max(e[2] for e in events if e[3]) - start
+
+
+def validate(cases: list[Case]) -> list[tuple[int, int]]:
+    """Measure every case in this process, inside a one-process gloo group."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        try:
+            return [measure_case(case) for case in cases]
+        finally:
+            dist.destroy_process_group()
+
+
+def validation_table(cases: list[Case], measured: list[tuple[int, int]]) -> str:
+    mib = 2.0**20
+    lines = ["| model (vocab) | optimizer | micro x seq | AC | precision | wrapper | measured MiB | planned MiB "
+             "| planned / measured | step: measured | step: planned |", "|---" * 11 + "|"]
+    for case, (peak, step) in zip(cases, measured):
+        planned, step_planned = plan_case(case), plan_case(case, "optimizer step")
+        opt = ", ".join(f"{k}={v}" for k, v in case.optimizer.items() if k != "name")
+        lines.append(f"| {case.model} ({case.vocab or 32000}) | {case.optimizer['name']} {opt} | "
+                     f"{case.micro} x {case.seq} | {'on' if case.checkpointing else 'off'} | {case.precision} | "
+                     f"{case.wrapper} | {peak / mib:.1f} | {planned / mib:.1f} | {planned / peak:.3f} | "
+                     f"{step / mib:.1f} | {step_planned / mib:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (model=..., optimizer=...)")
+    ap.add_argument("--micro-batch", type=int, help="sequences per device and forward pass")
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--world-size", type=int, default=1, help="processes (GPUs); default 1")
+    ap.add_argument("--parallelism", choices=PARALLELISMS)
+    ap.add_argument("--precision", choices=PRECISIONS)
+    ap.add_argument("--activation-checkpointing", choices=["on", "off"],
+                    help="per transformer block; with --search and not given, both are searched")
+    ap.add_argument("--vocab-size", type=int, help="the data's vocabulary (default: the model's)")
+    ap.add_argument("--device", choices=sorted(DEVICES), default="a100-80gb")
+    ap.add_argument("--device-gib", type=float, help="device memory in GiB (instead of --device)")
+    ap.add_argument("--no-bucket-view", action="store_true",
+                    help="DDP without gradient_as_bucket_view (buckets beside the gradients)")
+    ap.add_argument("--no-autocast-cache", action="store_true",
+                    help="torch.autocast(cache_enabled=False): no cached bf16 weight copies in the forward")
+    ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
+    ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
+    ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
+    ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")
+    ap.add_argument("--validate", action="store_true",
+                    help="measure real CPU steps (~30 s) and print them beside the plans")
+    ap.add_argument("--json", action="store_true", help="print the plan (with --validate: the measurements) as JSON")
+    args = ap.parse_args(argv)
+    if args.activation_checkpointing is not None:
+        args.activation_checkpointing = args.activation_checkpointing == "on"
+
+    if args.validate:
+        measured = validate(VALIDATION_CASES)
+        print(json.dumps(measured) if args.json else validation_table(VALIDATION_CASES, measured))
+        return 0
+    if args.table:
+        if args.world_size == 1:
+            args.world_size = 8
+        print(table(args))
+        return 0
+    try:
+        cfg = compose(args.overrides)
+        settings = run_settings(cfg, args)
+        if args.search:
+            for ac, micro, plan in search(cfg, settings, args):
+                checkpointing = "on" if ac else "off"
+                if micro is None:
+                    print(f"activation checkpointing {checkpointing}: no micro-batch fits; the smallest:")
+                else:
+                    print(f"activation checkpointing {checkpointing}: largest micro-batch that fits: {micro}")
+                print(json.dumps(plan.as_dict()) if args.json else plan.format(device_bytes(args)))
+            return 0
+        plan = plan_memory(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), **settings)
+    except (ValueError, HydraException) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_dict()) if args.json else plan.format(device_bytes(args)))
+    return 0 if plan.fits(device_bytes(args)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

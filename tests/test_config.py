@@ -1,0 +1,198 @@
+"""The config schema (train_utils/schema.py), start-up validation (validation.py) and run naming
+(naming.py): unknown keys are refused in every section, every optimizer key is settable without `+`,
+the registry's keys flow into the configs, composed configs pickle, run directories are unique per
+launch and shared by the ranks of one launch, and sweep jobs get names that say what was swept."""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from frugal import registry
+from train_utils import naming, schema
+from train_utils.validation import ConfigError, JobError, stop_with_error, validate_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+
+
+def _compose(*overrides, config_dir=CONFIGS, hydra_cfg=False):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+@pytest.mark.parametrize("key, section, a_valid_key", [
+    ("train.stepz", "train", "steps"),
+    ("wandb.projekt", "wandb", "project"),
+    ("checkpoint.evry", "checkpoint", "keep"),
+    ("paper.tabel", "paper", "table"),
+    ("model.hidden", "model", "hidden_size"),
+    ("data.seqlen", "data", "seq_len"),
+    ("schedule.warmup", "schedule", "warmup_fraction"),
+    ("optimizer.densty", "optimizer", "density"),
+    ("stepz", "the top level", "train"),
+])
+@pytest.mark.parametrize("plus", ["+", "++"])
+def test_unknown_key_is_refused_with_the_sections_valid_keys(key, section, a_valid_key, plus):
+    cfg = _compose(f"{plus}{key}=10")
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=1)
+    message = str(err.value)
+    assert f"{key} is not a config key; valid keys of {section}: " in message
+    assert a_valid_key in message.split("valid keys of")[1]
+
+
+def test_train_refuses_an_unknown_key_before_any_work(tmp_path):
+    import train
+
+    with pytest.raises(ConfigError, match=r"train\.stepz is not a config key"):
+        train.train(_compose("+train.stepz=10", "wandb.mode=disabled"), str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_known_keys_pass():
+    assert validate_config(_compose("experiment=table2", "model=llama_tiny", "train.micro_batch_size=64"), 1) == 8
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optimizer.block_granularity=tensor"],
+    ["optimizer.state_free_modules=[norms,output]"],
+    ["optimizer=galore", "optimizer.state_full=lion", "optimizer.betas=[0.9,0.99]"],  # Table 12's GaLore + Lion
+    ["optimizer=badam", "optimizer.reset_state=keep"],
+    ["schedule.warmup_steps=100"],
+])
+def test_every_declared_key_is_settable_without_plus(overrides):
+    cfg = _compose(*overrides)
+    validate_config(cfg, world_size=1)
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if "." in key:
+            assert str(OmegaConf.select(cfg, key)).replace(" ", "").replace("'", "") == value
+
+
+def test_optimizer_keys_come_from_the_registry(monkeypatch):
+    """A key the optimizer engineer adds to a registry entry is in the configs, with its default."""
+    real = registry.defaults
+    monkeypatch.setattr(registry, "defaults", lambda name: {**real(name), "new_knob": 7} if name == "frugal" else real(name))
+    schema.register()
+    try:
+        cfg = _compose("optimizer=frugal_rho0", "optimizer.new_knob=8")
+        assert cfg.optimizer.new_knob == 8 and cfg.optimizer.density == 0.0
+        assert _compose().optimizer.new_knob == 7
+    finally:
+        monkeypatch.undo()
+        schema.register()
+    with pytest.raises(HydraException):
+        _compose("optimizer.new_knob=8")
+
+
+def test_a_preset_setting_an_undeclared_key_fails_while_composing(tmp_path):
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIGS, configs)
+    (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrain:\n  stepz: 10\n")
+    with pytest.raises(HydraException, match="stepz"):
+        _compose("experiment=typo", config_dir=configs)
+
+
+def test_composed_config_pickles_into_a_fresh_process(tmp_path):
+    """The submitit launchers pickle composed configs; the schema's classes must unpickle elsewhere."""
+    cfg = _compose("experiment=table2", "optimizer=frugal_rho0", hydra_cfg=True)
+    blob = tmp_path / "cfg.pkl"
+    blob.write_bytes(pickle.dumps(cfg))
+    assert pickle.loads(blob.read_bytes()) == cfg
+    code = ("import pickle, sys; from omegaconf import OmegaConf; cfg = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(OmegaConf.get_type(cfg.optimizer).__name__, cfg.optimizer.density)")
+    out = subprocess.run([sys.executable, "-c", code, str(blob)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["optimizer__frugal", "0.0"]
+
+
+RUN_DIR_SCRIPT = """
+import train_utils
+from hydra import compose, initialize_config_dir
+with initialize_config_dir(config_dir={configs!r}, version_base=None):
+    cfg = compose("config", return_hydra_config=True)
+print(cfg.hydra.run.dir, cfg.hydra.sweep.dir)
+"""
+
+
+def _run_dirs(extra_env: dict, n: int = 2) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env.update(extra_env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    code = RUN_DIR_SCRIPT.format(configs=str(CONFIGS))
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    return [o[0].strip() for o in outs]
+
+
+def test_run_dirs_are_unique_per_launch_and_shared_by_its_ranks():
+    alone = _run_dirs({})
+    assert alone[0] != alone[1], "two launches (started together) must not share a run directory"
+    for line in alone:
+        run_dir, sweep_dir = line.split()
+        assert run_dir.startswith("outputs/") and sweep_dir.startswith("multirun/")
+    # Two ranks of one torchrun launch (same TORCHELASTIC_RUN_ID, same parent): one directory.
+    ranks = _run_dirs({"TORCHELASTIC_RUN_ID": "3f9a1c2e-77b0-4d7e-9a55-0123456789ab"})
+    assert ranks[0] == ranks[1] and ranks[0].split()[0].endswith("-3f9a1c2e77b0")
+    job = _run_dirs({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
+    assert job[0] == job[1] and job[0].split()[0].endswith("-4242.0")
+
+
+def _fake_multirun(tmp_path, master_task, job_task, params, option="frugal"):
+    sweep = tmp_path / "12-00-00-abc"
+    sweep.mkdir()
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": master_task}, "sweeper": {"params": params}}}),
+                   sweep / "multirun.yaml")
+    return OmegaConf.create({"mode": "MULTIRUN", "sweep": {"dir": str(sweep)}, "sweeper": {"params": params},
+                             "overrides": {"task": job_task}, "runtime": {"choices": {"optimizer": option}}})
+
+
+def test_sweep_jobs_are_named_by_option_and_swept_values(tmp_path):
+    cfg = _compose("experiment=table2", "model=llama_60m", "optimizer=frugal_rho0")
+    params = {"optimizer": "adamw,galore,badam,frugal,frugal_rho0", "model": "llama_60m,llama_130m"}
+    hc = _fake_multirun(
+        tmp_path,
+        master_task=["experiment=table2", "model=llama_60m", "optimizer.density=0.125,0.25", "optimizer.update_gap=100,200"],
+        job_task=["optimizer=frugal_rho0", "model=llama_60m", "experiment=table2", "optimizer.density=0.125",
+                  "optimizer.update_gap=100"],
+        params=params, option="frugal_rho0")
+    assert naming.swept_keys(["model=llama_60m", "optimizer.density=0.125,0.25"], params) == ["optimizer", "optimizer.density"]
+    assert naming.sweep_values(hc) == {"optimizer": "frugal_rho0", "optimizer.density": "0.125",
+                                       "optimizer.update_gap": "100"}
+    assert naming.run_name(cfg, "multirun/x/3", hc) == "llama_60m-frugal_rho0-density=0.125-update_gap=100"
+    assert naming.run_group(cfg, hc) == "table2-12-00-00-abc"
+    assert naming.optimizer_option(cfg, hc) == "frugal_rho0"
+
+
+def test_single_runs_are_named_by_option_and_run_dir():
+    cfg = _compose("optimizer=frugal_rho0")
+    single = OmegaConf.create({"mode": "RUN", "runtime": {"choices": {"optimizer": "frugal_rho0"}}})
+    assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-77-ab12", single) == "llama_tiny-frugal_rho0-12-00-00-77-ab12"
+    assert naming.run_group(cfg, single) is None
+    assert naming.run_group(_compose("experiment=table2"), single) == "table2"
+    # Without Hydra's runtime information (configs composed in tests): the registry entry.
+    assert naming.run_name(cfg, "runs/a", None) == "llama_tiny-frugal-a"
+    named = _compose("wandb.name=mine", "wandb.group=g")
+    assert naming.run_name(named, "runs/a", single) == "mine" and naming.run_group(named, single) == "g"
+
+
+def test_stop_with_error_is_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        stop_with_error(ConfigError("train.steps=0 is invalid"), 2)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: train.steps=0 is invalid\n"
+    monkeypatch.setattr(naming, "_hydra", lambda hc=None: OmegaConf.create({"mode": "MULTIRUN"}))
+    with pytest.raises(JobError, match=r"^error: train.steps=0 is invalid$"):
+        stop_with_error(ConfigError("train.steps=0 is invalid"), 2)

@@ -1,0 +1,211 @@
+"""Every command block of README.md runs, at toy scale, so the README cannot drift from the code.
+
+The convention (README authors: this is all there is to it):
+
+- A command block is a code block (indented or fenced) whose first line starts with `python`,
+  `torchrun`, `accelerate`, `sbatch` or `pip`; `\\` continues a line, `#` starts a comment, `&&` chains.
+  Other blocks (the layout tree) are text. A fenced ```python block is executed as Python with `model`
+  bound to a tiny LLaMA (the library example's "your model").
+- Every command block runs, its commands in order, in a fresh working directory (so relative outputs
+  such as `multirun/table15` are the block's own), with `train.py`, `eval.py` and `scripts/` taken from
+  the repository and the Hub, wandb and the network off.
+- A block that cannot run here says why on the line before it: `<!-- readme-test: skip hub -->`
+  (needs the Hugging Face Hub), `gpu` (needs GPUs) or `slurm` (needs a SLURM cluster). Nothing else may
+  be skipped. `pip install` (the tests run in the installed environment) and `python -m pytest` (this
+  suite) are never run.
+- Toy scale: `TOY` is appended to every train.py command (Hydra: the last value of a key wins), so a
+  command keeps its own preset, optimizer and swept keys but trains llama_tiny for 2 steps on small
+  batches, on the synthetic corpus unless it names a data path; the scripts get `SCRIPT_ARGS`
+  (argparse: the last value wins).
+- Example paths: `EXAMPLE_PATHS` maps the README's placeholder paths to data built by the test (a C4-
+  format corpus and a T5-style tokenizer from tests/conftest.py); a runnable command with any other
+  absolute path fails here, until it is mapped.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PROGRAMS = ("python", "torchrun", "accelerate", "sbatch", "pip")
+SKIP_REASONS = {"hub": "needs the Hugging Face Hub", "gpu": "needs GPUs", "slurm": "needs a SLURM cluster"}
+MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s+(\w+)\s*-->")
+TOY = ["model=llama_tiny", "train.steps=2", "train.batch_size=4", "train.micro_batch_size=2",
+       "train.eval_every=0", "train.eval_tokens=64", "data.seq_len=32", "checkpoint.every=0", "train.plot=false",
+       "train.progress_bar=false", "wandb.mode=disabled"]
+SCRIPT_ARGS = {
+    "scripts/pretokenize.py": ["--train-tokens", "20000", "--val-tokens", "5000"],
+    "scripts/memory_table.py": ["--measure-max-params", "0"],
+    "eval.py": ["train.eval_tokens=64"],
+}
+
+
+def blocks(text: str) -> list[dict]:
+    """Code blocks of a markdown text: {"line", "lang", "lines", "skip"}."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        start = i
+        if line.startswith("```"):
+            lang, body = line[3:].strip(), []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            i += 1
+        elif line.startswith("    ") and line.strip() and (i == 0 or not lines[i - 1].strip()):
+            lang, body = "", []
+            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+                body.append(lines[i][4:])
+                i += 1
+            while body and not body[-1].strip():
+                body.pop()
+        else:
+            i += 1
+            continue
+        before = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
+        marker = MARKER.search(before)
+        out.append({"line": start + 1, "lang": lang, "lines": body, "skip": marker.group(1) if marker else None})
+    return out
+
+
+def commands(body: list[str]) -> list[str] | None:
+    """The commands of a command block (None for a text block)."""
+    if not body or not body[0].startswith(PROGRAMS):
+        return None
+    joined, buf = [], ""
+    for line in body:
+        buf += line.rstrip()
+        if buf.endswith("\\"):
+            buf = buf[:-1] + " "
+            continue
+        joined.append(buf)
+        buf = ""
+    out = []
+    for line in joined:
+        tokens = shlex.split(line, comments=True)
+        if not tokens:
+            continue
+        assert tokens[0] in PROGRAMS, f"not a command in a command block: {line!r}"
+        out += [" ".join(map(shlex.quote, part)) for part in _split_and(tokens)]
+    return out
+
+
+def _split_and(tokens: list[str]) -> list[list[str]]:
+    parts, cur = [], []
+    for t in tokens:
+        if t == "&&":
+            parts.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return parts + [cur]
+
+
+README_BLOCKS = blocks(README.read_text())
+COMMAND_BLOCKS = [b for b in README_BLOCKS if b["lang"] != "python" and commands(b["lines"])]
+PYTHON_BLOCKS = [b for b in README_BLOCKS if b["lang"] == "python"]
+
+
+def test_readme_has_command_blocks_and_every_skip_has_a_known_reason():
+    assert len(COMMAND_BLOCKS) >= 5 and PYTHON_BLOCKS
+    for b in README_BLOCKS:
+        assert b["skip"] in (None, *SKIP_REASONS), f"README line {b['line']}: unknown skip reason {b['skip']!r}"
+        if b["skip"]:
+            assert b in COMMAND_BLOCKS, f"README line {b['line']}: a skip marker on a block that is not a command block"
+
+
+@pytest.fixture
+def example_paths(c4_dir, t5_tokenizer_dir, tmp_path):
+    return {"/data/c4_t5": str(tmp_path / "c4_t5"), "/data/c4": str(c4_dir), "/models/t5-base": str(t5_tokenizer_dir)}
+
+
+def _map_paths(token: str, paths: dict) -> str:
+    for example in sorted(paths, key=len, reverse=True):
+        token = re.sub(re.escape(example) + r"(?![\w.-])", paths[example], token)
+    return token
+
+
+def toy_command(command: str, paths: dict) -> list[str]:
+    """The argv that runs `command` here at toy scale (see the module docstring)."""
+    tokens = [_map_paths(t, paths) for t in shlex.split(command)]
+    mapped = set(paths.values())
+    for t in tokens:
+        value = t.split("=", 1)[-1]
+        assert not value.startswith("/") or any(value.startswith(m) for m in mapped), \
+            f"{command!r}: example path {value!r} is not in EXAMPLE_PATHS (tests/test_readme.py)"
+    program, args = tokens[0], tokens[1:]
+    if program == "torchrun":
+        program, args = sys.executable, ["-m", "torch.distributed.run", *args]
+    elif program == "python":
+        program = sys.executable
+    else:
+        raise AssertionError(f"{command!r}: `{program}` cannot run here; mark the block with a skip reason")
+    script_at = next(i for i, a in enumerate(args) if a.endswith(".py"))
+    script = args[script_at]
+    args[script_at] = str(ROOT / script)
+    if script == "train.py":
+        names_data = any(a.startswith(("data=", "data.path=")) for a in args)
+        args += TOY + ([] if names_data else ["data=synthetic"])
+    args += SCRIPT_ARGS.get(script, [])
+    return [program, *args]
+
+
+def _never_run(command: str) -> bool:
+    tokens = shlex.split(command)
+    return tokens[0] == "pip" or tokens[:3] == ["python", "-m", "pytest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", COMMAND_BLOCKS, ids=[f"line{b['line']}" for b in COMMAND_BLOCKS])
+def test_readme_command_block_runs(block, example_paths, tmp_path):
+    if block["skip"]:
+        pytest.skip(f"README line {block['line']}: {SKIP_REASONS[block['skip']]}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    for command in commands(block["lines"]):
+        if _never_run(command):
+            continue
+        argv = toy_command(command, example_paths)
+        proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (f"README line {block['line']}: {command}\nran as: {' '.join(argv)}\n"
+                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"line{b['line']}" for b in PYTHON_BLOCKS])
+def test_readme_python_block_runs(block):
+    import torch
+    import yaml
+
+    import models
+
+    torch.manual_seed(0)
+    cfg = yaml.safe_load((ROOT / "configs" / "model" / "llama_tiny.yaml").read_text())
+    exec(compile("\n".join(block["lines"]), f"README.md:{block['line']}", "exec"),
+         {"model": models.build_model(cfg, vocab_size=512)})
+
+
+def test_block_parser():
+    text = "intro\n\n    python train.py a=1 \\\n        b=2   # note\n    pip install x && python eval.py\n\n" \
+           "<!-- readme-test: skip gpu -->\n\n    torchrun --nproc_per_node 8 train.py\n\n```\nfrugal/  the library\n```\n"
+    got = blocks(text)
+    assert [b["skip"] for b in got] == [None, "gpu", None]
+    assert commands(got[0]["lines"]) == ["python train.py a=1 b=2", "pip install x", "python eval.py"]
+    assert commands(got[2]["lines"]) is None
+    paths = {"/data/c4": "/tmp/c4", "/data/c4_t5": "/tmp/t5"}
+    argv = toy_command("python train.py data.path=/data/c4 x=/data/c4_t5", paths)
+    assert argv[2:4] == ["data.path=/tmp/c4", "x=/tmp/t5"] and "data=synthetic" not in argv
+    assert toy_command("python train.py experiment=table2", paths)[-1] == "data=synthetic"
+    with pytest.raises(AssertionError, match="not in EXAMPLE_PATHS"):
+        toy_command("python train.py data.path=/somewhere/else", paths)

@@ -1,0 +1,514 @@
+"""Per-rank peak device memory of a training run, planned before anything is allocated.
+
+    plan = plan_memory(model_cfg, {"name": "frugal", "density": 0.0}, micro_batch_size=8, seq_len=256)
+    print(plan.format(DEVICES["a100-80gb"]))
+    micro, plan = largest_micro_batch(model_cfg, opt_cfg, device_bytes=DEVICES["a100-80gb"], seq_len=256)
+
+The model is built on the meta device (no memory, ~4 s for 7B), so the training loop can call this at
+start-up to refuse a run that cannot fit. What the planner counts, per rank (docs/memory_plan.md has
+the derivations and the validation against measured peaks):
+
+- weights, gradients: every parameter in its storage dtype (fp32 master weights for bf16-mixed);
+  sharded by the world size under FSDP.
+- communication buffers: DDP with ``gradient_as_bucket_view=True`` keeps the gradients inside its
+  buckets, so the buckets cost nothing extra (without it they are a second gradient copy). FSDP2:
+  the unsharded bf16 gradients of the block in backward and two fp32 reduce-scatter inputs in flight.
+- optimizer state: ``frugal.estimate_state_bytes`` (the layout the optimizer really holds) plus the
+  transient inside the step (a block switch: one block above the steady state; gathered coordinates
+  or projected gradients of column/randk/svd projections; Lion's out-of-place update direction).
+- working weights: the bf16 copies bf16 autocast makes of every matmul weight (cached from their first
+  use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
+  root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
+- activations: what the autograd graph of transformers' LLaMA/GPT-2 (SDPA attention) saves, per
+  layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests);
+  with activation checkpointing, each block's input plus one block recomputed in backward.
+- logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
+  at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed).
+- not in the total but in ``allowance``: the CUDA context, NCCL and cuBLAS workspaces (a fixed
+  2 GiB) and the caching allocator's fragmentation (5% of the peak).
+
+The peak is the largest of several moments of a step (``MemoryPlan.phases``): the start of backward,
+the head's backward, a block's backward, the end of the forward pass (checkpointing), the optimizer
+step. Gradients are counted as resident in all of them: true under DDP (they live in the buckets) and
+whenever there is gradient accumulation (the paper's 512-sequence batch on a few GPUs).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "DEVICES", "PARALLELISMS",
+           "PRECISIONS", "GIB"]
+
+GIB = 2**30
+PARALLELISMS = ("ddp", "fsdp")
+PRECISIONS = ("bf16-mixed", "bf16", "fp32")
+DEVICE_TYPES = ("cuda", "cpu")
+# Usable memory as torch reports it ("GPU 0 has a total capacity of 79.15 GiB"), not the nominal size.
+DEVICES = {"a100-80gb": int(79.15 * GIB), "a100-40gb": int(39.39 * GIB)}
+CONTEXT_BYTES = 2 * GIB  # CUDA context (~0.5 GiB), NCCL buffers (~0.5-1 GiB), cuBLAS workspaces
+FRAGMENTATION = 0.05  # reserved-but-unused share of the caching allocator (less with expandable_segments)
+_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
+
+
+def _plain(cfg) -> dict:
+    if isinstance(cfg, Mapping) and not isinstance(cfg, dict):  # OmegaConf DictConfig
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+# ---- what the model and the optimizer hold, from the meta-device model -------------------------------
+@dataclass(frozen=True)
+class _Facts:
+    family: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    max_positions: int
+    params: int  # unique parameters (a tied head counted once)
+    param_bytes: int  # storage element size: 4, or 2 for pure bf16
+    matmul_weights: int  # elements of the weights that run through a matmul (Linear, Conv1D, the head)
+    layer_params: int
+    layer_matmul_weights: int
+    largest_layer_weight: int
+    head_weight: int  # elements of the output head's weight
+    dropout: tuple[float, float, float]  # embeddings, attention, residual (GPT-2; 0 for LLaMA)
+    optimizer_state: int
+    optimizer_transient: int
+
+
+def _weight_numel(module: nn.Module) -> list[int]:
+    """Elements of each weight used in a matmul (nn.Linear, transformers' Conv1D) under `module`."""
+    return [m.weight.numel() for m in module.modules()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+
+
+def _optimizer_extra(model: nn.Module, name: str, hp: dict, estimate: int) -> tuple[int, int]:
+    """(bytes the optimizer holds beyond `estimate`, bytes its step allocates on top of its state).
+
+    Read from the optimizer itself, built on the meta-device model (no memory): its param groups
+    carry every hyperparameter and the FRUGAL group keys (projectable, block, always_state_free)."""
+    import frugal
+    from frugal import projections as proj
+    from frugal.rules import STATE_FULL
+
+    optimizer = frugal.build_optimizer(model, name, **hp)
+    if not isinstance(optimizer, frugal.FRUGAL):
+        return 0, 0  # torch's fused AdamW updates in place
+    groups = optimizer.param_groups
+    g0 = groups[0]
+    n_moments = len(STATE_FULL[g0["state_full"]].state_names)
+    projectable = [(g, p) for g in groups if g["projectable"] and not g["always_state_free"] for p in g["params"]]
+    state_full = [p for g in groups if not g["projectable"] and not g["always_state_free"] for p in g["params"]]
+    free = [p for g in groups if g["always_state_free"] for p in g["params"]]
+    free += [p for _, p in projectable] if g0["density"] < 1 else []
+    elem = next(iter(model.parameters())).element_size()
+    held = 0
+    # signSGD without a compiled kernel (or on today's eager path) makes one sign temporary at a time.
+    total = max((p.numel() for p in free), default=0) * elem if g0["state_free"] != "none" else 0
+    active = 0
+    if projectable and g0["projection"] == "block":
+        units: dict = {}
+        for i, (g, p) in enumerate(projectable):
+            key = g["block"] if g0["block_granularity"] == "layer" else i
+            units[key] = units.get(key, 0) + p.numel()
+        count = len(optimizer.active_blocks() or [])
+        active = count * max(units.values())  # exact for layers (all the same size), a bound for tensors
+        if 0 < count < len(units):  # a switch frees what leaves before allocating what enters
+            total += n_moments * max(units.values()) * elem
+    elif projectable:
+        # Coordinate and matrix projections gather every tensor's reduced target and gradient before
+        # the state-full rule runs (frugal/optimizer.py); svd also projects one full tensor back at a
+        # time and, at a projection change, decomposes the largest gradient (input copy, U, Vh).
+        projection, density = g0["projection"], g0["density"]
+        active = sum(math.prod(proj.reduced_shape(projection, p.shape, g["transposed"], density))
+                     for g, p in projectable)
+        total += 2 * active * elem
+        if projection in proj.MATRIX:
+            m, n = max((p.shape for _, p in projectable), key=lambda s: s[0] * s[1])
+            total += (2 * m * n + min(m, n) * (m + n)) * elem
+        without_indices = _estimate(model, name, dict(hp, density=0.0)) + n_moments * active * elem
+        if projection == "randk" and estimate - without_indices < 2 * active:
+            # Before issue 11's fix the optimizer caches randk's int64 indices outside its state,
+            # uncounted by the estimate, and draws them with a randperm over the largest tensor.
+            held += 8 * active
+            total += 8 * max(p.numel() for _, p in projectable)
+    if g0["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
+        total += (sum(p.numel() for p in state_full) + active) * elem
+    return held, total
+
+
+def _estimate(model: nn.Module, name: str, hp: dict) -> int:
+    """`frugal.estimate_state_bytes` in the layout the optimizer holds (GaLore's code layout for svd,
+    not Appendix D's count): this is device memory."""
+    import frugal
+
+    return frugal.estimate_state_bytes(model, name, **hp, **({} if name == "adamw" else
+                                                            {"svd_layout": "implementation"}))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(model_json: str, pure_bf16: bool, vocab_size: int | None) -> nn.Module:
+    import models
+
+    with torch.device("meta"):  # shapes only: nothing is allocated, whatever the size
+        model = models.build_model(json.loads(model_json), vocab_size=vocab_size)
+    return model.to(torch.bfloat16) if pure_bf16 else model
+
+
+@functools.lru_cache(maxsize=256)
+def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_size: int | None) -> _Facts:
+    model = _meta_model(model_json, pure_bf16, vocab_size)
+    opt = json.loads(optimizer_json)
+    name = opt.pop("name")
+    c = model.config
+    family = json.loads(model_json).get("family")
+    blocks = model.get_submodule(_BLOCKS[family])
+    layer = blocks[0]
+    layer_weights = _weight_numel(layer)
+    if family == "llama":
+        intermediate, dropout = c.intermediate_size, (0.0, float(c.attention_dropout), 0.0)
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    else:
+        intermediate = c.n_inner or 4 * c.hidden_size
+        dropout = (float(c.embd_pdrop), float(c.attn_pdrop), float(c.resid_pdrop))
+        heads = kv_heads = c.num_attention_heads
+    params = list(model.parameters())
+    estimate = _estimate(model, name, opt)
+    held, transient = _optimizer_extra(model, name, opt, estimate)
+    return _Facts(
+        family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
+        kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
+        params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+        matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
+        layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
+        head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
+        optimizer_state=estimate + held,
+        optimizer_transient=transient,
+    )
+
+
+def _facts(model_cfg, optimizer_cfg, precision: str, vocab_size: int | None) -> _Facts:
+    model_cfg, opt = _plain(model_cfg), _plain(optimizer_cfg)
+    if "name" not in opt:
+        raise ValueError(f"optimizer_cfg needs a 'name' (e.g. 'frugal', 'adamw'); got keys {sorted(opt)}")
+    family = model_cfg.get("family")
+    if family not in _BLOCKS:
+        raise ValueError(f"model family {family!r} is not supported by the memory planner; "
+                         f"valid choices: {sorted(_BLOCKS)}")
+    return _facts_cached(json.dumps(model_cfg, sort_keys=True, default=str),
+                         json.dumps(opt, sort_keys=True, default=list), precision == "bf16", vocab_size)
+
+
+# ---- activations: what autograd saves, term by term ------------------------------------------------
+@dataclass(frozen=True)
+class _Regime:
+    """How the forward pass computes: the dtype of the weights it sees (4 = fp32, 2 = bf16), whether
+    bf16 autocast is on, and the device type (CUDA and CPU autocast cast different ops)."""
+    weight_bytes: int
+    autocast: bool
+    cuda: bool
+
+    @property
+    def compute_bytes(self) -> int:  # matmul outputs and attention tensors
+        return 2 if self.autocast or self.weight_bytes == 2 else 4
+
+    @property
+    def casts_weights(self) -> bool:  # autocast makes a bf16 copy of every fp32 matmul weight
+        return self.autocast and self.weight_bytes == 4
+
+
+def _layer_terms(f: _Facts, tokens: int, seq_len: int, r: _Regime) -> tuple[dict, dict]:
+    """(bytes saved per transformer block, bytes saved outside the blocks), as named terms.
+
+    Derived from the saved tensors of transformers' LlamaDecoderLayer / GPT2Block with SDPA attention
+    (flash kernel: q, k, v, output and a fp32 logsumexp per head and token); tests check every
+    term against the tensors the autograd graph really saves. T = tokens, h = hidden, f = MLP width.
+    """
+    T, h, inter, a = tokens, f.hidden, f.intermediate, f.heads
+    kv = f.kv_heads * (h // a)
+    wb, cb = r.weight_bytes, r.compute_bytes
+    head = {"input ids": 8 * T}
+    if f.family == "llama":
+        # RMSNorm computes in fp32: it keeps its fp32 input (or an fp32 copy of a bf16 one), the rsqrt
+        # and the normalised tensor before the weight (in the input dtype).
+        norm = 4 * T * h + 4 * T + wb * T * h
+        layer = {
+            "RMSNorms": 2 * norm,
+            # Autocast casts the fp32 norm output once per matmul (q, k, v, gate, up); without casts
+            # the three attention and the two MLP projections share one saved input each.
+            "matmul inputs": cb * T * h * (5 if r.casts_weights else 2),
+            "attention q, k, v": cb * T * (h + 2 * kv),
+            "attention output, logsumexp": cb * T * h + 4 * T * a,
+            "SwiGLU (gate, silu, up, product)": 4 * cb * T * inter,
+        }
+        head.update({"rotary cos, sin": 2 * seq_len * (h // a) * wb, "final RMSNorm": norm,
+                     "head input": cb * T * h})
+        return layer, head
+    # GPT-2. CUDA autocast runs layer_norm and pow in fp32 (its fp32 op list), CPU autocast does not.
+    ln_in = 4 if (r.autocast and r.cuda and wb == 2) else wb
+    ln = ln_in * T * h + 2 * T * (4 if r.cuda else ln_in)  # input, mean and rstd
+    mask = 1 if r.cuda else cb  # dropout keeps its mask: bool on CUDA, the input's dtype on CPU
+    embd_p, _, resid_p = f.dropout
+    # gelu_new = 0.5 x (1 + tanh(c (x + 0.044715 x^3))): pow's input, tanh's output, (1 + tanh), 0.5 x
+    # and the product (c_proj's input); fp32 from pow onwards under CUDA autocast.
+    gelu = (4 + 4 + 4 + cb + cb) if (r.autocast and r.cuda) else 5 * cb
+    layer = {
+        "LayerNorms": 2 * ln,
+        "matmul inputs": 2 * cb * T * h,
+        "attention q, k, v": 3 * cb * T * h,
+        "attention output, logsumexp": cb * T * h + 4 * T * a,
+        "MLP (gelu_new)": gelu * T * inter,
+        "dropout masks": 2 * mask * T * h if resid_p > 0 else 0,
+    }
+    head.update({"position ids": 8 * seq_len, "embedding dropout mask": mask * T * h if embd_p > 0 else 0,
+                 "final LayerNorm": ln, "head input": cb * T * h})
+    return layer, head
+
+
+# ---- the plan ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Peak device memory of one rank, in bytes, broken into parts at the moment of the peak."""
+
+    weights: int
+    gradients: int
+    comm_buffers: int
+    optimizer_state: int
+    optimizer_transient: int
+    working_weights: int
+    activations: int
+    logits_loss: int
+    phase: str  # the moment of the step at which the peak happens
+    phases: dict = field(default_factory=dict)  # total bytes at every moment considered
+    allowance: int = 0  # CUDA context + allocator fragmentation: needed on top of `total`
+    settings: dict = field(default_factory=dict)
+
+    PARTS = ("weights", "gradients", "comm_buffers", "optimizer_state", "optimizer_transient",
+             "working_weights", "activations", "logits_loss")
+
+    @property
+    def total(self) -> int:
+        """The planned peak of allocated memory (what torch.cuda.max_memory_allocated would report)."""
+        return sum(getattr(self, p) for p in self.PARTS)
+
+    @property
+    def required(self) -> int:
+        """Device memory needed: the peak plus the allowance."""
+        return self.total + self.allowance
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.required <= device_bytes
+
+    def as_dict(self) -> dict:
+        return {**{p: getattr(self, p) for p in self.PARTS}, "total": self.total, "allowance": self.allowance,
+                "required": self.required, "phase": self.phase, "phases": dict(self.phases), **self.settings}
+
+    def format(self, device_bytes: int | None = None) -> str:
+        s = self.settings
+        lines = [f"{s.get('model', '?')} + {s.get('optimizer', '?')}: micro-batch {s['micro_batch_size']} x "
+                 f"{s['seq_len']} tokens, {s['parallelism']} x {s['world_size']}, {s['precision']}, "
+                 f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}",
+                 f"  per rank, GiB, at the peak ({self.phase}):"]
+        for p in self.PARTS:
+            lines.append(f"    {p.replace('_', ' '):<22}{getattr(self, p) / GIB:9.2f}")
+        lines.append(f"    {'= peak allocated':<22}{self.total / GIB:9.2f}")
+        lines.append(f"    {'+ context, fragment.':<22}{self.allowance / GIB:9.2f}")
+        lines.append(f"    {'= required':<22}{self.required / GIB:9.2f}")
+        if device_bytes:
+            margin = device_bytes - self.required
+            lines.append(f"  device {device_bytes / GIB:.2f} GiB: {'fits' if margin >= 0 else 'does NOT fit'}, "
+                         f"margin {margin / GIB:+.2f} GiB")
+        return "\n".join(lines)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid; valid choices: {', '.join(map(str, choices))}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {minimum}")
+
+
+def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size: int, seq_len: int,
+                world_size: int = 1, parallelism: str = "ddp", precision: str = "bf16-mixed",
+                activation_checkpointing: bool = False, vocab_size: int | None = None,
+                device_type: str = "cuda", gradient_as_bucket_view: bool = True,
+                autocast_cache: bool = True) -> MemoryPlan:
+    """Plan the per-rank peak memory of training `model_cfg` with `optimizer_cfg` (module docstring).
+
+    `model_cfg`: a configs/model node (dict or DictConfig) as `models.build_model` takes it
+    (`gradient_checkpointing: true` in it counts as activation checkpointing); `optimizer_cfg`: the
+    resolved optimizer config, `{"name": ..., **hyperparameters}` as `frugal.build_optimizer` takes
+    it. `vocab_size` overrides the model's (the loop passes the data's). `device_type="cpu"` models
+    CPU autocast (used to validate against CPU measurements; no context allowance).
+    `gradient_as_bucket_view=False` models DDP keeping its buckets beside the gradients;
+    `autocast_cache=False` models `torch.autocast(cache_enabled=False)`, which stops the forward pass
+    from keeping every bf16 weight copy when blocks are checkpointed.
+    """
+    _check_int("micro_batch_size", micro_batch_size, 1)
+    _check_int("seq_len", seq_len, 2)
+    _check_int("world_size", world_size, 1)
+    _check_choice("parallelism", parallelism, PARALLELISMS)
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("device_type", device_type, DEVICE_TYPES)
+    _check_choice("activation_checkpointing", activation_checkpointing, (False, True))
+    if vocab_size is not None:
+        _check_int("vocab_size", vocab_size, 1)
+    f = _facts(model_cfg, optimizer_cfg, precision, vocab_size)
+    if seq_len > f.max_positions:
+        raise ValueError(f"seq_len={seq_len} is invalid: the model has max_position_embeddings="
+                         f"{f.max_positions}; valid: 2..{f.max_positions}")
+    ac = bool(activation_checkpointing or _plain(model_cfg).get("gradient_checkpointing"))
+    fsdp, n = parallelism == "fsdp", world_size
+    master = f.param_bytes  # 4 (fp32 master weights), or 2 in pure bf16
+    # FSDP2's MixedPrecisionPolicy gives the blocks bf16 weights; the loop's autocast stays on.
+    r = _Regime(weight_bytes=2 if (fsdp and precision == "bf16-mixed") else master,
+                autocast=precision == "bf16-mixed", cuda=device_type == "cuda")
+    cb = r.compute_bytes
+    B, S, V, T, h, L = micro_batch_size, seq_len, f.vocab, micro_batch_size * seq_len, f.hidden, f.layers
+
+    def shard(x: int) -> int:
+        return -(-x // n) if fsdp else x
+
+    base = {"weights": shard(f.params * master), "gradients": shard(f.params * master),
+            "comm_buffers": f.params * master if (not fsdp and n > 1 and not gradient_as_bucket_view) else 0,
+            "optimizer_state": shard(f.optimizer_state)}
+    layer, head = _layer_terms(f, T, S, r)
+    act_layer, act_head, act_input = sum(layer.values()), sum(head.values()), r.weight_bytes * T * h
+
+    def grad_transient(numel: int) -> int:
+        """A weight's gradient before it is accumulated or reduced: bf16 from the matmul plus its fp32
+        copy when autocast casts fp32 weights; under FSDP, the gradient plus its reduce-scatter input."""
+        if r.casts_weights:
+            return (2 + 4) * numel
+        if fsdp:
+            return (r.weight_bytes + (4 if r.autocast else r.weight_bytes)) * numel
+        return r.weight_bytes * numel
+
+    if fsdp:  # unsharded root (embeddings, head: kept from forward to backward) + two gathered blocks
+        root = (f.params - L * f.layer_params) * r.weight_bytes
+        gathered = root + 2 * f.layer_params * r.weight_bytes
+        working = {"all": gathered, "head": gathered, "layer": gathered, "blocks": gathered}
+        # A block's gradients in the compute dtype and two fp32 reduce-scatter inputs in flight; the
+        # root's (embeddings, head) are reduced the same way when the head's backward ends.
+        comm = (r.weight_bytes + 2 * 4) * f.layer_params
+        layer_grad = 0  # inside comm
+    else:
+        cast = 2 if r.casts_weights else 0
+        working = {"all": cast * f.matmul_weights, "head": cast * f.head_weight,
+                   "layer": cast * f.layer_matmul_weights, "blocks": cast * (f.matmul_weights - f.head_weight)}
+        comm = 0
+        layer_grad = grad_transient(f.largest_layer_weight)
+    logits = cb * B * S * V
+    loss_bwd = logits + 3 * 4 * B * (S - 1) * V  # fp32 log-softmax output, its gradient, the input gradient
+    head_bwd = 2 * logits + grad_transient(f.head_weight)  # caller's logits, their gradient, head weight grad
+    # Inside a block's backward: the residual gradient in and out, three MLP-wide gradients, a weight's.
+    block_bwd = 2 * r.weight_bytes * T * h + 3 * cb * T * f.intermediate + layer_grad
+
+    phases: dict[str, dict] = {}
+    if not ac:
+        saved = L * act_layer + act_head
+        phases["loss backward"] = dict(working_weights=working["all"], activations=saved, logits_loss=loss_bwd)
+        phases["head backward"] = dict(working_weights=working["all"], activations=saved, logits_loss=head_bwd)
+        phases["last block backward"] = dict(working_weights=working["blocks"],
+                                             activations=L * act_layer + block_bwd, comm_buffers=comm)
+    else:
+        inputs = L * act_input  # what each checkpointed block keeps: its input
+        # The autocast cache keeps every weight's bf16 copy until the forward pass exits, even for
+        # checkpointed blocks whose saved tensors are dropped.
+        cached = working["all"] if (autocast_cache or fsdp) else working["head"] + working["layer"]
+        phases["forward end"] = dict(working_weights=cached, activations=inputs + act_head, logits_loss=logits)
+        phases["loss backward"] = dict(working_weights=working["head"], activations=inputs + act_head,
+                                       logits_loss=loss_bwd)
+        phases["head backward"] = dict(working_weights=working["head"], activations=inputs + act_head,
+                                       logits_loss=head_bwd)
+        phases["block recompute"] = dict(working_weights=working["layer"], comm_buffers=comm,
+                                         activations=inputs + act_layer - act_input + block_bwd)
+    phases["optimizer step"] = dict(optimizer_transient=shard(f.optimizer_transient))
+
+    def assemble(extra: dict) -> dict:
+        parts = dict.fromkeys(MemoryPlan.PARTS, 0)
+        for source in (base, extra):
+            for key, value in source.items():
+                parts[key] += value
+        return parts
+
+    assembled = {name: assemble(extra) for name, extra in phases.items()}
+    totals = {name: sum(parts.values()) for name, parts in assembled.items()}
+    phase = max(totals, key=totals.get)
+    parts = assembled[phase]
+    total = totals[phase]
+    allowance = int(CONTEXT_BYTES + FRAGMENTATION * total) if device_type == "cuda" else 0
+    model_name = _plain(model_cfg).get("name")
+    opt = _plain(optimizer_cfg)
+    optimizer = opt["name"] + (f" (density {opt['density']:g})" if "density" in opt else "")
+    settings = dict(model=model_name, optimizer=optimizer,
+                    micro_batch_size=B, seq_len=S, world_size=n, parallelism=parallelism, precision=precision,
+                    activation_checkpointing=ac, device_type=device_type,
+                    gradient_as_bucket_view=gradient_as_bucket_view, autocast_cache=autocast_cache)
+    return MemoryPlan(**parts, phase=phase, phases=totals, allowance=allowance, settings=settings)
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Memory of `device` as the planner compares it: a GPU's total capacity as torch reports it,
+    or the host's available memory for "cpu" (the planner's CPU total leaves out the interpreter
+    and its libraries, ~1 GiB of resident memory)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:  # Linux
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    raise ValueError(f"device {device} is not supported by the memory planner; valid device types: cuda, cpu")
+
+
+def micro_batch_candidates(global_batch: int | None, world_size: int, limit: int = 1024) -> list[int]:
+    """Micro-batches worth trying, largest first: divisors of the per-rank share of the global batch
+    (so that micro x accumulation x world size = global batch), or powers of two up to `limit`."""
+    if global_batch is None:
+        return [2**k for k in range(int(math.log2(limit)), -1, -1)]
+    _check_int("global_batch", global_batch, 1)
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch} is not a multiple of world_size={world_size}; "
+                         f"valid global batches: multiples of {world_size}")
+    per_rank = global_batch // world_size
+    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+
+def largest_micro_batch(model_cfg, optimizer_cfg, *, device_bytes: int, seq_len: int, world_size: int = 1,
+                        global_batch: int | None = 512, **kwargs) -> tuple[int | None, MemoryPlan]:
+    """The largest micro-batch whose plan (peak + allowance) fits `device_bytes`, and its plan.
+
+    Candidates are the divisors of global_batch / world_size (powers of two for the paper's 512), or
+    powers of two when `global_batch` is None. Returns (None, plan of the smallest candidate) when
+    nothing fits. Other keyword arguments go to `plan_memory`.
+    """
+    _check_int("device_bytes", device_bytes, 1)
+    plan = None
+    for micro in micro_batch_candidates(global_batch, world_size):
+        plan = plan_memory(model_cfg, optimizer_cfg, micro_batch_size=micro, seq_len=seq_len,
+                           world_size=world_size, **kwargs)
+        if plan.fits(device_bytes):
+            return micro, plan
+    return None, plan

@@ -1,0 +1,99 @@
+"""Start-up validation of a composed config, and how an expected error ends a run.
+
+`validate_config` runs before a model is built or a step is lost: keys that nothing declares (see
+schema.py), then the loop's own settings; every error names the key, the value and what is valid.
+Model, optimizer and data values are checked by `models`, `frugal` and `data` when they are built, and
+unknown config-group options (`optimizer=adamx`) by Hydra, which lists the available ones.
+
+`stop_with_error` is the one-line ending of an expected error (a ConfigError, a non-finite loss): a
+message on stderr and an exit code for a plain run; inside a Hydra multirun job (basic, local or SLURM
+launcher) a compact Hydra error instead, which the job hands back to the launching process and Hydra
+prints there as the last line of the sweep's output rather than a traceback of the job runner.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
+
+from .naming import is_multirun
+from .schema import unknown_keys
+
+PRECISIONS = ("bf16-mixed", "bf16", "fp32")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message says which key, what was given and what is allowed."""
+
+
+class JobError(CompactHydraException):
+    """An expected error of a multirun job; Hydra prints its message alone."""
+
+
+def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
+    value = OmegaConf.select(cfg, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{key}={value!r} is invalid: expected an integer >= {minimum}")
+    return value
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every key no YAML file or registry entry declares."""
+    unknown = unknown_keys(cfg)
+    if not unknown:
+        return
+    lines = []
+    for key, valid in unknown:
+        section = key.rpartition(".")[0] or "the top level"
+        lines.append(f"{key} is not a config key; valid keys of {section}: {', '.join(valid)}")
+    raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section, or, for "
+                      "the optimizer, taken by its frugal registry entry.)")
+
+
+def validate_config(cfg: DictConfig, world_size: int) -> int:
+    """Check the run's config; return the number of gradient-accumulation micro-steps."""
+    check_known_keys(cfg)
+    for key in ("train.steps", "train.batch_size", "train.micro_batch_size", "train.eval_tokens",
+                "train.log_every", "checkpoint.keep"):
+        _integer(cfg, key, 1)
+    for key in ("train.eval_every", "train.seed", "checkpoint.every"):
+        _integer(cfg, key, 0)
+    batch, micro = cfg.train.batch_size, cfg.train.micro_batch_size
+    per_pass = micro * world_size
+    if batch % per_pass:
+        options = ", ".join(str(per_pass * k) for k in range(1, 5))
+        divisors = [m for m in range(1, batch + 1) if batch % (m * world_size) == 0]
+        raise ConfigError(
+            f"train.batch_size={batch} must equal train.micro_batch_size ({micro}) x gradient "
+            f"accumulation steps x world size ({world_size}), but {batch} is not a multiple of "
+            f"{micro} x {world_size} = {per_pass}. Valid train.batch_size values for this micro batch: "
+            f"{options}, ...; valid train.micro_batch_size values for this batch size: {divisors or 'none'}."
+        )
+    if cfg.train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={cfg.train.precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; choose one of {', '.join(WANDB_MODES)}")
+    clip = cfg.train.grad_clip
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ConfigError(f"train.grad_clip={clip!r} is invalid: expected null (no clipping) or a number >= 0")
+    resume = cfg.train.resume
+    if not isinstance(resume, str) or not resume:
+        raise ConfigError(f"train.resume={resume!r} is invalid; choose auto, never or a checkpoint/run directory")
+    return batch // per_pass
+
+
+def stop_with_error(err: BaseException, exit_code: int) -> None:
+    """End the run on an expected error with its message as the last line (never returns).
+
+    In a multirun job: raise JobError, which Hydra's job runner records as the job's failure and the
+    launching process prints alone (exit status 1 for the sweep). Otherwise: print `error: <message>`
+    on rank 0 and exit with `exit_code`.
+    """
+    if is_multirun():
+        raise JobError(f"error: {err}") from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr)
+    sys.exit(exit_code)
