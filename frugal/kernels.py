@@ -36,16 +36,25 @@ AUTO_MIN_NUMEL = 1 << 16
 PACK = 8  # tensors per compiled call: a call costs ~20 us of Python, as much as a 1M-element pass
 _COMPILED_DEVICES = ("cpu", "cuda")
 
-_compiled: dict[int, object] = {}  # tensors per call -> compiled function
+_compiled: dict[tuple, object] = {}  # (tensors per call, with decay) -> compiled function
 _unavailable: dict[str, str] = {}  # device type -> why compiling failed ("auto" stays eager there)
 
 
-def _sign_step(params, grads, lr: Tensor, decay: Tensor) -> None:
-    """One pass per tensor: ``p <- round(round(p * decay) - lr * sign(g))`` in ``lr``'s dtype (the
-    op-math type: float32 for 16-bit weights), rounding to ``p``'s dtype where eager ``mul_`` and
-    ``add_`` do. ``lr * sign(g)`` is written as a choice between lr, -lr and 0 (as torch.sign,
-    0 for g = 0 and NaN): the same values with fewer instructions than sign then multiply, which
-    keeps the pass memory-bound on two cores."""
+def _sign_step(params, grads, lr: Tensor) -> None:
+    """One pass per tensor: ``p <- round(p - lr * sign(g))`` in ``lr``'s dtype (the op-math type:
+    float32 for 16-bit weights), rounding to ``p``'s dtype as eager ``add_`` does. ``lr * sign(g)``
+    is written as a choice between lr, -lr and 0 (as torch.sign: 0 for g = 0 and NaN): the same
+    values with fewer instructions than sign then multiply, which keeps the pass memory-bound on
+    two cores."""
+    zero = torch.zeros_like(lr)
+    for p, g in zip(params, grads):
+        step = torch.where(g > 0, lr, torch.where(g < 0, -lr, zero))
+        p.copy_((p.to(lr.dtype) - step).to(p.dtype))
+
+
+def _sign_step_decayed(params, grads, lr: Tensor, decay: Tensor) -> None:
+    """``_sign_step`` after decoupled weight decay, rounded as eager ``mul_`` then ``add_``:
+    ``p <- round(round(p * decay) - lr * sign(g))`` (a separate function: no multiply without decay)."""
     zero = torch.zeros_like(lr)
     for p, g in zip(params, grads):
         x = (p.to(lr.dtype) * decay).to(p.dtype).to(lr.dtype)
@@ -53,22 +62,25 @@ def _sign_step(params, grads, lr: Tensor, decay: Tensor) -> None:
         p.copy_((x - step).to(p.dtype))
 
 
-def _kernel(count: int):
-    """The compiled pass over ``count`` tensors of any sizes (one graph per count and dtype)."""
-    if count not in _compiled:
+def _kernel(count: int, decayed: bool):
+    """The compiled pass over ``count`` tensors of any sizes (a graph per count and dtype)."""
+    if (count, decayed) not in _compiled:
         # emulate_precision_casts keeps the intermediate rounding to bf16/fp16 that eager does
         # (and turns off Triton's FMA contraction, which would skip a rounding on CUDA).
-        _compiled[count] = torch.compile(_sign_step, dynamic=True, fullgraph=True,
-                                         options={"emulate_precision_casts": True})
-    return _compiled[count]
+        _compiled[count, decayed] = torch.compile(_sign_step_decayed if decayed else _sign_step,
+                                                  dynamic=True, fullgraph=True,
+                                                  options={"emulate_precision_casts": True})
+    return _compiled[count, decayed]
 
 
-def _call(params: list[Tensor], grads: list[Tensor], scalars) -> None:
+def _call(params: list[Tensor], grads: list[Tensor], lr: Tensor, decay: Tensor | None) -> None:
     # Without "duck shaping" every tensor size is its own symbol: no guard on which sizes are
     # equal, so one graph serves any PACK tensors (of at least 2 elements: sizes 0 and 1 are
     # specialised). The setting is read when dynamo traces, i.e. on a first call.
+    scalars = (lr,) if decay is None else (lr, decay)
     with fx_config.patch(use_duck_shape=False):
-        _kernel(len(params))([p.view(-1) for p in params], [g.view(-1) for g in grads], *scalars)
+        _kernel(len(params), decay is not None)([p.view(-1) for p in params], [g.view(-1) for g in grads],
+                                                *scalars)
 
 
 def _use_compiled(mode: str, p: Tensor, g: Tensor) -> bool:
@@ -80,11 +92,11 @@ def _use_compiled(mode: str, p: Tensor, g: Tensor) -> bool:
             and p.device.type not in _unavailable)
 
 
-def _scalars(p: Tensor, lr: float, decay: float) -> tuple[Tensor, Tensor]:
+def _scalars(p: Tensor, lr: float, decay: float) -> tuple[Tensor, Tensor | None]:
     opmath = torch.promote_types(p.dtype, torch.float32)
     # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA.
     lr_t = torch.full((), lr, dtype=p.dtype, device=p.device).to(opmath)  # add_ rounds alpha so
-    return lr_t, torch.full((), decay, dtype=opmath, device=p.device)
+    return lr_t, None if decay == 1.0 else torch.full((), decay, dtype=opmath, device=p.device)
 
 
 def _eager(params: list[Tensor], grads: list[Tensor], lr: float, decay: float) -> None:
@@ -115,7 +127,7 @@ def sign_update_(params: list[Tensor], grads: list[Tensor], *, lr: float, decay:
         calls += [slice(i, i + 1) for i in range(len(cuts) * PACK, len(fast_p))]
         for part in calls:
             try:
-                _call(fast_p[part], fast_g[part], scalars)
+                _call(fast_p[part], fast_g[part], *scalars)
             except Exception as err:  # compile errors surface at a first call, before p is written
                 if mode == "compiled":
                     raise RuntimeError(f"sign_update='compiled' could not compile the sign update on "

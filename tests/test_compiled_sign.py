@@ -55,8 +55,8 @@ def test_packs_of_tensors_any_sizes_one_graph_each():
     assert all(torch.equal(p, e) for p, e in zip(params, eager))
     graphs = counters["stats"]["unique_graphs"]
     params, grads = tensors(torch.float32, [(n + 5,) for n in reversed(sizes)], seed=1)
-    kernels.sign_update_(params, grads, lr=3e-2, decay=1.0, mode="auto")
-    assert counters["stats"]["unique_graphs"] == graphs  # other sizes and LR: no recompile
+    kernels.sign_update_(params, grads, lr=3e-2, decay=0.98, mode="auto")
+    assert counters["stats"]["unique_graphs"] == graphs  # other sizes, LR and decay: no recompile
 
 
 @needs_compiler
@@ -64,8 +64,8 @@ def test_auto_compiles_large_tensors_only(monkeypatch):
     calls = []
     real = kernels._kernel
 
-    def spy(count):
-        kernel = real(count)
+    def spy(count, decayed):
+        kernel = real(count, decayed)
         return lambda ps, *args: (calls.extend(p.numel() for p in ps), kernel(ps, *args))
 
     monkeypatch.setattr(kernels, "_kernel", spy)
@@ -76,7 +76,7 @@ def test_auto_compiles_large_tensors_only(monkeypatch):
 
 
 def test_auto_falls_back_once_with_a_warning(monkeypatch):
-    def broken(count):
+    def broken(count, decayed):
         def kernel(*args):
             raise RuntimeError("no working C++ compiler")
         return kernel
@@ -102,7 +102,7 @@ def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
     eager run, over block switches, with weight decay and a state-free LR scale."""
     calls = []
     real = kernels._kernel
-    monkeypatch.setattr(kernels, "_kernel", lambda count: (calls.append(count), real(count))[1])
+    monkeypatch.setattr(kernels, "_kernel", lambda *key: (calls.append(key), real(*key))[1])
     shapes = [(256, 256), (256, 260), (300,)]
     runs = {}
     for mode in ("auto", "eager"):
