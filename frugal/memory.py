@@ -94,7 +94,8 @@ def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int
             if k == 0:
                 continue
             reduced = math.prod(proj.reduced_shape(projection, p.shape, transposed, density))
-            total += n_moments * reduced * elem + step_bytes + _coordinate_index_bytes(projection, k, p.numel())
+            total += (n_moments * reduced * elem + step_bytes
+                      + _coordinate_index_bytes(projection, k, p.numel()))
         elif projection in proj.MATRIX:
             r = proj.matrix_rank(p.shape, density)
             if r == 0:

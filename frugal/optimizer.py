@@ -446,7 +446,8 @@ class FRUGAL(Optimizer):
                 w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
                                                          w.subspace)
             return
-        w.subspace = state_management.coordinates(w.state, rule, p, group, window, w.ident, shard_key(w.param, group))
+        w.subspace = state_management.coordinates(w.state, rule, p, group, window, w.ident,
+                                                  shard_key(w.param, group))
         w.subspace = w.subspace.long()  # once, not in each of the three gathers/scatters below
         w.target = proj.project(p, projection, transposed, w.subspace)
         w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)

@@ -46,7 +46,8 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
         if projection in proj.MATRIX:
             sub = state_management.matrix(state, full_rule, p, grad, g, window, ident)
         else:
-            sub = state_management.coordinates(state, full_rule, p, g, window, ident, sharding.shard_key(param, g))
+            sub = state_management.coordinates(state, full_rule, p, g, window, ident,
+                                               sharding.shard_key(param, g))
         g_full = proj.project(grad, projection, transposed, sub)
         d_full = full_rule.direction(g_full, state, **hp)
         new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)

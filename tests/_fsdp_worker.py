@@ -45,7 +45,8 @@ class Net(torch.nn.Module):
 
 
 def groups(model):
-    layers = [{"params": list(b.parameters()), "projectable": True, "block": i} for i, b in enumerate(model.layers)]
+    layers = [{"params": list(b.parameters()), "projectable": True, "block": i}
+              for i, b in enumerate(model.layers)]
     return layers + [{"params": list(model.inp.parameters()) + list(model.out.parameters())}]
 
 

@@ -9,7 +9,8 @@ from frugal.kernels import stochastic_round_
 
 def neighbours(x32):
     down = x32.to(torch.bfloat16)
-    down = torch.where(down.float() > x32, torch.nextafter(down, torch.tensor(-float("inf"), dtype=torch.bfloat16)), down)
+    below = torch.nextafter(down, torch.tensor(-float("inf"), dtype=torch.bfloat16))
+    down = torch.where(down.float() > x32, below, down)
     up = torch.nextafter(down, torch.tensor(float("inf"), dtype=torch.bfloat16))
     return down, up
 
@@ -42,7 +43,8 @@ def sign_steps(stochastic_rounding, steps=100, lr=1e-4, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(0)
     w = (1 + torch.rand(64, 64, generator=gen)).to(dtype)  # |w| in [1, 2): bf16 ulp 2^-7 >> 2 lr
     p = torch.nn.Parameter(w.clone())
-    opt = FRUGAL([{"params": [p], "always_state_free": True}], lr=lr, stochastic_rounding=stochastic_rounding)
+    opt = FRUGAL([{"params": [p], "always_state_free": True}], lr=lr,
+                 stochastic_rounding=stochastic_rounding)
     g = torch.randn(64, 64, generator=gen).to(dtype)
     for _ in range(steps):
         p.grad = g
