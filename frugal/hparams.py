@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
+from .kernels import SIGN_UPDATES
 from .rules import STATE_FREE, STATE_FULL
 
 
@@ -31,7 +32,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reset_state": RESET_MODES,
     "block_order": proj.BLOCK_ORDERS,
     "block_granularity": GRANULARITIES,
+    "sign_update": SIGN_UPDATES,
 }
+
+# Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
+BOOLEANS = ("stochastic_rounding", "foreach")
 
 # Numeric keys: (low, high, high_open); None = unbounded on that side.
 _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -89,6 +94,9 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     for key, (low, high, high_open) in _RANGES.items():
         if key in out:
             out[key] = _number(key, out[key], low, high, high_open)
+    for key in BOOLEANS:
+        if key in out and not isinstance(out[key], bool):
+            raise HyperparameterError(f"Invalid {key}: {out[key]!r} (expected True or False)")
     if "update_gap" in out:
         out["update_gap"] = _integer("update_gap", out["update_gap"], low=1)
     if "seed" in out:

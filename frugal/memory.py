@@ -8,7 +8,8 @@ shapes alone, so it works on a model built on the `meta` device (a 7B model cost
 - AdamW: two moments per parameter (8 bytes/param in fp32).
 - blockwise: the non-projectable tensors' moments plus those of round(density * L) whole layers.
 - column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
-  columns (rows; elements for randk).
+  columns (rows; elements for randk), and their indices (randk's, int32, are half the moments'
+  size: the paper counts a seed, the implementation keeps the indices, see below).
 - svd / random (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
   Appendix D's layout: the projection matrix on the larger side (max(m, n) x r) and the moments on
   the smaller side (min(m, n) x r), 26/24 = 13/12 of the coordinate projections' cost for LLaMA.
@@ -18,9 +19,9 @@ shapes alone, so it works on a model built on the `meta` device (a 7B model cost
   0.54 GiB for GaLore on LLaMA-130M.)
 
 Everything is counted in the parameter dtype (fp32 in the paper's mixed-precision setup). The
-small bookkeeping tensors of the implementation (step counters, column/row indices) are counted
-exactly too, so that on a real model `state_bytes(opt)` after the first step equals the estimate
-for the block, column and randk projections; they are far below Table 2's 0.01 GiB resolution.
+bookkeeping tensors of the implementation (step counters, coordinate indices) are counted exactly
+too, so that on a real model `state_bytes(opt)` after the first step equals the estimate for every
+projection; step counters and column/row indices are far below Table 2's 0.01 GiB resolution.
 """
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ from .hparams import HyperparameterError
 from . import projections as proj
 from .registry import optimizer_groups, resolve
 
-_INDEX_BYTES = 8  # int64 index tensors (torch's index_select / index_copy_ take int64)
 _STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
 
 
 def _tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):  # an FSDP2 DTensor: this process holds its local shard only
+            obj = obj.to_local()
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
@@ -51,7 +53,8 @@ def _tensor_bytes(obj) -> int:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor held in `optimizer.state`, measured (any optimizer)."""
+    """Bytes of every tensor held in `optimizer.state`, measured (any optimizer); per process for
+    sharded (DTensor) state."""
     return sum(_tensor_bytes(state) for state in optimizer.state.values())
 
 
@@ -91,7 +94,8 @@ def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int
             if k == 0:
                 continue
             reduced = math.prod(proj.reduced_shape(projection, p.shape, transposed, density))
-            total += n_moments * reduced * elem + step_bytes + _coordinate_index_bytes(projection, k)
+            total += (n_moments * reduced * elem + step_bytes
+                      + _coordinate_index_bytes(projection, k, p.numel()))
         elif projection in proj.MATRIX:
             r = proj.matrix_rank(p.shape, density)
             if r == 0:
@@ -106,11 +110,12 @@ def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int
     return total
 
 
-def _coordinate_index_bytes(projection: str, k: int) -> int:
-    """Index tensors the optimizer keeps for a coordinate projection (see frugal/optimizer.py):
-    column/row/randperm keep their int64 indices (k of them, tiny next to the moments); randk keeps
-    none, since its indices would cost as much as the moments: it regenerates them from the seed."""
-    return 0 if projection == "randk" else k * _INDEX_BYTES
+def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:
+    """The sorted indices a coordinate projection keeps (frugal/state_management.py): tiny for
+    column/row/randperm; for randk (int32) half the size of its two moments. The paper's
+    Appendix D counts only a seed for randk, but drawing k sorted indices again every step costs
+    more time than the moments' update itself, so they are kept, and counted."""
+    return k * torch.empty((), dtype=proj.index_dtype(projection, numel)).element_size()
 
 
 def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], hp: dict) -> list[torch.Tensor]:

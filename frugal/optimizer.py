@@ -1,19 +1,109 @@
-"""FRUGAL: one optimizer step = split the gradient, update both parts, combine (Algorithm 1)."""
+"""FRUGAL: one optimizer step = select the subspace, split the gradient, update both parts, write
+back (Algorithm 1 of the paper).
+
+``FRUGAL.step`` runs these phases over every tensor with a gradient:
+
+1. select (``_select``): each tensor's role this step: wholly state-full (non-projectable tensors,
+   active blocks), wholly state-free (inactive blocks, ``always_state_free`` groups) or split (the
+   other projections). Block-projected tensors leaving the state-full set drop their state here,
+   before any state is allocated, so a block switch peaks at the resting state plus one block.
+2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
+   chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
+   reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
+   zeros that collect the update), and the gradient its state-free rule sees (matrix projections:
+   the residual ``g - P^{-1}(P(g))``; coordinate projections: the whole gradient, see 5).
+3. state-full update: ``rules.STATE_FULL`` over buckets of equal settings (``FullKey``): torch's
+   fused AdamW kernel for AdamW.
+4. state-free update: ``rules.STATE_FREE`` over buckets (``FreeKey``): signSGD as one compiled pass
+   per tensor (``frugal.kernels``). Decoupled weight decay of state-free and split tensors is fused
+   into this pass.
+5. write back (``_write_back``): coordinate projections scatter the updated reduced weights over
+   the state-free result (which is why the state-free rule may run on the whole tensor); matrix
+   projections add ``P^{-1}(target)``.
+
+Split tensors go through 2-5 a batch at a time (about one layer), so their temporaries stay far
+below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` runs
+``frugal.reference.update_tensor`` instead: Algorithm 1 literally, one tensor at a time, with no
+fused kernels and no gather/scatter shortcuts; it is the reference the fast path is tested
+against, and the path of bfloat16 weights with ``stochastic_rounding=True``.
+
+Where methods built on FRUGAL plug in: a state-full rule with its own state layout (Adafactor-style
+factors, AdaMeM) is a ``rules.StateFullRule`` with its ``init_state``; a state-free rule that reads
+the state-full update (Fira scales the residual by the per-column norm ratio of the update and
+the reduced gradient) runs in phase 4, after phase 3 has filled ``Work.target`` next to
+``Work.full_grad`` (phase 4 would hand it the batch's ``Work`` records); a per-step projection
+refresh with an error-feedback buffer (LDAdam) is a ``frugal.state_management`` option (``update_gap=1``,
+``reproject``) plus a buffer added to the gradient in phase 2.
+"""
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import grouping
+from . import grouping, state_management
 from .hparams import HyperparameterError, validate
+from .reference import FREE, FULL, SPLIT, update_tensor
 from .rules import STATE_FREE, STATE_FULL
+from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
 _BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed")
+_BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
+
+
+@dataclass(eq=False)
+class Work:
+    """One tensor's share of a step; phases 2-5 fill in and consume the last four fields."""
+    param: Tensor
+    local: Tensor  # the parameter's local values (itself unless it is an FSDP2 shard)
+    grad: Tensor  # local values, read only
+    group: dict
+    state: dict
+    role: str  # FULL, FREE or SPLIT
+    ident: int  # position among all parameters: keys the random subspace
+    subspace: Tensor | None = None  # indices or Q (split tensors)
+    target: Tensor | None = None  # what the state-full rule updates in place
+    full_grad: Tensor | None = None  # the gradient the state-full rule sees
+    free_grad: Tensor | None = None  # the gradient the state-free rule sees
+
+
+class FullKey(NamedTuple):
+    """Tensors that one call of a state-full rule updates together."""
+    rule: str
+    lr: float
+    weight_decay: float
+    betas: tuple
+    eps: float
+    momentum: float
+    device: torch.device
+    dtype: torch.dtype
+
+
+class FreeKey(NamedTuple):
+    """Tensors that one call of a state-free rule updates together."""
+    rule: str
+    lr: float
+    decay: float
+    sign_update: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass
+class _Layout:
+    """Positions and blocks of the parameters; rebuilt when the param groups change."""
+    idents: list[list[int]]
+    block_of: list[list]  # per group, per parameter: its block, or None
+    blocks: list | None  # sorted block ids; None without block projection
+    hp: dict | None  # the settings every block-projected group shares
+    active: tuple | None = None  # (window, frozenset of active blocks), memoised
 
 
 class FRUGAL(Optimizer):
@@ -40,33 +130,35 @@ class FRUGAL(Optimizer):
     layers, or single tensors with ``block_granularity="tensor"``) state-full; ``column``,
     ``row``, ``randk`` keep that share of columns, rows or random coordinates; ``svd``,
     ``random`` and ``randperm`` use rank round(:math:`\rho\min(m, n)`) on the smaller side.
-    ``reset_state`` decides what the state-full rule sees after a change of subspace: fresh
-    state (``reset``), the old state re-projected (``reproject``, Appendix C), or the stale
-    state as it is (``keep``, GaLore). An unchanged projection leaves the state unchanged
-    (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that stays state-full
-    keeps its state and only entering blocks start fresh. For coordinate projections (column,
-    row, randk, randperm) a new window draws a new coordinate set, i.e. a changed projection:
-    ``reset`` starts the whole reduced state fresh (the paper's reset, Appendix C), while
-    ``reproject`` carries over the moments of coordinates that stay selected (exact for
-    coordinate bases) and keeps the tensor's step counter; selecting all or none keeps the state.
+    ``reset_state`` decides what the state-full rule sees after a change of subspace (fresh,
+    re-projected or stale state: see ``frugal.state_management``). An unchanged projection leaves the
+    state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
+    stays state-full keeps its state and only entering blocks start fresh.
+
+    Implementation keys: ``sign_update`` ("auto", "compiled", "eager"; ``frugal.kernels``) picks
+    the signSGD kernel; ``stochastic_rounding=True`` rounds bfloat16 weights stochastically
+    (unbiased) instead of to nearest, so updates below half a bf16 ulp are not lost in pure bf16
+    training (off by default: the paper's runs round to nearest); ``foreach=False`` runs the
+    single-tensor reference step (slow; for tests and debugging).
 
     Param-group keys: ``projectable`` (split this group's tensors), ``block`` (its layer index),
     ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free`` (update the
     whole tensor with the state-free rule). Other tensors are state-full and never reset.
 
     Subspaces are pure functions of (seed, window, parameter position) drawn from private
-    generators, so data-parallel ranks and resumed runs agree without communication. With
-    ``state_free="signsgd"`` (eager path; see :func:`frugal.rules.signsgd_` for the opt-in
-    compiled one) and for ``svd``/``random`` projections ``step`` overwrites the gradients in
-    place (with their sign, or the residual) instead of allocating temporaries on the hot path:
-    read the gradients before stepping.
+    generators, so data-parallel ranks and resumed runs agree without communication. The step
+    counter is ``param_groups[0]["step"]`` (one counter; a param group is what both
+    ``state_dict()`` and torch.distributed.checkpoint keep besides per-parameter state).
+    Parameters may be FSDP2 DTensor shards: block state is then DTensors (checkpointable and
+    reshardable by torch.distributed.checkpoint), column/row/randk select within each local shard
+    (their reduced state is per rank), and svd/random are refused.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  density=0.25, update_gap=200, projection="block", state_full="adamw",
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
-                 momentum=0.9, seed=0):
+                 momentum=0.9, seed=0, sign_update="auto", stochastic_rounding=False, foreach=True):
         params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
@@ -74,114 +166,199 @@ class FRUGAL(Optimizer):
                         state_free_lr_scale=state_free_lr_scale,
                         projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
                         block_order=block_order, block_granularity=block_granularity,
-                        momentum=momentum, seed=seed)
+                        momentum=momentum, seed=seed, sign_update=sign_update,
+                        stochastic_rounding=stochastic_rounding, foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
-        self._index_cache: dict[int, tuple[int, torch.Tensor]] = {}
         super().__init__(params, defaults)
 
-    # ---- groups and layout -------------------------------------------------------------------
+    def __setstate__(self, state: dict) -> None:  # deepcopy / unpickle: caches are rebuilt
+        super().__setstate__(state)
+        self._layout = None
+
+    # ---- groups, layout, checkpoints ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        first = not self.param_groups
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for key, default in GROUP_KEYS.items():
             group.setdefault(key, default)
-        # One step counter for the whole optimizer (it fixes the window), kept in every group
-        # as a plain int so that state_dict() round-trips it.
-        group.setdefault("step", self.param_groups[0].get("step", 0) if len(self.param_groups) > 1 else 0)
+        if first:
+            group.setdefault("step", 0)
         group.update(validate({k: group[k] for k in self.defaults}))
         if group["projectable"] and not group["always_state_free"]:
-            p2 = group["projection"] not in ("block", "randk")
+            projection = group["projection"]
             for p in group["params"]:
-                if p2 and p.dim() != 2:
-                    raise HyperparameterError(f"projection {group['projection']!r} needs 2-D tensors, got shape "
-                                     f"{tuple(p.shape)}; valid choices for other shapes: block, randk")
-            if (group["projection"] == "block" and group["block_granularity"] == "layer"
-                    and group["block"] is None):
-                raise HyperparameterError("A projectable group with projection 'block' and block_granularity "
-                                 "'layer' needs its layer index as group key 'block' (or use "
-                                 "block_granularity='tensor')")
+                if projection not in ("block", "randk") and p.dim() != 2:
+                    raise HyperparameterError(
+                        f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
+                        "valid choices for other shapes: block, randk")
+                if projection in proj.MATRIX and is_dtensor(p):
+                    raise HyperparameterError(
+                        f"projection {projection!r} needs each whole weight matrix (for its basis), "
+                        f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
+                        "choices for sharded parameters: block, column, row, randk, randperm")
+            if projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
+                raise HyperparameterError(
+                    "A projectable group with projection 'block' and block_granularity 'layer' needs "
+                    "its layer index as group key 'block' (or use block_granularity='tensor')")
         self._layout = None
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken so far; the next step's window is ``step_count // update_gap``."""
+        return self.param_groups[0]["step"]
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every state tensor of a floating-point parameter to the parameter's dtype;
-        # index tensors must stay int64 (bf16 cannot even represent indices above 256).
-        indices = {k: s["index"] for k, s in state_dict["state"].items() if "index" in s}
+        # index tensors keep theirs (bf16 cannot even represent indices above 256).
+        exact = {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
+                 for key, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved["params"], group["params"]):
-                if key in indices:
-                    self.state[p]["index"] = indices[key].to(device=p.device, dtype=torch.int64)
+                for name, v in exact.get(key, {}).items():
+                    self.state[p][name] = v.to(device=local(p).device)
         self._layout = None
-        self._index_cache.clear()
 
-    def _block_groups(self):
-        return [g for g in self.param_groups
-                if g["projectable"] and not g["always_state_free"] and g["projection"] == "block"]
+    def materialize_state(self, step: int) -> None:
+        """Set the step counter to ``step`` and give every tensor that holds state in that step's
+        window its state, zero-filled, in the shapes a checkpoint of that step holds.
 
-    def _get_layout(self) -> dict:
-        """Positions of parameters and blocks; rebuilt only when the param groups change."""
+        For loading with torch.distributed.checkpoint, which loads into the state dict of the
+        optimizer it is given: which tensors hold state depends on the window, so a freshly built
+        FRUGAL must first look like the saved one (``dcp.load`` then fills in the values), and
+        ``strict=False`` because state-free tensors own no state::
+
+            optimizer.materialize_state(saved_step)
+            state = {"optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_optimizer_state_dict(model, optimizer, state["optim"],
+                                     options=StateDictOptions(strict=False))
+        """
+        self.param_groups[0]["step"] = step
+        layout = self._get_layout()
+        active = self._active(layout, step)
+        for gi, group in enumerate(self.param_groups):
+            rule = STATE_FULL[group["state_full"]]
+            window = step // group["update_gap"]
+            for pi, p in enumerate(group["params"]):
+                role = self._role(group, layout.block_of[gi][pi], active)
+                if role == FREE:
+                    self.state.pop(p, None)
+                elif role == FULL:
+                    rule.init_state(self.state[p], p)
+                elif group["projection"] in proj.COORDINATE:
+                    state_management.coordinates(self.state[p], rule, local(p), group, window,
+                                         layout.idents[gi][pi], shard_key(p, group))
+                else:  # the basis comes from the checkpoint (svd: from a gradient)
+                    state = self.state[p]
+                    shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"],
+                                               group["density"])
+                    m, n = proj.logical_shape(p.shape, group["transposed"])
+                    side = n if proj.matrix_side(p.shape, group["transposed"]) == "right" else m
+                    rank = proj.matrix_rank(p.shape, group["density"])
+                    state["proj"] = torch.zeros(side, rank, dtype=p.dtype, device=p.device)
+                    state["window"] = window
+                    rule.init_state(state, p, shape)
+
+    def _get_layout(self) -> _Layout:
         if self._layout is not None:
             return self._layout
-        idents, n = [], 0
+        idents, block_of, n = [], [], 0
         for g in self.param_groups:
             idents.append(list(range(n, n + len(g["params"]))))
+            block_of.append([None] * len(g["params"]))
             n += len(g["params"])
-        groups = self._block_groups()
-        layout = {"idents": idents, "blocks": None, "block_of": {}, "hp": None}
+        groups = [(gi, g) for gi, g in enumerate(self.param_groups)
+                  if g["projectable"] and not g["always_state_free"] and g["projection"] == "block"]
+        layout = _Layout(idents, block_of, None, None)
         if groups:
-            hp = {k: groups[0][k] for k in _BLOCK_SHARED}
-            for g in groups:
+            hp = {k: groups[0][1][k] for k in _BLOCK_SHARED}
+            for _, g in groups:
                 for k in _BLOCK_SHARED:
                     if g[k] != hp[k]:
-                        raise HyperparameterError(f"All block-projected groups must share {k}: got {hp[k]!r} "
-                                         f"and {g[k]!r}")
-            tensor_level = hp["block_granularity"] == "tensor"
-            for gi, g in enumerate(self.param_groups):
-                if any(g is x for x in groups):
-                    for pi, p in enumerate(g["params"]):
-                        layout["block_of"][id(p)] = len(layout["block_of"]) if tensor_level else g["block"]
-            layout["blocks"] = sorted(set(layout["block_of"].values()))
-            layout["hp"] = hp
+                        raise HyperparameterError(
+                            f"All block-projected groups must share {k}: got {hp[k]!r} and {g[k]!r}")
+            count = 0
+            for gi, g in groups:
+                for pi in range(len(g["params"])):
+                    block_of[gi][pi] = count if hp["block_granularity"] == "tensor" else g["block"]
+                    count += 1
+            layout.blocks = sorted({b for row in block_of for b in row if b is not None})
+            layout.hp = hp
         self._layout = layout
         return layout
 
-    def _active(self, layout: dict, step: int) -> set:
-        if layout["blocks"] is None:
-            return set()
-        hp, blocks = layout["hp"], layout["blocks"]
-        window = step // hp["update_gap"]
-        cached = layout.get("active")
-        if cached is None or cached[0] != window:
-            pos = proj.select_blocks(hp["block_order"], len(blocks), hp["density"], window, hp["seed"])
-            cached = (window, {blocks[i] for i in pos})
-            layout["active"] = cached
-        return cached[1]
+    def _active(self, layout: _Layout, step: int) -> frozenset:
+        """State-full blocks of the window holding ``step``."""
+        if layout.blocks is None:
+            return frozenset()
+        window = step // layout.hp["update_gap"]
+        if layout.active is None or layout.active[0] != window:
+            chosen = proj.select_blocks(layout.hp["block_order"], len(layout.blocks),
+                                        layout.hp["density"], window, layout.hp["seed"])
+            layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
+        return layout.active[1]
 
-    def active_blocks(self) -> list[int] | None:
+    @staticmethod
+    def _role(group: dict, block, active: frozenset) -> str:
+        if group["always_state_free"]:
+            return FREE
+        if not group["projectable"]:
+            return FULL
+        if group["projection"] == "block":
+            return FULL if block in active else FREE
+        return SPLIT
+
+    # ---- what is state-full ------------------------------------------------------------------
+    def active_blocks(self) -> list | None:
         """State-full blocks (layer indices, or tensor positions with granularity 'tensor') of
         the window the next step will use; None without block projection."""
         layout = self._get_layout()
-        if layout["blocks"] is None:
-            return None
-        return sorted(self._active(layout, self.param_groups[0]["step"]))
+        return None if layout.blocks is None else sorted(self._active(layout, self.step_count))
+
+    def _census(self) -> tuple[int, int, int, float]:
+        """(projectable elements, state-full ones next step, one selection unit, density asked)."""
+        layout = self._get_layout()
+        active = self._active(layout, self.step_count)
+        total = full = units = asked = 0
+        block_sizes: dict = defaultdict(int)
+        for gi, g in enumerate(self.param_groups):
+            if not g["projectable"] or g["always_state_free"]:
+                continue
+            for pi, p in enumerate(g["params"]):
+                n = p.numel()
+                total += n
+                asked += g["density"] * n
+                if g["projection"] == "block":
+                    block_sizes[layout.block_of[gi][pi]] += n
+                    full += n if layout.block_of[gi][pi] in active else 0
+                    continue
+                shape = proj.reduced_shape(g["projection"], p.shape, g["transposed"], g["density"])
+                full += math.prod(shape)
+                if g["projection"] == "randk":
+                    units += 1
+                elif g["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
+                    units += shape[0] if proj.matrix_side(p.shape, g["transposed"]) == "right" else shape[1]
+                else:  # one more column (row): the elements across the other dimension
+                    units += n // p.shape[proj.coordinate_dim(g["projection"], p.shape, g["transposed"])]
+        units += max(block_sizes.values(), default=0)
+        return total, full, units, (asked / total if total else self.defaults["density"])
 
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window."""
-        layout = self._get_layout()
-        active = self._active(layout, self.param_groups[0]["step"])
-        total = full = 0
-        for g in self.param_groups:
-            if not g["projectable"] or g["always_state_free"]:
-                continue
-            for p in g["params"]:
-                total += p.numel()
-                if g["projection"] == "block":
-                    full += p.numel() if layout["block_of"][id(p)] in active else 0
-                else:
-                    full += math.prod(proj.reduced_shape(g["projection"], p.shape, g["transposed"],
-                                                         g["density"]))
+        total, full, _, _ = self._census()
         return full / total if total else 0.0
+
+    def density_report(self) -> dict:
+        """``requested`` density, ``realised`` state-full share of projectable elements (next
+        step's window) and ``unit``, the share one selection unit moves (one of L equal blocks:
+        1/L; column/row/randk/rank: one column/row/element/rank of every tensor). Blockwise
+        selection rounds to whole blocks, so warn when |realised - requested| > unit / 2."""
+        total, full, units, asked = self._census()
+        return {"requested": asked, "realised": full / total if total else 0.0,
+                "unit": units / total if total else 0.0}
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -190,191 +367,146 @@ class FRUGAL(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        layout = self._get_layout()
-        full = defaultdict(lambda: ([], [], defaultdict(list), []))  # targets, grads, states, steps
-        free = defaultdict(lambda: ([], []))
-        decay = defaultdict(list)
-        post = []
-        for gi, group in enumerate(self.param_groups):
-            step = group["step"]
-            group["step"] = step + 1
-            window = step // group["update_gap"]
-            rule = STATE_FULL[group["state_full"]]
-            lr, wd = group["lr"], group["weight_decay"]
-            lr_free = lr * group["state_free_lr_scale"]
-            hp = (group["state_full"], tuple(group["betas"]), group["eps"], group["momentum"])
-            active = self._active(layout, step)
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
-                                     f"of shape {tuple(p.shape)}); valid choices: dense gradients")
-                projection = group["projection"]
-                free_key = (group["state_free"], lr_free, p.device, p.dtype)
-                if group["always_state_free"] or (group["projectable"] and projection == "block"
-                                                  and layout["block_of"][id(p)] not in active):
-                    self.state.pop(p, None)  # a state-free tensor owns no state
-                    if wd:
-                        decay[1.0 - lr * wd].append(p)
-                    free[free_key][0].append(p)
-                    free[free_key][1].append(g)
-                    continue
-                state = self.state[p]
-                if not group["projectable"] or projection == "block":
-                    # Target is the parameter itself: weight decay goes into the fused kernel.
-                    lr_full = lr if not group["projectable"] else lr * group["projectable_lr_scale"]
-                    if group["projectable"]:
-                        # Entering the state-full set starts fresh; staying keeps the state.
-                        if state.get("window", -2) < window - 1:
-                            state.clear()
-                        state["window"] = window
-                    self._init_state(state, rule, p.shape, p)
-                    wd_eff = wd * lr / lr_full if (wd and lr_full) else 0.0
-                    if wd and not lr_full:
-                        decay[1.0 - lr * wd].append(p)
-                    self._add_full(full[hp + (lr_full, wd_eff, p.device, p.dtype)], rule, state, p, g)
-                    continue
-                lr_full = lr * group["projectable_lr_scale"]
-                ident = layout["idents"][gi][pi]
-                if projection in proj.MATRIX:
-                    target, g_red = self._matrix_part(group, state, rule, p, g, window, ident, post)
-                else:
-                    target, g_red = self._coordinate_part(group, state, rule, p, g, window, ident, post)
-                    if wd:
-                        decay[1.0 - lr * wd].append(target)
-                if wd:
-                    decay[1.0 - lr * wd].append(p)
-                self._add_full(full[hp + (lr_full, 0.0, p.device, p.dtype)], rule, state, target, g_red)
-                if group["state_free"] != "none":
-                    free[free_key][0].append(p)
-                    free[free_key][1].append(g)
-
-        for factor, tensors in decay.items():
-            torch._foreach_mul_(tensors, factor)
-        for (name, betas, eps, momentum, lr_full, wd_eff, _, _), (ts, gs, st, steps) in full.items():
-            states = [st[n] for n in STATE_FULL[name].state_names]
-            STATE_FULL[name].fn(ts, gs, states, steps, lr=lr_full, betas=betas, eps=eps,
-                                weight_decay=wd_eff, momentum=momentum)
-        for (name, lr_free, _, _), (ps, gs) in free.items():
-            STATE_FREE[name](ps, gs, lr=lr_free)
-        for op in post:  # after the state-free rule: coordinate copy-backs overwrite its update
-            op()
+        step = self.step_count
+        works = self._select(step)                                        # 1. select
+        fast, single = [], []
+        for w in works:
+            reference = not w.group["foreach"] or self._rounds_stochastically(w)
+            (single if reference else fast).append(w)
+        for batch in self._batches(fast):
+            for w in batch:
+                self._split(w, step)                                      # 2. split
+            self._update_state_full(batch)                                # 3. state-full update
+            self._update_state_free(batch)                                # 4. state-free update
+            for w in batch:
+                self._write_back(w)                                       # 5. write back
+        for w in single:
+            update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step)
+        self.param_groups[0]["step"] = step + 1
         return loss
 
-    @staticmethod
-    def _init_state(state, rule, shape, like):
-        for name in rule.state_names:
-            if name not in state:
-                state[name] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-                state.pop("step", None)
-        if rule.counts_steps:
-            s = state.get("step")
-            if s is None:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=like.device)
-            elif s.device != like.device:  # load_state_dict leaves 'step' where it was saved
-                state["step"] = s.to(like.device)
+    def _select(self, step: int) -> list[Work]:
+        """Phase 1. Tensors leaving the state-full set (and state-free ones) drop their state
+        first, whether or not they have a gradient; state is allocated only in later phases."""
+        layout = self._get_layout()
+        active = self._active(layout, step)
+        roles = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                role = self._role(group, layout.block_of[gi][pi], active)
+                if role == FREE:
+                    self.state.pop(p, None)  # a state-free tensor owns no state
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
+                                     f"of shape {tuple(p.shape)}); valid choices: dense gradients")
+                roles.append((gi, pi, group, p, role))
+        return [Work(p, local(p), local(p.grad), group, self.state[p] if role != FREE else {}, role,
+                     layout.idents[gi][pi])
+                for gi, pi, group, p, role in roles if p.grad is not None]
 
     @staticmethod
-    def _add_full(bucket, rule, state, target, grad):
-        bucket[0].append(target)
-        bucket[1].append(grad)
-        for name in rule.state_names:
-            bucket[2][name].append(state[name])
-        if rule.counts_steps:
-            bucket[3].append(state["step"])
-
-    def _indices(self, group, p, window, ident):
-        """Coordinate subspace of one tensor. randk's indices are not kept in the state (the
-        paper stores only the seed): they are regenerated from it and memoised per window."""
-        args = (group["projection"], p.shape, group["transposed"], group["density"], group["seed"])
-        if group["projection"] != "randk":
-            return proj.coordinate_indices(*args, window, ident, device=p.device)
-        cached = self._index_cache.get(ident)
-        if cached is None or cached[0] != window:
-            cached = (window, proj.coordinate_indices(*args, window, ident, device=p.device))
-            self._index_cache[ident] = cached
-        return cached[1]
-
-    def _coordinate_part(self, group, state, rule, p, g, window, ident, post):
-        projection, transposed = group["projection"], group["transposed"]
-        randk = projection == "randk"
-        if state.get("window") != window:
-            idx = self._indices(group, p, window, ident)
-            old = state.get("window")
-            shape = proj.reduced_shape(projection, p.shape, transposed, group["density"])
-            mode = group["reset_state"] if old is not None else "reset"
-            dim = proj.coordinate_dim(projection, p.shape, transposed)
-            if old is not None and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]):
-                mode = "keep"  # all (or nothing) stays selected: an unchanged projection keeps state
-            if mode == "reproject":
-                old_idx = (self._indices(group, p, old, ident) if randk else state["index"])
-                for name in rule.state_names:
-                    back = proj.project_back(state[name], p.shape, projection, transposed, old_idx)
-                    state[name] = proj.project(back, projection, transposed, idx)
-            elif mode == "reset":
-                state.clear()
-            if not randk:
-                state["index"] = idx
-            state["window"] = window
-            self._init_state(state, rule, shape, p)
-        else:
-            self._init_state(state, rule, state[rule.state_names[0]].shape, p)
-        idx = self._indices(group, p, window, ident) if randk else state["index"]
-        dim = proj.coordinate_dim(projection, p.shape, transposed)
-        # The state-free rule then runs on the whole tensor and the copy-back (after it)
-        # overwrites the state-full coordinates: no pass to zero them in the gradient.
-        # Gathers: torch.take / torch.gather beat index_select by ~1.5x on CPU for flat (randk)
-        # and inner-dimension (column of a row-major weight) selections; rows are contiguous
-        # slices, for which index_select is a memcpy per row. Same values either way.
-        if dim is None:
-            flat = p.view(-1)
-            target = torch.take(flat, idx)
-            g_red = torch.take(g, idx)
-            post.append(lambda: flat.scatter_(0, idx, target))  # much faster than 1-D index_copy_
-        elif dim == p.dim() - 1 and p.dim() > 1:
-            expanded = idx.expand(*p.shape[:-1], idx.numel())
-            target = torch.gather(p, dim, expanded)
-            g_red = torch.gather(g, dim, expanded)
-            post.append(lambda: p.index_copy_(dim, idx, target))
-        else:
-            target = p.index_select(dim, idx)
-            g_red = g.index_select(dim, idx)
-            post.append(lambda: p.index_copy_(dim, idx, target))
-        return target, g_red
-
-    def _matrix_part(self, group, state, rule, p, g, window, ident, post):
-        projection, transposed = group["projection"], group["transposed"]
-        if state.get("window") != window:
-            q = proj.matrix_projection(projection, g, transposed, group["density"], group["seed"],
-                                       window, ident)
-            mode = group["reset_state"] if "window" in state else "reset"
-            if mode == "reproject":
-                self._reproject_matrix(state, rule, state["proj"], q, proj.matrix_side(p.shape, transposed))
-            elif mode == "reset":
-                state.clear()
-            state["proj"], state["window"] = q, window
-        q = state["proj"]
-        shape = proj.reduced_shape(projection, p.shape, transposed, group["density"])
-        self._init_state(state, rule, shape, p)
-        g_red = proj.project(g, projection, transposed, q)
-        target = torch.zeros_like(g_red)
-        post.append(lambda: p.add_(proj.project_back(target, p.shape, projection, transposed, q)))
-        if group["state_free"] != "none":
-            g.sub_(proj.project_back(g_red, p.shape, projection, transposed, q))
-        return target, g_red
+    def _rounds_stochastically(w: Work) -> bool:
+        return w.group["stochastic_rounding"] and w.param.dtype == torch.bfloat16
 
     @staticmethod
-    def _reproject_matrix(state, rule, q_old, q_new, side):
-        """Appendix C: carry the moments into the new basis. First moments map through
-        R = Q_old^T Q_new and are rescaled to keep their norm (the paper's momentum-mass
-        correction); second moments map through R*R, exact when the bases are coordinate-aligned."""
-        r = q_old.t() @ q_new
-        for name in rule.state_names:
-            s = state[name]
-            mix = r * r if name == "exp_avg_sq" else r
-            new = s @ mix if side == "right" else mix.t() @ s
-            if name != "exp_avg_sq":
-                new.mul_(s.norm() / new.norm().clamp_min(torch.finfo(new.dtype).tiny))
-            state[name] = new
+    def _batches(works: list[Work]):
+        """Whole-tensor work in one batch (no temporaries); split tensors a layer at a time."""
+        whole = [w for w in works if w.role != SPLIT]
+        if whole:
+            yield whole
+        batch: list[Work] = []
+        for w in works:
+            if w.role != SPLIT:
+                continue
+            if batch and (w.group is not batch[0].group or len(batch) == _BATCH_TENSORS):
+                yield batch
+                batch = []
+            batch.append(w)
+        if batch:
+            yield batch
+
+    def _split(self, w: Work, step: int) -> None:
+        """Phase 2: state-full subspace, ``full_grad``/``target`` and ``free_grad`` of one tensor."""
+        group, rule = w.group, STATE_FULL[w.group["state_full"]]
+        if w.role == FREE:
+            w.free_grad = w.grad
+            return
+        if w.role == FULL:
+            rule.init_state(w.state, w.param)
+            w.target, w.full_grad = w.local, w.grad
+            return
+        p, projection, transposed = w.local, group["projection"], group["transposed"]
+        window = step // group["update_gap"]
+        if projection in proj.MATRIX:
+            w.subspace = state_management.matrix(w.state, rule, p, w.grad, group, window, w.ident)
+            w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
+            w.target = torch.zeros_like(w.full_grad)  # collects the state-full update
+            w.free_grad = w.grad
+            if group["state_free"] != "none":
+                w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
+                                                         w.subspace)
+            return
+        w.subspace = state_management.coordinates(w.state, rule, p, group, window, w.ident,
+                                                  shard_key(w.param, group))
+        w.subspace = w.subspace.long()  # once, not in each of the three gathers/scatters below
+        w.target = proj.project(p, projection, transposed, w.subspace)
+        w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
+        w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
+
+    def _update_state_full(self, works: list[Work]) -> None:
+        """Phase 3: the state-full rule on every target, one call per bucket of equal settings."""
+        buckets: dict[FullKey, tuple] = {}
+        for w in works:
+            if w.role == FREE:
+                continue
+            g = w.group
+            lr, wd = g["lr"], g["weight_decay"]
+            lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
+            # Decoupled decay (lr * wd) happens inside the rule when the target holds weights;
+            # a matrix projection's target collects only the update (phase 4 decays the weights).
+            holds_weights = w.role == FULL or g["projection"] in proj.COORDINATE
+            wd_full = wd * lr / lr_full if holds_weights and lr_full else 0.0
+            if wd and holds_weights and not lr_full:
+                w.target.mul_(1.0 - lr * wd)
+            key = FullKey(g["state_full"], lr_full, wd_full, tuple(g["betas"]), g["eps"], g["momentum"],
+                          w.target.device, w.target.dtype)
+            targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
+            targets.append(w.target)
+            grads.append(w.full_grad)
+            rule = STATE_FULL[g["state_full"]]
+            for name in rule.state_names:
+                states[name].append(local(w.state[name]))
+            if rule.counts_steps:
+                steps.append(w.state["step"])
+        for key, (targets, grads, states, steps) in buckets.items():
+            rule = STATE_FULL[key.rule]
+            rule.foreach(targets, grads, [states[n] for n in rule.state_names], steps, lr=key.lr,
+                         betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum)
+
+    def _update_state_free(self, works: list[Work]) -> None:
+        """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor)."""
+        buckets: dict[FreeKey, tuple] = {}
+        for w in works:
+            if w.role == FULL:
+                continue
+            g = w.group
+            p = w.local
+            key = FreeKey(g["state_free"], g["lr"] * g["state_free_lr_scale"],
+                          1.0 - g["lr"] * g["weight_decay"], g["sign_update"], p.device, p.dtype)
+            params, grads = buckets.setdefault(key, ([], []))
+            params.append(p)
+            grads.append(w.free_grad)
+        for key, (params, grads) in buckets.items():
+            STATE_FREE[key.rule].foreach(params, grads, lr=key.lr, decay=key.decay,
+                                         sign_update=key.sign_update)
+
+    @staticmethod
+    def _write_back(w: Work) -> None:
+        """Phase 5, and the end of the batch's temporaries."""
+        if w.role == SPLIT:
+            g, p = w.group, w.local
+            if g["projection"] in proj.MATRIX:
+                p.add_(proj.project_back(w.target, p.shape, g["projection"], g["transposed"], w.subspace))
+            else:
+                proj.write_coordinates_(p, g["projection"], g["transposed"], w.subspace, w.target)
+        w.target = w.full_grad = w.free_grad = w.subspace = None

@@ -51,9 +51,38 @@ def mix_seed(*values: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-def generator(seed: int, window: int, ident: int = -1) -> torch.Generator:
-    """A private CPU generator for one (seed, window, parameter) triple."""
-    return torch.Generator(device="cpu").manual_seed(mix_seed(seed, window, ident))
+def generator(seed: int, window: int, ident: int = -1, *, device=None, shard=()) -> torch.Generator:
+    """A private generator on ``device`` (default CPU) for one (seed, window, parameter[, shard])."""
+    return torch.Generator(device=device or "cpu").manual_seed(mix_seed(seed, window, ident, *shard))
+
+
+def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct indices of range(n), sorted, uniform over the k-subsets, on ``gen``'s device.
+
+    No permutation of all n elements (a CPU randperm of one LLaMA-1B MLP weight takes seconds):
+    draw indices with replacement until k distinct ones have appeared and keep the first k distinct
+    values drawn (for an i.i.d. uniform sequence those form a uniform k-subset). For k <= n/2 about
+    -n ln(1 - k/n) <= 0.7 n draws suffice; for k > n/2 the n - k left-out indices are drawn instead.
+    """
+    device = gen.device
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if 2 * k > n:
+        keep = torch.ones(n, dtype=torch.bool, device=device)
+        keep[random_subset(n, n - k, gen)] = False
+        return keep.nonzero().flatten()
+    drawn = torch.empty(0, dtype=torch.int64, device=device)
+    count = int(-n * math.log1p(-k / n) * 1.05) + 16
+    while True:
+        drawn = torch.cat([drawn, torch.randint(n, (count,), generator=gen, device=device)])
+        values, inverse = torch.unique(drawn, sorted=True, return_inverse=True)
+        if values.numel() >= k:
+            break
+        count = 2 * (k - values.numel()) + 16
+    first = torch.full((values.numel(),), drawn.numel(), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, inverse, torch.arange(drawn.numel(), device=device), reduce="amin")
+    # first draws are distinct positions: exactly k values have first <= the k-th smallest one
+    return values[first <= first.kthvalue(k).values]
 
 
 def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int) -> list[int]:
@@ -113,13 +142,24 @@ def coordinate_count(projection: str, shape, transposed: bool, density: float) -
     return round_half_up(density * size)
 
 
-def coordinate_indices(projection, shape, transposed, density, seed, window, ident, device=None):
-    """Sorted int64 indices of the state-full coordinates (sorted for memory locality)."""
+def index_dtype(projection: str, numel: int) -> torch.dtype:
+    """How a coordinate projection keeps its indices. randk keeps k = density * numel of them, as
+    many as the moments have elements: int32 (below 2^31 elements) halves that, at the cost of one
+    conversion to int64 per step (torch's gathers and scatters run on int64). Column and row
+    indices are tiny: int64."""
+    return torch.int32 if projection == "randk" and numel < 2**31 else torch.int64
+
+
+def coordinate_indices(projection, shape, transposed, density, seed, window, ident, device=None,
+                       shard=()):
+    """Sorted indices of the state-full coordinates on ``device`` (sorted for memory locality),
+    a pure function of (seed, window, ident, shard); ``shard`` is a sharded tensor's position on
+    its device mesh (FSDP2), so that shards draw different coordinates."""
     dim = coordinate_dim(projection, shape, transposed)
     size = math.prod(shape) if dim is None else shape[dim]
     k = coordinate_count(projection, shape, transposed, density)
-    idx = torch.randperm(size, generator=generator(seed, window, ident))[:k].sort().values
-    return idx.to(device) if device is not None else idx
+    idx = random_subset(size, k, generator(seed, window, ident, device=device, shard=shard))
+    return idx.to(index_dtype(projection, math.prod(shape)))
 
 
 def matrix_rank(shape, density: float) -> int:
@@ -139,6 +179,7 @@ def matrix_projection(projection, grad, transposed, density, seed, window, ident
         q = Vh[:r].t() if side == "right" else U[:, :r]
     elif projection == "random":
         s = g.shape[1] if side == "right" else g.shape[0]
+        # drawn on the CPU in float64 so every device and dtype gets the same basis
         gauss = torch.randn(s, max(r, 1), generator=generator(seed, window, ident), dtype=torch.float64)
         q = torch.linalg.qr(gauss).Q[:, :r]
     else:
@@ -153,8 +194,21 @@ def project(grad: torch.Tensor, projection: str, transposed: bool, subspace: tor
         return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
     dim = coordinate_dim(projection, grad.shape, transposed)
     if dim is None:
-        return grad.reshape(-1).index_select(0, subspace)
+        return grad.view(-1).index_select(0, subspace)
     return grad.index_select(dim, subspace)
+
+
+def write_coordinates_(out: torch.Tensor, projection: str, transposed: bool, index: torch.Tensor,
+                       reduced: torch.Tensor) -> torch.Tensor:
+    """``out[selected coordinates] = reduced`` in place (the inverse of ``project``'s gather)."""
+    dim = coordinate_dim(projection, out.shape, transposed)
+    if dim is None:
+        out.view(-1).scatter_(0, index, reduced)  # much faster than a 1-D index_copy_
+    elif dim == out.dim() - 1:
+        out.scatter_(dim, index.expand(*out.shape[:-1], index.numel()), reduced)
+    else:  # whole rows: index_copy_ copies contiguous slices (and needs int64 indices)
+        out.index_copy_(dim, index.long(), reduced)
+    return out
 
 
 def project_back(reduced: torch.Tensor, shape, projection: str, transposed: bool,
@@ -165,12 +219,7 @@ def project_back(reduced: torch.Tensor, shape, projection: str, transposed: bool
         full = reduced @ subspace.t() if side == "right" else subspace @ reduced
         return full.t() if transposed else full
     out = torch.zeros(shape, dtype=reduced.dtype, device=reduced.device)
-    dim = coordinate_dim(projection, shape, transposed)
-    if dim is None:
-        out.view(-1).index_copy_(0, subspace, reduced)
-    else:
-        out.index_copy_(dim, subspace, reduced)
-    return out
+    return write_coordinates_(out, projection, transposed, subspace, reduced)
 
 
 def reduced_shape(projection: str, shape, transposed: bool, density: float) -> tuple[int, ...]:

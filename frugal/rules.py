@@ -1,27 +1,34 @@
-"""Update rules as small functions over parallel tensor lists.
+"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``) and state-free (``signsgd``, ``sgd``, ``none``).
 
-State-full rules (``adamw``, ``lion``, ``sgdm``) update ``targets`` in place from ``grads`` and
-their state. A target is the parameter itself (block projection, non-projectable tensors) or a
-reduced tensor the optimizer scatters or projects back afterwards, so one rule serves every
-projection. Decoupled weight decay ``t *= 1 - lr * weight_decay`` happens inside the rule only
-when the target is the parameter; the optimizer passes ``weight_decay=0`` for reduced targets
-and decays the full parameter itself.
+Every rule has two forms over the same math:
 
-State-free rules (``signsgd``, ``sgd``, ``none``) own no state by construction: signSGD is the
-state-free rule of choice because its update has Adam's magnitude (Section 4 of the paper).
+- ``foreach``: in place over parallel tensor lists, the fast path. State-full rules update their
+  ``targets`` (the parameter itself for block projection and non-projectable tensors, or a reduced
+  tensor the optimizer writes back afterwards) with decoupled weight decay
+  ``t <- t * (1 - lr * weight_decay)``. State-free rules update whole parameters,
+  ``p <- p * decay - lr * d(g)``, with the decay factor given by the optimizer.
+- ``direction``: one tensor, returns the update direction ``d`` (``p <- p - lr * d``) and advances
+  the state in place. This is the readable single-tensor reference (``FRUGAL(foreach=False)``) the
+  fast path is tested against, and the path of bf16 weights with stochastic rounding.
 
 The AdamW rule runs torch's fused multi-tensor kernel where it exists (about 5x faster than the
-foreach path on CPU, at memory speed): the optimizer step is memory-bound, so the number of
-passes over memory is what counts.
+foreach path on CPU, at memory speed): the step is memory-bound, so passes over memory count.
+
+State-free rules own no state by construction. signSGD is the state-free rule of choice because
+its update has Adam's magnitude (Section 4 of the paper).
+
+A new state-full rule (e.g. Adafactor-style factored moments, as AdaMeM needs) gives its
+``init_state``; a new state-free rule, its two forms.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from . import kernels
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -32,6 +39,7 @@ def _can_fuse(tensors: list[Tensor]) -> bool:
     return hasattr(torch, "_fused_adamw_") and t.device.type in _FUSED_DEVICES and t.dtype in _FUSED_DTYPES
 
 
+# ---- state-full rules ----------------------------------------------------------------------------
 def adamw_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
     """AdamW (torch's formulation): t *= 1 - lr*wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
     t -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps), with bc_i = 1 - b_i^step counted per tensor, so
@@ -46,18 +54,24 @@ def adamw_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momen
                             beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
                             maximize=False, grad_scale=None, found_inf=None)
         return
-    # Fallback for devices/dtypes without the fused kernel: same math with foreach ops.
-    if weight_decay:
-        torch._foreach_mul_(targets, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    for t, m, v, s in zip(targets, exp_avgs, exp_avg_sqs, steps):
-        step = float(s)
-        bc1 = 1.0 - beta1 ** step
-        bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        t.addcdiv_(m, denom, value=-lr / bc1)
+    # Devices/dtypes without the fused kernel: the same math, one tensor at a time.
+    for t, g, m, v, s in zip(targets, grads, exp_avgs, exp_avg_sqs, steps):
+        t.mul_(1.0 - lr * weight_decay)
+        t.sub_(lr * _adamw_math(g, m, v, s, beta1, beta2, eps))
+
+
+def _adamw_math(g, m, v, step, beta1, beta2, eps):
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    step = step.double()  # a tensor (no host sync), in float64 like the fused kernel's scalars
+    bc1 = 1.0 - beta1 ** step
+    bc2_sqrt = (1.0 - beta2 ** step).sqrt()
+    return (m / bc1) / (v.sqrt() / bc2_sqrt + eps)
+
+
+def adamw_direction(grad, state, *, betas, eps, momentum=0.0):
+    state["step"] += 1
+    return _adamw_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
 
 
 def lion_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
@@ -75,6 +89,13 @@ def lion_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, moment
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
 
 
+def lion_direction(grad, state, *, betas, eps, momentum=0.0):
+    m = state["exp_avg"]
+    direction = torch.sign(torch.lerp(m, grad, 1.0 - betas[0]))
+    m.lerp_(grad, 1.0 - betas[1])
+    return direction
+
+
 def sgdm_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.9):
     """SGD with momentum in the paper's exponential-average form (Algorithm 2):
     m = momentum * m + (1 - momentum) g;  t -= lr * m. No bias correction."""
@@ -87,75 +108,70 @@ def sgdm_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, moment
     torch._foreach_add_(targets, bufs, alpha=-lr)
 
 
-_compiled_sign = None
-
-
-def _compiled_sign_enabled() -> bool:
-    return os.environ.get("FRUGAL_COMPILED_SIGN", "0").lower() in ("1", "true", "yes")
-
-
-def _sign_update(p, g, lr):
-    # In lr's dtype (the op-math type of p: float32 for 16-bit floats), as eager add_ does.
-    p.copy_(p.to(lr.dtype) - torch.sign(g).to(lr.dtype) * lr)
-
-
-def signsgd_(params, grads, *, lr):
-    """p -= lr * sign(g) (sign(0) = 0).
-
-    Default (eager): two passes, ``sign_`` of the gradient in place, then ``add_``. It overwrites
-    the gradients with their sign: an allocation per step costs more than the update itself (page
-    faults), and the gradients are consumed by the step. Eager torch has no single kernel for
-    this update, and cache blocking (chunked ``sign(out=buf)`` + ``add_``) measured no faster on
-    CPU: each pass is bounded by its own stream of reads from memory, not by the bytes it moves.
-
-    Opt-in (environment variable ``FRUGAL_COMPILED_SIGN=1``): one fused pass compiled by
-    ``torch.compile`` (dynamic shapes, so one kernel serves every tensor size; ``lr`` passed as
-    a 0-d tensor so a learning-rate schedule does not recompile). Needs a C++ compiler on CPU
-    and costs a compile on first use (seconds to tens of seconds; cached afterwards). The
-    gradients are left untouched on this path. Results are bitwise identical to the eager path.
-    """
-    if not params:
-        return
-    if _compiled_sign_enabled():
-        global _compiled_sign
-        if _compiled_sign is None:
-            _compiled_sign = torch.compile(_sign_update, dynamic=True, fullgraph=True)
-        # The optimizer buckets tensors by device and dtype: one lr tensor serves the list.
-        p0 = params[0]
-        # Eager add_ rounds alpha to the tensor's dtype, then computes in the op-math type.
-        lr_t = torch.tensor(lr, dtype=p0.dtype, device=p0.device).to(
-            torch.promote_types(p0.dtype, torch.float32))
-        for p, g in zip(params, grads):
-            if (p.is_contiguous() and g.is_contiguous() and p.dtype == g.dtype == p0.dtype
-                    and p.device == p0.device and p.is_floating_point()):
-                _compiled_sign(p.view(-1), g.view(-1), lr_t)
-            else:
-                p.add_(torch.sign(g), alpha=-lr)
-        return
-    torch._foreach_sign_(grads)
-    torch._foreach_add_(params, grads, alpha=-lr)
-
-
-def sgd_(params, grads, *, lr):
-    """p -= lr * g."""
-    if params:
-        torch._foreach_add_(params, grads, alpha=-lr)
-
-
-def none_(params, grads, *, lr):
-    """No state-free update: the complement is frozen (BAdam) or dropped (GaLore)."""
+def sgdm_direction(grad, state, *, betas, eps, momentum=0.9):
+    return state["momentum_buffer"].lerp_(grad, 1.0 - momentum).clone()
 
 
 @dataclass(frozen=True)
 class StateFullRule:
-    fn: Callable
+    foreach: Callable
+    direction: Callable
     state_names: tuple[str, ...]
     counts_steps: bool
 
+    def init_state(self, state: dict, like: Tensor, shape=None) -> None:
+        """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
+        A fresh moment restarts the step count. ``like`` may be a DTensor (FSDP2 shard): the
+        moments are then DTensors too, so torch.distributed.checkpoint can save and reshard them."""
+        for name in self.state_names:
+            if name not in state:
+                state[name] = (torch.zeros_like(like) if shape is None else
+                               torch.zeros(shape, dtype=like.dtype, device=like.device))
+                state.pop("step", None)
+        if self.counts_steps:
+            step = state.get("step")
+            if step is None:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=like.device)
+            elif step.device != like.device:  # load_state_dict leaves 'step' where it was saved
+                state["step"] = step.to(like.device)
+
 
 STATE_FULL = {
-    "adamw": StateFullRule(adamw_, ("exp_avg", "exp_avg_sq"), True),
-    "lion": StateFullRule(lion_, ("exp_avg",), False),
-    "sgdm": StateFullRule(sgdm_, ("momentum_buffer",), False),
+    "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True),
+    "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False),
+    "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False),
 }
-STATE_FREE = {"signsgd": signsgd_, "sgd": sgd_, "none": none_}
+
+
+# ---- state-free rules ----------------------------------------------------------------------------
+def signsgd_(params, grads, *, lr, decay=1.0, sign_update="auto"):
+    """p <- p * decay - lr * sign(g), sign(0) = 0; one pass where it compiles (frugal.kernels)."""
+    kernels.sign_update_(params, grads, lr=lr, decay=decay, mode=sign_update)
+
+
+def sgd_(params, grads, *, lr, decay=1.0, sign_update=None):
+    """p <- p * decay - lr * g."""
+    if params and decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    if params:
+        torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def none_(params, grads, *, lr, decay=1.0, sign_update=None):
+    """No gradient step on the complement: it is frozen (BAdam) or dropped (GaLore); decoupled
+    weight decay still applies to every weight."""
+    if params and decay != 1.0:
+        torch._foreach_mul_(params, decay)
+
+
+@dataclass(frozen=True)
+class StateFreeRule:
+    foreach: Callable
+    direction: Callable[[Tensor], Tensor] | None  # None: no update besides weight decay
+
+
+STATE_FREE = {
+    "signsgd": StateFreeRule(signsgd_, torch.sign),
+    "sgd": StateFreeRule(sgd_, lambda g: g),
+    "none": StateFreeRule(none_, None),
+}

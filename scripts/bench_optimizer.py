@@ -13,18 +13,23 @@ the bytes it must move divided by the machine's in-place bandwidth (a large `a.a
     BAdam                     28 B per state-full element (frozen blocks cost nothing)
     GaLore                    not a bandwidth-bound method (matrix products, SVD): floor "-"
 
-Gradients are fixed random tensors restored before each timed step (FRUGAL overwrites state-free
-gradients in place), outside the timed region. GaLore's time is amortised over T=200 steps with
-its SVD step included: (199 * ordinary step + 1 * step with SVD) / 200.
+On a shared machine the load changes from one second to the next, so the methods are timed in
+rounds: every round times `--steps` steps of each method in turn (after one warm-up step), and a
+method's ratio to fused AdamW is the median over rounds of (its median step / AdamW's median step
+in that round); "best / best AdamW" is the ratio of the fastest rounds, the least disturbed by
+other jobs. Gradients are fixed random tensors (`step()` only reads them). GaLore's time is
+amortised over T=200 steps with its SVD step included: (199 * ordinary step + 1 * step with SVD) /
+200, measured after the rounds.
 
-Usage (CPU, 2 threads; run on an otherwise idle machine for stable numbers):
+Usage (CPU, 2 threads):
 
-    python scripts/bench_optimizer.py [--models llama_60m llama_130m] [--steps 20]
-        [--only "frugal block 0.25" ...] [--compiled-sign]
+    python scripts/bench_optimizer.py [--models llama_60m llama_130m] [--rounds 5] [--steps 5]
+        [--only "frugal block 0.25" ...] [--sign-update auto|compiled|eager] [--count-ops]
 
-`--compiled-sign` sets FRUGAL_COMPILED_SIGN=1: the state-free signSGD update runs as one
-torch.compile'd pass instead of two eager passes (needs a C++ compiler; compiles on first use,
-outside the timed steps thanks to the warm-up).
+`--sign-update` is FRUGAL's `sign_update` (default "auto": the compiled single-pass sign update,
+compiled during the warm-up). `--count-ops` prints the aten operations one step dispatches on
+llama_1b's layout (24 layers of 7 weights; tiny widths, since the count depends on the layout only):
+on a GPU each is a kernel launch.
 
 Optional glibc settings that stop per-step page faults of allocating code paths (both the
 numbers with and without them are informative; say which you used):
@@ -37,15 +42,17 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import frugal  # noqa: E402
 
-# (hidden, intermediate, layers); vocab 32000, untied embeddings (PAPER_NOTES.md)
-SHAPES = {"llama_60m": (512, 1376, 8), "llama_130m": (768, 2048, 12)}
+# (hidden, intermediate, layers); vocab 32000, untied embeddings (the paper's Appendix D shapes)
+SHAPES = {"llama_60m": (512, 1376, 8), "llama_130m": (768, 2048, 12), "llama_1b": (2048, 5461, 24)}
 VOCAB = 32000
 
 
@@ -55,13 +62,15 @@ class _Norm(nn.Module):
         self.weight = nn.Parameter(torch.empty(h))
 
 
-def llama_params(name: str) -> nn.Module:
-    """A parameter-only stand-in with transformers' LLaMA names and shapes (no forward needed)."""
+def llama_params(name: str, shrink: int = 1) -> nn.Module:
+    """A parameter-only stand-in with transformers' LLaMA names and shapes (no forward needed);
+    `shrink` divides every width (same layout, smaller tensors)."""
     h, f, layers = SHAPES[name]
+    h, f, vocab = h // shrink, f // shrink, VOCAB // shrink
     with torch.device("meta"):
         root = nn.Module()
         root.model = nn.Module()
-        root.model.embed_tokens = nn.Embedding(VOCAB, h)
+        root.model.embed_tokens = nn.Embedding(vocab, h)
         root.model.layers = nn.ModuleList()
         for _ in range(layers):
             layer = nn.Module()
@@ -76,7 +85,7 @@ def llama_params(name: str) -> nn.Module:
             layer.post_attention_layernorm = _Norm(h)
             root.model.layers.append(layer)
         root.model.norm = _Norm(h)
-        root.lm_head = nn.Linear(h, VOCAB, bias=False)
+        root.lm_head = nn.Linear(h, vocab, bias=False)
     root = root.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
     for p in root.parameters():
@@ -88,7 +97,7 @@ def llama_params(name: str) -> nn.Module:
 def bandwidth(n: int = 1 << 26, reps: int = 15) -> float:
     """In-place bandwidth in bytes/s: `a.add_(b)` reads a and b and writes a (12 bytes/element).
     Best of `reps` (as STREAM reports): on a shared machine the median mostly measures the other
-    jobs, and a floor should be what the machine can do. Measured again before each model."""
+    jobs, and a floor should be what the machine can do."""
     a, b = torch.ones(n), torch.ones(n)
     times = []
     for _ in range(reps + 2):
@@ -98,18 +107,13 @@ def bandwidth(n: int = 1 << 26, reps: int = 15) -> float:
     return 12 * n / min(times[2:])
 
 
-def time_steps(model, optimizer, steps: int, warmup: int = 3) -> float:
-    """Median seconds of `optimizer.step()` over `steps` timed steps, gradients restored before each."""
-    params = [p for p in model.parameters()]
-    masters = [p.grad.clone() for p in params]
-    grads = [p.grad for p in params]
+def time_steps(optimizer, steps: int, warmup: int = 1) -> float:
+    """Median seconds of `optimizer.step()` over `steps` timed steps."""
     times = []
-    for i in range(warmup + steps):
-        torch._foreach_copy_(grads, masters)
+    for _ in range(warmup + steps):
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)
-    del masters
     return statistics.median(times[warmup:])
 
 
@@ -144,80 +148,117 @@ def floor_bytes(kind: str, c: dict) -> float | None:
     return 28 * c["full"] + 12 * c["free"] + (24 * c["proj_full"] if kind == "coordinate" else 0)
 
 
-METHODS = [
-    # label, build(model) -> optimizer, floor kind
-    ("adamw fused", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, fused=True), "plain"),
-    ("adamw foreach", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, foreach=True), "plain"),
-    ("frugal block 0.25", lambda m: frugal.build_optimizer(m, "frugal", density=0.25), "plain"),
-    ("frugal block 0.0", lambda m: frugal.build_optimizer(m, "frugal", density=0.0), "plain"),
-    ("frugal column 0.25", lambda m: frugal.build_optimizer(m, "frugal", density=0.25, projection="column"), "coordinate"),
-    ("frugal randk 0.25", lambda m: frugal.build_optimizer(m, "frugal", density=0.25, projection="randk"), "coordinate"),
-    ("badam 0.25", lambda m: frugal.build_optimizer(m, "badam", density=0.25), "plain"),
-    ("signsgd", lambda m: frugal.build_optimizer(m, "signsgd"), "plain"),
-    ("galore 0.25 (T=200)", None, "galore"),
-]
+def methods(sign_update: str) -> list:
+    """(label, build(model) -> optimizer, floor kind)."""
+    def build(name, **hp):
+        if "sign_update" in frugal.registry.accepted_keys(name):
+            hp["sign_update"] = sign_update
+        return lambda m: frugal.build_optimizer(m, name, **hp)
+    return [
+        ("adamw fused", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, fused=True), "plain"),
+        ("adamw foreach", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, foreach=True), "plain"),
+        ("frugal block 0.25", build("frugal", density=0.25), "plain"),
+        ("frugal block 0.0", build("frugal", density=0.0), "plain"),
+        ("frugal column 0.25", build("frugal", density=0.25, projection="column"), "coordinate"),
+        ("frugal randk 0.25", build("frugal", density=0.25, projection="randk"), "coordinate"),
+        ("badam 0.25", build("badam", density=0.25), "plain"),
+        ("signsgd", build("signsgd"), "plain"),
+        ("galore 0.25 (T=200)", None, "galore"),
+    ]
 
 
-def bench_galore(model, steps: int, gap: int = 200) -> float:
+def bench_galore(model, steps: int, sign_update: str, gap: int = 200) -> float:
     """Amortised GaLore step: ordinary steps timed with T=200, SVD steps timed with T=1."""
-    ordinary = time_steps(model, frugal.build_optimizer(model, "galore", density=0.25, update_gap=gap), steps)
-    model_state_reset(model)
-    with_svd = time_steps(model, frugal.build_optimizer(model, "galore", density=0.25, update_gap=1), 2, warmup=1)
+    kw = dict(density=0.25, sign_update=sign_update)
+    ordinary = time_steps(frugal.build_optimizer(model, "galore", update_gap=gap, **kw), steps)
+    with_svd = time_steps(frugal.build_optimizer(model, "galore", update_gap=1, **kw), 2)
     return ((gap - 1) * ordinary + with_svd) / gap
 
 
-def model_state_reset(model):
-    gen = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.data.normal_(0, 0.02, generator=gen)
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and not name.startswith("_record_function"):  # kernels only
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops() -> None:
+    """Kernel-launching aten operations (views excluded) per step on llama_1b's layout, with the
+    eager sign update; the default compiled one replaces each tensor's sign + add_ by one kernel."""
+    model = llama_params("llama_1b", shrink=64)
+    print("\nllama_1b layout (24 layers x 7 weights; widths / 64): kernels per step (2nd step)")
+    print("| method | eager ops | with the compiled sign update | of which gathers/scatters |")
+    print("|---|---|---|---|")
+    for label, hp in [("adamw (torch, fused)", None), ("frugal block 0.25", {}),
+                      ("frugal block 0.0", {"density": 0.0}), ("frugal column 0.25", {"projection": "column"}),
+                      ("frugal randk 0.25", {"projection": "randk"})]:
+        if hp is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        else:
+            opt = frugal.build_optimizer(model, "frugal", sign_update="eager", **hp)
+        opt.step()
+        with _CountOps() as counter:
+            opt.step()
+        moves = sum(n for op, n in counter.ops.items() if op in ("index_select", "scatter_", "index_copy_"))
+        total = sum(counter.ops.values())
+        print(f"| {label} | {total} | {total - counter.ops['sign']} | {moves} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--models", nargs="+", default=["llama_60m", "llama_130m"],
+                        choices=["llama_60m", "llama_130m"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per method and round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="labels of methods to run (default: all)")
-    parser.add_argument("--compiled-sign", action="store_true",
-                        help="opt-in single-pass signSGD kernel via torch.compile (FRUGAL_COMPILED_SIGN=1)")
+    parser.add_argument("--sign-update", default="auto", choices=frugal.kernels.SIGN_UPDATES)
+    parser.add_argument("--count-ops", action="store_true", help="also count ops on llama_1b's layout")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.compiled_sign:
-        os.environ["FRUGAL_COMPILED_SIGN"] = "1"
-    bw = bandwidth()
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
-    print(f"torch {torch.__version__}, {args.threads} threads, in-place bandwidth {bw / 1e9:.1f} GB/s"
-          + (f", {malloc}" if malloc else ", default malloc settings")
-          + (", compiled sign update (FRUGAL_COMPILED_SIGN=1)" if frugal.rules._compiled_sign_enabled()
-             else ", eager sign update"))
+    print(f"torch {torch.__version__}, {args.threads} threads, sign_update={args.sign_update}"
+          + (f", {malloc}" if malloc else ", default malloc settings"))
     # Other processes compete for the same cores and memory bus: print the load so a reader can
     # judge how much to trust the absolute numbers (ratios within one run are more robust).
     print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count()))
     for model_name in args.models:
         model = llama_params(model_name)
         n = sum(p.numel() for p in model.parameters())
+        chosen = [m for m in methods(args.sign_update)
+                  if not args.only or m[0] in args.only or m[0] == "adamw fused"]
+        built = [(label, build(model), kind) for label, build, kind in chosen if kind != "galore"]
+        times = {label: [] for label, _, _ in built}
+        for _ in range(args.rounds):
+            for label, optimizer, _ in built:
+                times[label].append(time_steps(optimizer, args.steps))
         bw = bandwidth()
-        print(f"\n{model_name}: {n / 1e6:.2f}M parameters, median of {args.steps} steps, "
-              f"in-place bandwidth {bw / 1e9:.1f} GB/s")
-        print(f"| method | ms/step | x fused AdamW | floor ms | x floor |")
-        print(f"|---|---|---|---|---|")
-        base = None
-        for label, build, kind in METHODS:
-            if args.only and label not in args.only and label != "adamw fused":
-                continue
-            model_state_reset(model)
-            if kind == "galore":
-                seconds, floor = bench_galore(model, args.steps), None
-            else:
-                optimizer = build(model)
-                seconds = time_steps(model, optimizer, args.steps)
-                floor = floor_bytes(kind, counts(model, optimizer))
-                del optimizer
-            base = seconds if base is None else base
-            floor_ms = "-" if floor is None else f"{floor / bw * 1e3:.1f}"
-            x_floor = "-" if floor is None else f"{seconds / (floor / bw):.2f}"
-            print(f"| {label} | {seconds * 1e3:.1f} | {seconds / base:.2f} | {floor_ms} | {x_floor} |",
-                  flush=True)
+        print(f"\n{model_name}: {n / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps} steps, "
+              f"in-place bandwidth {bw / 1e9:.1f} GB/s (best of 15)")
+        print("| method | ms/step | x fused AdamW | (quartiles over rounds) | best / best AdamW | floor ms | x floor |")
+        print("|---|---|---|---|---|---|---|")
+        base = times["adamw fused"]
+        for label, optimizer, kind in built:
+            ms = statistics.median(times[label])
+            ratios = [t / b for t, b in zip(times[label], base)]
+            q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+            floor = floor_bytes(kind, counts(model, optimizer)) / bw
+            best = min(times[label]) / min(base)
+            print(f"| {label} | {ms * 1e3:.1f} | {statistics.median(ratios):.2f} | {q1:.2f}-{q3:.2f} | "
+                  f"{best:.2f} | {floor * 1e3:.1f} | {ms / floor:.2f} |", flush=True)
+        del built
+        if any(kind == "galore" for _, _, kind in chosen):
+            adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            base_s = time_steps(adamw, args.steps)
+            seconds = bench_galore(model, args.steps, args.sign_update)
+            print(f"| galore 0.25 (T=200) | {seconds * 1e3:.1f} | {seconds / base_s:.2f} | - | - | - | - |")
+    if args.count_ops:
+        count_ops()
     print("\nload average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg())
 
 

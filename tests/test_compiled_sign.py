@@ -1,33 +1,124 @@
-"""The opt-in single-pass sign update (FRUGAL_COMPILED_SIGN=1, torch.compile) must give exactly
-the eager update's result: p - lr * sign(g), with sign(0) = 0, in fp32 and bf16."""
+"""The single-pass sign update (frugal.kernels, torch.compile) against the eager ops it replaces:
+bitwise the same weights, gradients untouched, and sign_update="auto" (the default) compiles for
+large tensors and falls back to eager ops, with one warning, when compiling is impossible.
+
+Each process compiles once per dtype (seconds; inductor's on-disk cache makes later runs faster),
+so the tests share one compiled kernel and use two dtypes."""
 import shutil
+import warnings
 
 import pytest
 import torch
 
-from frugal import rules
+from frugal import FRUGAL, kernels
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                       reason="torch.compile on CPU needs a C++ compiler (the opt-in path documents this)"),
-]
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="torch.compile on CPU needs a C++ compiler")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_sign_update_equals_eager(monkeypatch, dtype):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(shape, generator=gen).to(dtype) for shape in [(33, 17), (1000,), (8, 4, 5)]]
+def tensors(dtype, shapes, seed=0, special=False):
+    gen = torch.Generator().manual_seed(seed)
+    params = [(torch.randn(shape, generator=gen) * 10).to(dtype) for shape in shapes]
     grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in params]
-    grads[0][0, :5] = 0.0  # sign(0) = 0: no update there
-    eager_p, eager_g = [p.clone() for p in params], [g.clone() for g in grads]
-    rules.signsgd_(eager_p, eager_g, lr=3e-3)
+    grads[0].view(-1)[:5] = 0.0  # sign(0) = 0: only the decay there
+    if special:
+        grads[0].view(-1)[5:7] = torch.tensor([float("nan"), -0.0])  # torch.sign(nan) = 0 too
+    return params, grads
 
-    monkeypatch.setenv("FRUGAL_COMPILED_SIGN", "1")
-    comp_p, comp_g = [p.clone() for p in params], [g.clone() for g in grads]
-    rules.signsgd_(comp_p, comp_g, lr=3e-3)
-    for a, b, p in zip(comp_p, eager_p, params):
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lr,decay", [(3e-3, 1.0), (0.37, 1.0 - 0.37 * 0.013)])
+def test_compiled_equals_eager_bitwise(dtype, lr, decay):
+    params, grads = tensors(dtype, [(33, 17), (1000,), (8, 4, 5), (70001,)], special=True)
+    before = [g.clone() for g in grads]
+    eager = [p.clone() for p in params]
+    kernels.sign_update_(eager, grads, lr=lr, decay=decay, mode="eager")
+    compiled = [p.clone() for p in params]
+    kernels.sign_update_(compiled, grads, lr=lr, decay=decay, mode="compiled")
+    for c, e, p in zip(compiled, eager, params):
+        assert torch.equal(c, e)
+        assert not torch.equal(c, p)
+    for g, b in zip(grads, before):  # gradients are only read
+        torch.testing.assert_close(g, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_compiler
+def test_packs_of_tensors_any_sizes_one_graph_each():
+    """PACK tensors per call, the rest one by one; new sizes do not recompile."""
+    from torch._dynamo.utils import counters
+    sizes = [kernels.AUTO_MIN_NUMEL + 17 * i for i in range(kernels.PACK + 3)]
+    params, grads = tensors(torch.float32, [(n,) for n in sizes])
+    eager = [p.clone() for p in params]
+    kernels.sign_update_(eager, grads, lr=1e-2, decay=0.99, mode="eager")
+    kernels.sign_update_(params, grads, lr=1e-2, decay=0.99, mode="auto")
+    assert all(torch.equal(p, e) for p, e in zip(params, eager))
+    graphs = counters["stats"]["unique_graphs"]
+    params, grads = tensors(torch.float32, [(n + 5,) for n in reversed(sizes)], seed=1)
+    kernels.sign_update_(params, grads, lr=3e-2, decay=0.98, mode="auto")
+    assert counters["stats"]["unique_graphs"] == graphs  # other sizes, LR and decay: no recompile
+
+
+@needs_compiler
+def test_auto_compiles_large_tensors_only(monkeypatch):
+    calls = []
+    real = kernels._kernel
+
+    def spy(count, decayed):
+        kernel = real(count, decayed)
+        return lambda ps, *args: (calls.extend(p.numel() for p in ps), kernel(ps, *args))
+
+    monkeypatch.setattr(kernels, "_kernel", spy)
+    monkeypatch.setattr(kernels, "_unavailable", {})
+    params, grads = tensors(torch.float32, [(4, 4), (kernels.AUTO_MIN_NUMEL,)])
+    kernels.sign_update_(params, grads, lr=1e-2, mode="auto")
+    assert calls == [kernels.AUTO_MIN_NUMEL]
+
+
+def test_auto_falls_back_once_with_a_warning(monkeypatch):
+    def broken(count, decayed):
+        def kernel(*args):
+            raise RuntimeError("no working C++ compiler")
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", broken)
+    monkeypatch.setattr(kernels, "_unavailable", {})
+    params, grads = tensors(torch.float32, [(kernels.AUTO_MIN_NUMEL,), (kernels.AUTO_MIN_NUMEL + 1,)])
+    expected = [p.clone() for p in params]
+    kernels.sign_update_(expected, grads, lr=1e-2, decay=0.999, mode="eager")
+    with pytest.warns(RuntimeWarning, match="compiled sign update is unavailable on cpu"):
+        kernels.sign_update_(params, grads, lr=1e-2, decay=0.999, mode="auto")
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per device type
+        kernels.sign_update_(params, grads, lr=1e-2, mode="auto")
+    with pytest.raises(RuntimeError, match="sign_update='compiled' could not compile"):
+        kernels.sign_update_(params, grads, lr=1e-2, mode="compiled")
+
+
+@needs_compiler
+def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
+    """FRUGAL's default (sign_update="auto") on tensors above the size threshold: bitwise the
+    eager run, over block switches, with weight decay and a state-free LR scale."""
+    calls = []
+    real = kernels._kernel
+    monkeypatch.setattr(kernels, "_kernel", lambda *key: (calls.append(key), real(*key))[1])
+    shapes = [(256, 256), (256, 260), (300,)]
+    runs = {}
+    for mode in ("auto", "eager"):
+        params = [torch.nn.Parameter(p) for p in tensors(torch.float32, shapes)[0]]
+        groups = [{"params": [params[0]], "projectable": True, "block": 0},
+                  {"params": [params[1]], "projectable": True, "block": 1}, {"params": [params[2]]}]
+        kw = {} if mode == "auto" else {"sign_update": "eager"}
+        opt = FRUGAL(groups, lr=1e-2, density=0.5, update_gap=2, weight_decay=0.1,
+                     state_free_lr_scale=0.5, **kw)
+        for t in range(5):
+            grads = tensors(torch.float32, shapes, seed=t + 1)[1]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+        runs[mode] = params
+    assert calls, "the default path did not use the compiled kernel"
+    for a, b in zip(runs["auto"], runs["eager"]):
         assert torch.equal(a, b)
-        assert not torch.equal(a, p)
-    assert torch.equal(comp_p[0][0, :5], params[0][0, :5])
-    assert all(torch.equal(a, b) for a, b in zip(comp_g, grads))  # the compiled path leaves grads alone

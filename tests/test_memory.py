@@ -1,21 +1,26 @@
 """Optimizer-state memory: Table 2's memory column from shapes alone, and measured == estimated."""
+import weakref
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from frugal import build_optimizer, estimate_state_bytes, state_bytes
+from frugal import FRUGAL, build_optimizer, estimate_state_bytes, state_bytes
 
-# PAPER_NOTES.md: LLaMA shapes (vocab 32000, untied embeddings) -> (hidden, intermediate, heads, layers)
+# The LLaMA shapes the paper trains (GaLore's configs; Appendix A.1: T5 vocabulary of 32k, untied
+# embeddings) -> (hidden, intermediate, heads, layers)
 SHAPES = {
     "60m": (512, 1376, 8, 8),
     "130m": (768, 2048, 12, 12),
     "350m": (1024, 2736, 16, 24),
     "1b": (2048, 5461, 32, 24),
 }
-# PAPER_NOTES.md: total parameters and Linear-in-blocks parameters, millions
+# Total parameters and Linear-in-blocks parameters (Appendix D's P), millions
 PARAMS_M = {"60m": (58.07, 25.3), "130m": (134.11, 84.9), "350m": (367.97, 302.4), "1b": (1339.08, 1207.9)}
 
-# Table 2, optimizer-state memory in GiB: method -> (build_optimizer name, hparams)
+# Table 2 of the paper, optimizer-state memory in GiB: method -> (build_optimizer name, hparams)
 METHODS = {
     "AdamW": ("adamw", {}),
     "GaLore": ("galore", {"density": 0.25}),
@@ -50,7 +55,7 @@ def meta_llama(size):
 
 
 @pytest.mark.parametrize("size", list(SHAPES))
-def test_parameter_counts_match_paper_notes(size):
+def test_parameter_counts(size):
     model = meta_llama(size)
     total = sum(p.numel() for p in model.parameters())
     linear = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
@@ -171,3 +176,79 @@ def test_measured_equals_estimate_on_tiny_models(family, name, hparams):
         p.grad = torch.randn_like(p)
     optimizer.step()
     assert state_bytes(optimizer) == estimate_state_bytes(model, name, **hparams)
+
+
+# ---- peak memory inside a step -------------------------------------------------------------------
+class _PeakBytes(TorchDispatchMode):
+    """Peak, over every aten op dispatched inside the block, of (a) the optimizer state bytes
+    (`state_bytes`, read after each op) and (b) the bytes of the tensors created inside the block
+    that are still alive (op outputs with fresh storage, tracked by weak reference).
+
+    (a) is invariant 9's "resting state plus at most one block"; (b) are the step's temporaries."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer, self.fresh = optimizer, {}
+        self.state_peak = state_bytes(optimizer)
+        self.temp_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in inputs and ptr not in self.fresh:
+                    self.fresh[ptr] = (weakref.ref(t), t.untyped_storage().nbytes())
+        self.fresh = {k: v for k, v in self.fresh.items() if v[0]() is not None}
+        self.temp_peak = max(self.temp_peak, sum(n for _, n in self.fresh.values()))
+        self.state_peak = max(self.state_peak, state_bytes(self.optimizer))
+        return out
+
+
+def _layered(num_layers, shape=(32, 48)):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for _ in range(2 * num_layers + 1)]
+    groups = [{"params": params[2 * i:2 * i + 2], "projectable": True, "block": i} for i in range(num_layers)]
+    return params, groups + [{"params": params[-1:]}]
+
+
+def _set_grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_block_switch_frees_before_it_allocates():
+    """8 layers, density 0.5, descending: the switch at step 2 replaces 4 state-full layers by 4
+    others. Freeing the leaving ones first keeps the state at rest (the old order peaked at rest
+    plus 4 layers)."""
+    params, groups = _layered(8)
+    optimizer = FRUGAL(groups, density=0.5, update_gap=2, sign_update="eager")
+    for seed in (0, 1):
+        _set_grads(params, seed)
+        optimizer.step()
+    at_rest = state_bytes(optimizer)
+    one_layer = 2 * 2 * params[0].numel() * 4 + 2 * 4  # two tensors' moments and step counters
+    assert optimizer.active_blocks() == [0, 1, 2, 3]  # the next step switches from [4, 5, 6, 7]
+    _set_grads(params, 2)
+    with _PeakBytes(optimizer) as peak:
+        optimizer.step()
+    assert state_bytes(optimizer) == at_rest
+    assert peak.state_peak <= at_rest + one_layer, (peak.state_peak, at_rest, one_layer)
+
+
+@pytest.mark.parametrize("projection", ["column", "randk", "svd"])
+def test_split_temporaries_stay_well_below_the_moments(projection):
+    """Gathered copies and residuals exist for about one layer at a time, not for all tensors."""
+    params, groups = _layered(8)
+    optimizer = FRUGAL(groups, density=0.25, projection=projection, sign_update="eager")
+    _set_grads(params, 0)
+    optimizer.step()
+    moments = sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                  for k, v in s.items() if k.startswith("exp_avg"))
+    _set_grads(params, 1)
+    with _PeakBytes(optimizer) as peak:
+        optimizer.step()
+    assert peak.temp_peak <= 0.5 * moments, (peak.temp_peak, moments)

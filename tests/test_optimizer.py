@@ -439,6 +439,9 @@ def test_sgdm_rule():
     ({"betas": (1.2, 0.9)}, ["1.2", "[0, 1)"]),
     ({"betas": (0.9, -0.1)}, ["-0.1", "[0, 1)"]),
     ({"eps": -1.0}, ["eps", "-1.0"]),
+    ({"sign_update": "fast"}, ["'fast'", "auto", "compiled", "eager"]),
+    ({"stochastic_rounding": 1}, ["stochastic_rounding", "1", "True or False"]),
+    ({"foreach": "no"}, ["foreach", "'no'", "True or False"]),
 ])
 def test_bad_input_names_value_and_choices(kwargs, words):
     with pytest.raises(ValueError) as err:
@@ -465,3 +468,133 @@ def test_sparse_gradients_rejected_and_missing_gradients_skipped():
     params[0].grad = torch.ones(4, 3).to_sparse()
     with pytest.raises(ValueError, match="sparse"):
         opt.step()
+
+
+# ---- the fast path against the single-tensor reference; torch's optimizer contract ---------------
+RULES = [("adamw", "signsgd"), ("lion", "sgd"), ("sgdm", "none"), ("adamw", "sgd")]
+
+
+def run_both(projection, state_full, state_free, steps=9, dtype=torch.float64, **extra):
+    kw = dict(lr=2e-2, density=0.4, update_gap=3, projection=projection, state_full=state_full,
+              state_free=state_free, weight_decay=0.1, state_free_lr_scale=0.5,
+              projectable_lr_scale=0.75, block_order="random", **extra)
+    shapes = [(6, 8), (8, 6)] * 3 + [(5,), (4, 3)]
+    runs = []
+    for foreach in (True, False):
+        params = make_params(shapes, dtype=dtype)
+        opt = FRUGAL(layered_groups(params, [2, 2, 2]), foreach=foreach, **kw)
+        run_steps(opt, params, steps)
+        runs.append((params, opt))
+    return runs
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("state_full,state_free", RULES)
+def test_fast_path_matches_single_tensor_reference(projection, state_full, state_free):
+    """The batched path (fused kernels, gathers/scatters, decay fused into the state-free pass)
+    and Algorithm 1 written one tensor at a time agree, across three subspace changes."""
+    reset = {"svd": "keep", "random": "reproject", "column": "reproject"}.get(projection, "reset")
+    (fast, opt_fast), (ref, opt_ref) = run_both(projection, state_full, state_free, reset_state=reset)
+    for p, q in zip(fast, ref):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert [p in opt_fast.state for p in fast] == [q in opt_ref.state for q in ref]
+    for p, q in zip(fast, ref):
+        if p in opt_fast.state:
+            a, b = opt_fast.state[p], opt_ref.state[q]
+            assert a.keys() == b.keys()
+            for name in a:
+                if torch.is_tensor(a[name]):
+                    torch.testing.assert_close(a[name], b[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("state_full,state_free", RULES)
+@pytest.mark.parametrize("foreach", [True, False])
+def test_step_leaves_gradients_untouched(projection, state_full, state_free, foreach):
+    params = make_params([(6, 8), (8, 6)] * 2 + [(5,)])
+    opt = FRUGAL(layered_groups(params, [2, 2]), density=0.5, projection=projection, update_gap=2,
+                 state_full=state_full, state_free=state_free, weight_decay=0.1, foreach=foreach)
+    for t in range(3):
+        gs = grads_for(params, t)
+        set_grads(params, gs)
+        opt.step()
+        for p, g in zip(params, gs):
+            assert torch.equal(p.grad, g)
+
+
+def test_one_step_counter_round_trips():
+    params = make_params([(4, 4)] * 2 + [(3,)])
+    opt = FRUGAL(layered_groups(params, [1, 1]), density=0.5, update_gap=2)
+    run_steps(opt, params, 3)
+    assert opt.step_count == 3 == opt.param_groups[0]["step"]
+    assert all("step" not in g for g in opt.param_groups[1:])
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra]})
+    assert "step" not in opt.param_groups[-1]
+    fresh = FRUGAL(layered_groups(clone(params), [1, 1]), density=0.5, update_gap=2)
+    fresh.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.step_count == 3 and fresh.active_blocks() == opt.active_blocks()
+
+
+def test_deepcopy_and_torch_scheduler():
+    import copy
+    params = make_params([(4, 4)] * 2 + [(3,)])
+    opt = FRUGAL(layered_groups(params, [1, 1]), density=0.5, update_gap=2, block_granularity="layer")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    run_steps(opt, params, 2)
+    sched.step()
+    twin = copy.deepcopy(opt)
+    assert twin.step_count == 2 and twin.active_blocks() == opt.active_blocks()
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    set_grads(twin_params, grads_for(twin_params, 2))
+    twin.step()  # the copy steps its own (copied) parameters
+    assert not torch.equal(twin_params[0], params[0]) and twin.step_count == 3 and opt.step_count == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)
+
+
+@pytest.mark.parametrize("projection,density,expected_unit", [
+    ("block", 1 / 8, 1 / 4),  # 4 equal layers: 1/8 rounds to 1 of 4 (0.5 rounds up)
+    ("block", 1 / 16, 1 / 4),  # 0.25 layers rounds to none
+    ("column", 0.3, None),
+    ("randk", 0.3, None),
+])
+def test_density_report(projection, density, expected_unit):
+    params = make_params([(8, 10), (10, 8)] * 4)
+    opt = FRUGAL(layered_groups(params, [2] * 4), density=density, projection=projection)
+    report = opt.density_report()
+    assert report["requested"] == pytest.approx(density)
+    assert report["realised"] == opt.state_full_fraction()
+    if projection == "block":
+        assert report["unit"] == pytest.approx(expected_unit)
+        assert report["realised"] == (0.25 if density == 1 / 8 else 0.0)
+    elif projection == "column":  # one column of each tensor: 8 + 10 elements of 160, per pair
+        assert report["unit"] == pytest.approx((8 + 10) * 4 / 640)
+    else:
+        assert report["unit"] == pytest.approx(8 / 640)  # one element of each of 8 tensors
+    assert abs(report["realised"] - report["requested"]) <= report["unit"] / 2 + 1e-12 or projection == "block"
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_materialize_state_matches_a_checkpoint_of_that_step(projection):
+    """What torch.distributed.checkpoint needs of a fresh optimizer: the same state keys, shapes and
+    dtypes as the saved one (which tensors hold state depends on the window)."""
+    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random")
+    params = make_params([(6, 8), (8, 6)] * 3 + [(5,)])
+    opt = FRUGAL(layered_groups(params, [2, 2, 2]), **kw)
+    run_steps(opt, params, 7)
+    fresh = FRUGAL(layered_groups(clone(params), [2, 2, 2]), **kw)
+    fresh.materialize_state(7)
+    saved, made = opt.state_dict(), fresh.state_dict()
+    assert saved["param_groups"] == made["param_groups"]
+    assert saved["state"].keys() == made["state"].keys()
+    for key, st in saved["state"].items():
+        assert st.keys() == made["state"][key].keys()
+        for name, v in st.items():
+            w = made["state"][key][name]
+            if torch.is_tensor(v):
+                assert (v.shape, v.dtype) == (w.shape, w.dtype), name
+                if name == "index":
+                    assert torch.equal(v, w)  # the window's coordinates, drawn again
+            else:
+                assert v == w

@@ -1,0 +1,62 @@
+"""Algorithm 1 for one tensor, written as the paper states it: the reference of the fast path.
+
+``FRUGAL(foreach=False)`` runs every tensor through ``update_tensor``; the default fast path
+(``FRUGAL.step``: fused multi-tensor kernels, gathers and scatters, weight decay fused into the
+state-free pass) is tested against it. bfloat16 weights with ``stochastic_rounding=True`` take
+this path too, since the new weights must exist in float32 before they are rounded.
+
+    theta <- theta (1 - lr wd) - lr_full P^{-1}(d_full(P(g))) - lr_free d_free(g - P^{-1}(P(g)))
+
+computed in float32 (at least) and rounded once into the weights. A tensor's role decides P:
+``FULL`` (the identity: non-projectable tensors, active blocks), ``FREE`` (zero: inactive blocks,
+``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix projection, ``frugal.state_management``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import projections as proj
+from . import sharding, state_management
+from .kernels import stochastic_round_
+from .rules import STATE_FREE, STATE_FULL
+
+FULL, FREE, SPLIT = "state-full", "state-free", "split"
+
+
+def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: str, ident: int,
+                  step: int) -> None:
+    """One step of one tensor (``grad``: its local values; ``param`` may be an FSDP2 DTensor)."""
+    g, p = group, sharding.local(param)
+    full_rule, free_rule = STATE_FULL[g["state_full"]], STATE_FREE[g["state_free"]]
+    hp = {"betas": tuple(g["betas"]), "eps": g["eps"], "momentum": g["momentum"]}
+    lr = g["lr"]
+    lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
+    lr_free = lr * g["state_free_lr_scale"]
+    new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * g["weight_decay"])
+    if role == FULL:
+        full_rule.init_state(state, param)
+        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **hp)
+    elif role == FREE:
+        if free_rule.direction is not None:
+            new -= lr_free * free_rule.direction(grad)
+    else:
+        projection, transposed = g["projection"], g["transposed"]
+        window = step // g["update_gap"]
+        if projection in proj.MATRIX:
+            sub = state_management.matrix(state, full_rule, p, grad, g, window, ident)
+        else:
+            sub = state_management.coordinates(state, full_rule, p, g, window, ident,
+                                               sharding.shard_key(param, g))
+        g_full = proj.project(grad, projection, transposed, sub)
+        d_full = full_rule.direction(g_full, state, **hp)
+        new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
+        if free_rule.direction is not None:
+            g_free = grad - proj.project_back(g_full, p.shape, projection, transposed, sub)
+            new -= lr_free * free_rule.direction(g_free)
+    if g["stochastic_rounding"] and p.dtype == torch.bfloat16:
+        # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike
+        seed = proj.mix_seed(g["seed"], step, ident, *sharding.mesh_coordinate(param))
+        stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
+    else:
+        p.copy_(new)

@@ -1,0 +1,44 @@
+"""FSDP2 shards: the values this process holds, and how a shard keys its coordinate draw.
+
+Under ``torch.distributed.fsdp.fully_shard`` parameters, gradients and block state are DTensors
+(DESIGN invariant 10). The optimizer's element-wise work runs on their local tensors (same
+storage), and every rank computes the same subspace as a pure function of (seed, window,
+parameter), with the shard's place on the device mesh added where coordinates are drawn within
+the shard.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import projections as proj
+
+try:  # torch builds without distributed support have no DTensor
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The values this process holds: the local shard of an FSDP2 DTensor (same storage)."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def mesh_coordinate(p: Tensor) -> tuple[int, ...]:
+    """Where a sharded tensor's local part sits on its device mesh (() when not sharded)."""
+    return tuple(p.device_mesh.get_coordinate() or ()) if is_dtensor(p) else ()
+
+
+def shard_key(p: Tensor, group: dict) -> tuple[int, ...]:
+    """Keys the coordinate draw of an FSDP2 shard: its place on the device mesh when the
+    selection runs along a sharded dimension (rows, randk's flat index), so shards draw different
+    coordinates; () otherwise (unsharded, or columns of a row-sharded weight: every shard then
+    picks the columns the unsharded weight would)."""
+    if not is_dtensor(p):
+        return ()
+    dim = proj.coordinate_dim(group["projection"], p.shape, group["transposed"])
+    sharded = {pl.dim for pl in p.placements if pl.is_shard()}
+    return mesh_coordinate(p) if dim is None or dim in sharded else ()

@@ -1,0 +1,135 @@
+"""Run by tests/test_fsdp.py under torchrun (2 processes, gloo, CPU): FRUGAL on FSDP2 shards.
+
+Each check trains the same tiny residual MLP twice in every process: sharded with
+`fully_shard` (per block and the root) and unsharded, on the same batches, and writes what it
+measured to `<out>/rank<r>.json` for the test to assert on."""
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from frugal import FRUGAL, HyperparameterError, state_bytes
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = torch.nn.Linear(d, 2 * d, bias=False)
+        self.down = torch.nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d=16, layers=4):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.out = torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.layers:
+            x = block(x)
+        return self.out(x).pow(2).mean()
+
+
+def groups(model):
+    layers = [{"params": list(b.parameters()), "projectable": True, "block": i}
+              for i, b in enumerate(model.layers)]
+    return layers + [{"params": list(model.inp.parameters()) + list(model.out.parameters())}]
+
+
+def build(sharded, mesh, **hp):
+    torch.manual_seed(0)
+    model = Net()
+    if sharded:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, FRUGAL(groups(model), lr=1e-2, update_gap=2, weight_decay=0.1, **hp)
+
+
+def train(model, optimizer, steps, start=0):
+    for t in range(start, start + steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(t))
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def full(model):
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+
+def max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def compare(mesh, **hp):
+    """Max |sharded - unsharded| after 7 steps (3 subspace switches), and state bytes of each."""
+    sharded, opt = build(True, mesh, **hp)
+    plain, ref = build(False, mesh, **hp)
+    train(sharded, opt, 7)
+    train(plain, ref, 7)
+    dtensor_state = all(hasattr(v, "to_local") for s in opt.state.values() for k, v in s.items()
+                        if k.startswith("exp_avg"))
+    return {"diff": max_diff(full(sharded), full(plain)), "bytes": state_bytes(opt),
+            "bytes_unsharded": state_bytes(ref), "dtensor_state": dtensor_state}
+
+
+def checkpoint_round_trip(mesh, path):
+    """DCP save after 3 steps, load into fresh sharded model + optimizer, 4 more steps on both."""
+    model, opt = build(True, mesh, density=0.25)
+    train(model, opt, 3)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    twin, twin_opt = build(True, mesh, density=0.25)
+    twin_opt.materialize_state(3)  # which tensors hold state depends on the window of step 3
+    state = {"model": get_model_state_dict(twin), "optim": get_optimizer_state_dict(twin, twin_opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(twin, state["model"])
+    # strict=False: state-free tensors own no state (torch's check expects every trained tensor to)
+    set_optimizer_state_dict(twin, twin_opt, state["optim"], options=StateDictOptions(strict=False))
+    same_step = twin_opt.step_count == opt.step_count == 3
+    train(model, opt, 4, start=3)
+    train(twin, twin_opt, 4, start=3)
+    return {"diff": max_diff(full(model), full(twin)), "same_step": same_step}
+
+
+def main(out, ckpt):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    result = {}
+    try:
+        result["block"] = compare(mesh, density=0.25)
+        result["column"] = compare(mesh, density=0.25, projection="column", reset_state="reproject")
+        result["row"] = compare(mesh, density=0.25, projection="row")
+        result["dcp"] = checkpoint_round_trip(mesh, ckpt)
+        try:
+            build(True, mesh, projection="svd")
+            result["svd_error"] = None
+        except HyperparameterError as err:
+            result["svd_error"] = str(err)
+    except Exception:
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2])

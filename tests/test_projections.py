@@ -1,0 +1,62 @@
+"""Coordinate selection: k distinct sorted indices drawn on the parameter's device without a
+permutation of all elements, a pure function of (seed, window, parameter)."""
+import pytest
+import torch
+
+from frugal import FRUGAL, state_bytes
+from frugal import projections as P
+
+
+@pytest.mark.parametrize("n,k", [(10, 0), (10, 1), (10, 5), (10, 6), (10, 10), (1000, 250), (1000, 999)])
+def test_random_subset_is_k_distinct_sorted_indices(n, k):
+    idx = P.random_subset(n, k, P.generator(3, 1, 7))
+    assert idx.numel() == k
+    assert torch.equal(idx, idx.unique(sorted=True))  # distinct and sorted
+    assert k == 0 or (0 <= idx.min() and idx.max() < n)
+    assert torch.equal(idx, P.random_subset(n, k, P.generator(3, 1, 7)))  # same key, same subset
+
+
+def test_random_subset_is_uniform():
+    """Every element is chosen with probability k/n (both branches: k <= n/2 and k > n/2), and
+    pairs as often as in a uniform k-subset (no structure such as strides)."""
+    n, draws = 12, 3000
+    for k in (3, 8):
+        counts = torch.zeros(n)
+        pairs = torch.zeros(n, n)
+        for seed in range(draws):
+            mask = torch.zeros(n)
+            mask[P.random_subset(n, k, P.generator(seed, 0, 0))] = 1
+            counts += mask
+            pairs += torch.outer(mask, mask)
+        p = k / n
+        sd = (p * (1 - p) / draws) ** 0.5
+        assert ((counts / draws - p).abs() < 5 * sd).all(), counts / draws
+        off_diag = pairs[~torch.eye(n, dtype=torch.bool)] / draws
+        p2 = k * (k - 1) / (n * (n - 1))
+        assert ((off_diag - p2).abs() < 5 * (p2 * (1 - p2) / draws) ** 0.5).all()
+
+
+def test_selection_differs_by_window_parameter_and_seed():
+    base = P.coordinate_indices("randk", (40, 50), False, 0.25, 0, 0, 0)
+    for other in [(1, 0, 0), (0, 1, 0), (0, 0, 1)]:
+        assert not torch.equal(base, P.coordinate_indices("randk", (40, 50), False, 0.25, *other))
+    assert not torch.equal(base, P.coordinate_indices("randk", (40, 50), False, 0.25, 0, 0, 0, shard=(1,)))
+
+
+def test_large_randk_draws_no_full_permutation(monkeypatch):
+    def no_randperm(*args, **kwargs):
+        raise AssertionError("randk must not permute every element")
+    monkeypatch.setattr(torch, "randperm", no_randperm)
+    shape = (1024, 2048)  # 2M elements
+    idx = P.coordinate_indices("randk", shape, False, 0.25, 0, 0, 0, device="cpu")
+    assert idx.dtype == torch.int32 and idx.numel() == 2**19 and idx.device.type == "cpu"
+
+
+def test_randk_indices_live_in_the_state_and_are_counted():
+    params = [torch.nn.Parameter(torch.randn(20, 30))]
+    opt = FRUGAL([{"params": params, "projectable": True}], projection="randk", density=0.25, update_gap=2)
+    params[0].grad = torch.randn(20, 30)
+    opt.step()
+    st = opt.state[params[0]]
+    assert st["index"].dtype == torch.int32 and st["index"].numel() == 150
+    assert state_bytes(opt) == 2 * 150 * 4 + 4 + 150 * 4  # moments, step counter, indices
