@@ -44,6 +44,8 @@ from .hparams import HyperparameterError
 COMMON_KEYS = ("lr", "weight_decay", "seed")
 # FRUGAL-based entries with layout "blocks" also take the `param_groups` keys.
 GROUPING_DEFAULTS = {"state_free_modules": (), "target_modules": None}
+# How FRUGAL runs, not what it computes: every FRUGAL-based entry takes these.
+IMPLEMENTATION_KEYS = ("stochastic_rounding", "foreach")
 _ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
 
 
@@ -69,13 +71,13 @@ _ENTRIES: dict[str, _Entry] = {
                     {"projection": "block", "state_free": "none", "block_order": "descending"}),
     # The pure baselines are FRUGAL with one group: every tensor state-free (no state at all) or
     # every tensor state-full and never reset (the state-full rule alone).
-    "signsgd": _Entry("frugal", "signSGD on every parameter (no state)", {"state_free": "signsgd"}, (),
-                      "all_state_free"),
-    "sgd": _Entry("frugal", "SGD on every parameter (no state)", {"state_free": "sgd"}, (), "all_state_free"),
+    "signsgd": _Entry("frugal", "signSGD on every parameter (no state)", {"state_free": "signsgd"},
+                      ("sign_update",) + IMPLEMENTATION_KEYS, "all_state_free"),
+    "sgd": _Entry("frugal", "SGD on every parameter (no state)", {"state_free": "sgd"},
+                  IMPLEMENTATION_KEYS, "all_state_free"),
     "lion": _Entry("frugal", "Lion on every parameter", {"state_full": "lion", "betas": (0.9, 0.99)},
-                   ("betas",), "all_state_full"),
-    "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",),
-                   "all_state_full"),
+                   ("betas",) + IMPLEMENTATION_KEYS, "all_state_full"),
+    "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
     "apollo": _Entry("external", external.DOCS["apollo"]),
     "adam_mini": _Entry("external", external.DOCS["adam_mini"]),
 }

@@ -163,11 +163,9 @@ def test_bucket_view_saves_a_gradient_copy_only_with_in_place_zeroing(measured):
     assert abs((to_none - in_place) / grads - 1) < 0.01
 
 
-@pytest.mark.xfail(strict=True, reason="until the issue 11 optimizer fix lands, a switch allocates every "
-                   "entering block before freeing the leaving ones (k blocks above the steady state, not 1)")
 def test_switch_of_two_blocks_stays_within_one_block_of_the_steady_state():
-    """The plan counts the switch as the fixed optimizer will do it; density 0.5 of 4 layers switches
-    2 blocks at once. Strict: this starts passing (and must lose its xfail) when the fix lands."""
+    """The plan counts a switch as the optimizer does it (leaving blocks freed before entering ones
+    are allocated); density 0.5 of 4 layers switches 2 blocks at once."""
     case = Case("llama_20m", 1000, {"name": "badam", "density": 0.5, "update_gap": 1}, 4, 128)
     _, step_peak = measure_case(case)
     assert step_peak <= 1.02 * plan_case(case, "optimizer step")
