@@ -164,6 +164,10 @@ def check_combination(group: Mapping[str, Any]) -> None:
             f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
             f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
             f"({', '.join(proj.MATRIX)}) and state_full 'adamw' (its two moments)")
+    if group["density_schedule"] != "constant" and group["density_steps"] is None:
+        raise HyperparameterError(
+            f"density_schedule {group['density_schedule']!r} needs density_steps (the steps over which the "
+            f"density goes from density={group['density']:g} to density_end={group['density_end']:g})")
     if STATE_FULL[full].matrix_only and projectable and (
             projection == "randk" or group["reset_state"] in ("reproject", "transport")):
         raise HyperparameterError(
