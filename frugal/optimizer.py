@@ -239,6 +239,11 @@ class FRUGAL(Optimizer):
                     raise HyperparameterError(
                         f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
                         "valid choices for other shapes: block, randk")
+                if is_dtensor(p) and STATE_FREE[group["state_free"]].contextual is not None:
+                    raise HyperparameterError(
+                        f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
+                        f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
+                        "shard; valid choices for sharded parameters: signsgd, sgd, none")
                 if projection in proj.MATRIX and is_dtensor(p):
                     raise HyperparameterError(
                         f"projection {projection!r} needs each whole weight matrix (for its basis), "

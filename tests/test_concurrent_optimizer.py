@@ -399,3 +399,21 @@ def test_fast_path_matches_single_tensor_reference(config):
         for name in a:
             if torch.is_tensor(a[name]):
                 torch.testing.assert_close(a[name], b[name], rtol=1e-10, atol=1e-12)
+
+
+def test_contextual_rules_refuse_fsdp2_shards(tmp_path):
+    """Fira's limiter and AdaMeM's statistic read whole matrices; a DTensor shard is refused by name."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)]))
+        for free in ("fira", "one_sided_adafactor"):
+            with pytest.raises(HyperparameterError, match=f"state_free '{free}' .* FSDP2 shard; valid choices"):
+                FRUGAL([{"params": [shard], "projectable": True, "block": 0}], projection="column", state_free=free)
+        FRUGAL([{"params": [shard], "projectable": True, "block": 0}], projection="column")  # signSGD: fine
+    finally:
+        dist.destroy_process_group()
