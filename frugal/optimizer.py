@@ -398,13 +398,14 @@ class FRUGAL(Optimizer):
                 "on the losses seen); load such a run with optimizer.load_state_dict instead")
         self.param_groups[0]["step"] = step
         self.param_groups[0].pop("clock", None)
-        clock = self._clock(layout, step, commit=True)
+        last = max(step - 1, 0)  # a checkpoint of step S holds the state of the window of step S - 1
+        clock = self._clock(layout, last, commit=True)
         self._events = []
-        active = self._active(layout, step, clock)
+        active = self._active(layout, last, clock)
         for gi, group in enumerate(self.param_groups):
             group = self._effective(group, clock)
             rule = STATE_FULL[group["state_full"]]
-            window = self._window(group, step, clock)
+            window = self._window(group, last, clock)
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:

@@ -417,3 +417,39 @@ def test_contextual_rules_refuse_fsdp2_shards(tmp_path):
         FRUGAL([{"params": [shard], "projectable": True, "block": 0}], projection="column")  # signSGD: fine
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_materialize_state_has_the_shapes_of_a_checkpoint(name):
+    """What torch.distributed.checkpoint loads into: the error buffer, Fira's norm, AdaMeM's factors,
+    statistic and counters, in the checkpoint's shapes and dtypes."""
+    model = tiny_llama()
+    opt = frugal.build_optimizer(model, name, **ENTRIES[name])
+    run(model, opt, 4)
+    fresh = frugal.build_optimizer(tiny_llama(), name, **ENTRIES[name])
+    fresh.materialize_state(4)
+
+    def layout(o):
+        return {k: {n: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for n, v in s.items()}
+                for k, s in o.state_dict()["state"].items()}
+
+    assert layout(fresh) == layout(opt)
+
+
+@pytest.mark.parametrize("projection", ["block", "column", "power"])
+def test_materialize_state_at_a_window_boundary(projection):
+    """A checkpoint of step S holds the state of step S - 1's window, also when step S starts a new
+    one (which blocks own state, which coordinates, which window a basis was chosen in)."""
+    hp = dict(update_gap=2, projection=projection, block_order="ascending")
+    if projection == "power":
+        hp.update(reset_state="transport", state_free="none")
+    model = tiny_llama()
+    opt = frugal.build_optimizer(model, "frugal", **hp)
+    run(model, opt, 4)
+    fresh = frugal.build_optimizer(tiny_llama(), "frugal", **hp)
+    fresh.materialize_state(4)
+    saved, made = opt.state_dict()["state"], fresh.state_dict()["state"]
+    assert saved.keys() == made.keys()
+    for key, st in saved.items():
+        assert {n: (tuple(v.shape) if torch.is_tensor(v) else v) for n, v in st.items()} == \
+            {n: (tuple(v.shape) if torch.is_tensor(v) else v) for n, v in made[key].items()}
