@@ -19,6 +19,8 @@ when it starts.
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable, Mapping
 
 DENSITY_KINDS = ("constant", "linear", "cosine", "step")
 
@@ -144,3 +146,60 @@ class PlateauGap:
 def _check_gap(gap) -> None:
     if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
         raise ValueError(f"Invalid update_gap: {gap!r} (must be an integer >= 1)")
+
+
+# ---- the optimizer's clock: plain numbers in its first param group --------------------------------
+def density_at(hp: Mapping, start: int) -> float:
+    """The density of the window starting at step ``start`` under ``hp``'s density keys."""
+    if hp["density_schedule"] == "constant":
+        return hp["density"]
+    return scheduled_density(start, start=hp["density"], end=hp["density_end"], steps=hp["density_steps"],
+                             kind=hp["density_schedule"])
+
+
+def _load(holder: dict, hp: Mapping) -> WindowClock:
+    """The clock as ``holder["clock"]`` keeps it (FRUGAL: ``param_groups[0]``; written only by a step
+    or a loss, so a fresh optimizer has none and a resume that renews hyperparameters keeps the saved one)."""
+    clock = WindowClock(hp["update_gap"])
+    if holder.get("clock") is not None:
+        clock.load_state_dict(holder["clock"])
+    return clock
+
+
+def observe_clock(holder: dict, hp: Mapping, loss: float) -> None:
+    """Add one training loss to the current window of the clock kept in ``holder``."""
+    clock = _load(holder, hp)
+    clock.observe(loss)
+    holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
+
+
+def advance_clock(holder: dict, hp: Mapping, step: int, *, blocks: Callable[[int], int] | None,
+                  commit: bool) -> tuple[WindowClock, list[dict]]:
+    """The clock kept in ``holder`` moved to ``step``, and the events of the move.
+
+    ``hp`` holds the clock's settings (``update_gap``, ``update_gap_growth``, ``plateau_*``,
+    ``max_update_gap``, the density keys); ``blocks(start)`` counts a window's state-full blocks.
+    ``commit``: store the clock, let the plateau controller choose each new window's gap, report
+    ``update_gap`` and ``density`` events. Without it nothing is decided or stored (the window and its
+    first step do not depend on the decision, only the window's length does)."""
+    clock = _load(holder, hp)
+    if not commit:
+        clock.tick(step, blocks=blocks)
+        return clock, []
+    plateau = None
+    if hp["update_gap_growth"] > 1.0:
+        plateau = PlateauGap(patience=hp["plateau_patience"], threshold=hp["plateau_threshold"],
+                             factor=hp["update_gap_growth"], max_gap=hp["max_update_gap"] or sys.maxsize)
+        saved = (holder.get("clock") or {}).get("plateau")
+        if saved is not None:
+            plateau.load_state_dict(saved)
+    window, density = clock.window, density_at(hp, clock.start)
+    events = clock.tick(step, blocks=blocks, plateau=plateau)
+    holder["clock"] = {**clock.state_dict(), "plateau": None if plateau is None else plateau.state_dict()}
+    new_density = density_at(hp, clock.start)
+    if clock.window != window and new_density != density:
+        event = {"event": "density", "window": clock.window, "density": new_density}
+        if blocks is not None:
+            event["state_full_blocks"] = blocks(clock.start)
+        events.append(event)
+    return clock, events

@@ -59,11 +59,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-import sys
-
 from . import projections as proj
 from . import grouping, state_management
-from .adaptive import PlateauGap, WindowClock, scheduled_density
+from .adaptive import WindowClock, advance_clock, density_at, observe_clock
 from .hparams import HyperparameterError, check_combination, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
 from .rules import STATE_FREE, STATE_FULL, FreeContext
@@ -296,12 +294,8 @@ class FRUGAL(Optimizer):
         losses recorded since the previous window change, so the decisions are the same on every
         rank and after a resume (the sums are part of ``state_dict()``)."""
         layout = self._get_layout()
-        if layout.clock is None or layout.clock["update_gap_growth"] <= 1.0:
-            return
-        clock = self._load_clock(layout)
-        clock.observe(loss)
-        saved = self.param_groups[0].get("clock") or {"plateau": None}
-        self.param_groups[0]["clock"] = {**saved, **clock.state_dict()}
+        if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
+            observe_clock(self.param_groups[0], layout.clock, loss)
 
     def pop_events(self) -> list[dict]:
         """Changes made by the opt-in schedules since the last call, oldest first, for the training
@@ -311,63 +305,25 @@ class FRUGAL(Optimizer):
         events, self._events = self._events, []
         return events
 
-    def _load_clock(self, layout: _Layout) -> WindowClock:
-        """The clock as ``param_groups[0]["clock"]`` keeps it (written only by a step or a loss:
-        a fresh optimizer has none, so a resume that renews the hyperparameters keeps the saved one)."""
-        clock = WindowClock(layout.clock["update_gap"])
-        saved = self.param_groups[0].get("clock")
-        if saved is not None:
-            clock.load_state_dict(saved)
-        return clock
-
     def _clock(self, layout: _Layout, step: int, commit: bool) -> WindowClock | None:
-        """The window clock moved to ``step``; ``commit`` (only ``step()``) stores it, lets the
-        plateau controller decide a new window's gap and records the events. A query (``commit``
-        False) never decides anything, so asking (e.g. ``active_blocks()``) cannot change a run."""
+        """The window clock at ``step`` (None: windows are ``step // update_gap``); ``commit`` (only
+        a step) stores it, lets the plateau controller decide and records the events; a query never
+        decides anything, so asking (e.g. ``active_blocks()``) cannot change a run."""
         if layout.clock is None:
             return None
-        clock = self._load_clock(layout)
-        density = self._density_of(layout.clock, clock.start)
         blocks = None
         if layout.blocks is not None:
             n = len(layout.blocks)
-            blocks = lambda start: proj.block_count(n, self._density_of(layout.hp, start))  # noqa: E731
-        if not commit:
-            clock.tick(step, blocks=blocks)
-            return clock
-        plateau = None
-        hp = layout.clock
-        if hp["update_gap_growth"] > 1.0:
-            plateau = PlateauGap(patience=hp["plateau_patience"], threshold=hp["plateau_threshold"],
-                                 factor=hp["update_gap_growth"], max_gap=hp["max_update_gap"] or sys.maxsize)
-            saved = (self.param_groups[0].get("clock") or {}).get("plateau")
-            if saved is not None:
-                plateau.load_state_dict(saved)
-        window = clock.window
-        self._events += clock.tick(step, blocks=blocks, plateau=plateau)
-        self.param_groups[0]["clock"] = {**clock.state_dict(),
-                                         "plateau": None if plateau is None else plateau.state_dict()}
-        new_density = self._density_of(layout.clock, clock.start)
-        if clock.window != window and new_density != density:
-            event = {"event": "density", "window": clock.window, "density": new_density}
-            if blocks is not None:
-                event["state_full_blocks"] = blocks(clock.start)
-            self._events.append(event)
+            blocks = lambda start: proj.block_count(n, density_at(layout.hp, start))  # noqa: E731
+        clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
+        self._events += events
         return clock
-
-    @staticmethod
-    def _density_of(group: dict, start: int) -> float:
-        """The density of the window starting at step ``start``."""
-        if group["density_schedule"] == "constant":
-            return group["density"]
-        return scheduled_density(start, start=group["density"], end=group["density_end"],
-                                 steps=group["density_steps"], kind=group["density_schedule"])
 
     def _effective(self, group: dict, clock: WindowClock | None) -> dict:
         """``group`` with the density of the clock's window (itself without a density schedule)."""
         if clock is None or group["density_schedule"] == "constant":
             return group
-        return {**group, "density": self._density_of(group, clock.start)}
+        return {**group, "density": density_at(group, clock.start)}
 
     @staticmethod
     def _window(group: dict, step: int, clock: WindowClock | None) -> int:
@@ -484,7 +440,7 @@ class FRUGAL(Optimizer):
         window = self._window(layout.hp, step, clock)
         if layout.active is None or layout.active[0] != window:
             hp = layout.hp
-            density = hp["density"] if clock is None else self._density_of(hp, clock.start)
+            density = hp["density"] if clock is None else density_at(hp, clock.start)
             chosen = proj.select_blocks(hp["block_order"], len(layout.blocks), density, window, hp["seed"],
                                         offset=None if clock is None else clock.offset)
             layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
