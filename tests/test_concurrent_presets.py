@@ -187,3 +187,26 @@ def test_mini_repro_optional_rows_compose_and_build(key, tmp_path):
     hp = OmegaConf.to_container(cfg.optimizer, resolve=True)
     optimizer = frugal.build_optimizer(model, hp.pop("name"), **hp)
     assert optimizer is not None and cfg.optimizer.lr == 3e-3
+
+
+@pytest.fixture(scope="module")
+def mini_tokenizer(tmp_path_factory):
+    work = tmp_path_factory.mktemp("mini")
+    return mini_repro.train_tokenizer(mini_repro.read_text(ASSET), work, 300)
+
+
+@pytest.mark.parametrize("key", ["fira", "ldadam", "adamem"])
+def test_mini_repro_new_rows_train_at_toy_size(key, mini_tokenizer, tmp_path):
+    """The optional rows' own command line (local text, the corpus' tokenizer, packed rows) trains
+    a few steps with the real loop, in process."""
+    import train
+
+    ap = mini_repro.argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=2, vocab=300, seq_len=32,
+                                       corpus=ASSET, val_stride=20, steps=3, batch=2, evals=1, eval_tokens=256,
+                                       seed=0, update_gap=2)
+    opt, extra, _, _ = mini_repro.EXTRAS[key]
+    overrides = mini_repro.overrides_for(opt, extra, 3e-3, ap, mini_tokenizer, tmp_path)
+    cfg = _compose([o for o in overrides if not o.startswith("hydra.")])
+    assert not train.train(cfg, str(tmp_path))
+    end = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["step"] == 3 and end["optimizer_state_bytes"] > 0
