@@ -10,14 +10,17 @@ data-parallel ranks and resumed runs agree without saving anything.
 
 Plateau-growing update gap (the AdaFRUGAL proposal). A longer gap :math:`T` costs nothing and lets
 the state-full rule's moments mature; a short one explores the space faster. :class:`PlateauGap`
-multiplies :math:`T` by ``factor`` (up to ``max_gap``) when the loss, observed once per window,
-has not improved by a relative ``threshold`` for ``patience`` windows. Windows are then no longer
-``step // T``: :class:`WindowClock` keeps the window index, its first step and the current gap as
-plain integers (``state_dict`` round-trips them), and applies a new gap at the next window start.
+multiplies :math:`T` by ``factor`` (up to ``max_gap``) when the window's mean loss has not improved
+by a relative ``threshold`` for ``patience`` windows. Windows are then no longer ``step // T``:
+:class:`WindowClock` keeps the window index, its first step, the current gap and the losses seen in
+the window as plain numbers (``state_dict`` round-trips them), and decides each new window's gap
+when it starts.
 """
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable, Mapping
 
 DENSITY_KINDS = ("constant", "linear", "cosine", "step")
 
@@ -45,35 +48,53 @@ def scheduled_density(step: int, *, start: float, end: float, steps: int, kind: 
 class WindowClock:
     """Which window each step belongs to when the update gap may change between windows.
 
-    ``tick(step)`` is called once per optimizer step with the 0-based step about to be taken and
-    returns the window index; a gap set with ``set_gap`` takes effect at the next window start.
-    With a constant gap the window is exactly ``step // update_gap``.
+    ``tick(step)`` is called with the 0-based step about to be taken and moves the clock to the
+    window holding it. At each window change the finished window's mean loss (``observe``) goes to
+    the ``plateau`` controller, whose answer is the new window's gap; ``blocks(start)``, the number
+    of state-full blocks of the window starting at ``start``, advances the block walk's ``offset``
+    (a density schedule changes that number). With a constant gap the window is exactly
+    ``step // update_gap``. The state is plain numbers (``state_dict``), kept by the optimizer in
+    its first param group, so ``optimizer.state_dict()`` resumes the same windows.
     """
 
     def __init__(self, update_gap: int):
         _check_gap(update_gap)
-        self.update_gap, self.window, self.start, self.pending = update_gap, 0, 0, None
+        self.update_gap, self.window, self.start, self.offset = update_gap, 0, 0, 0
+        self.loss_sum, self.loss_count = 0.0, 0
 
-    def tick(self, step: int) -> int:
+    def observe(self, loss: float) -> None:
+        """One training loss of the current window (non-finite values are the loop's to handle)."""
+        if math.isfinite(loss):
+            self.loss_sum += float(loss)
+            self.loss_count += 1
+
+    def tick(self, step: int, *, blocks=None, plateau: "PlateauGap | None" = None) -> list[dict]:
+        """Advance to the window holding ``step``; returns one event per change of the gap."""
+        events = []
         while step - self.start >= self.update_gap:  # a loop, so a skipped step cannot lose a window
+            if blocks is not None:
+                self.offset += blocks(self.start)
+            gap = self.update_gap
+            if plateau is not None and self.loss_count:
+                mean = self.loss_sum / self.loss_count
+                gap = plateau.observe(mean, self.update_gap)
+                if gap != self.update_gap:
+                    events.append({"event": "update_gap", "window": self.window + 1, "update_gap": gap,
+                                   "previous_update_gap": self.update_gap, "window_loss": mean})
             self.start += self.update_gap
             self.window += 1
-            if self.pending is not None:
-                self.update_gap, self.pending = self.pending, None
-        return self.window
-
-    def set_gap(self, update_gap: int) -> None:
-        _check_gap(update_gap)
-        self.pending = update_gap
+            self.update_gap = gap
+            self.loss_sum, self.loss_count = 0.0, 0
+        return events
 
     def state_dict(self) -> dict:
         return {"update_gap": self.update_gap, "window": self.window, "start": self.start,
-                "pending": self.pending}
+                "offset": self.offset, "loss_sum": self.loss_sum, "loss_count": self.loss_count}
 
     def load_state_dict(self, state: dict) -> None:
         self.update_gap, self.window = int(state["update_gap"]), int(state["window"])
-        self.start = int(state["start"])
-        self.pending = None if state["pending"] is None else int(state["pending"])
+        self.start, self.offset = int(state["start"]), int(state["offset"])
+        self.loss_sum, self.loss_count = float(state["loss_sum"]), int(state["loss_count"])
 
 
 class PlateauGap:
@@ -125,3 +146,60 @@ class PlateauGap:
 def _check_gap(gap) -> None:
     if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
         raise ValueError(f"Invalid update_gap: {gap!r} (must be an integer >= 1)")
+
+
+# ---- the optimizer's clock: plain numbers in its first param group --------------------------------
+def density_at(hp: Mapping, start: int) -> float:
+    """The density of the window starting at step ``start`` under ``hp``'s density keys."""
+    if hp["density_schedule"] == "constant":
+        return hp["density"]
+    return scheduled_density(start, start=hp["density"], end=hp["density_end"], steps=hp["density_steps"],
+                             kind=hp["density_schedule"])
+
+
+def _load(holder: dict, hp: Mapping) -> WindowClock:
+    """The clock as ``holder["clock"]`` keeps it (FRUGAL: ``param_groups[0]``; written only by a step
+    or a loss, so a fresh optimizer has none and a resume that renews hyperparameters keeps the saved one)."""
+    clock = WindowClock(hp["update_gap"])
+    if holder.get("clock") is not None:
+        clock.load_state_dict(holder["clock"])
+    return clock
+
+
+def observe_clock(holder: dict, hp: Mapping, loss: float) -> None:
+    """Add one training loss to the current window of the clock kept in ``holder``."""
+    clock = _load(holder, hp)
+    clock.observe(loss)
+    holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
+
+
+def advance_clock(holder: dict, hp: Mapping, step: int, *, blocks: Callable[[int], int] | None,
+                  commit: bool) -> tuple[WindowClock, list[dict]]:
+    """The clock kept in ``holder`` moved to ``step``, and the events of the move.
+
+    ``hp`` holds the clock's settings (``update_gap``, ``update_gap_growth``, ``plateau_*``,
+    ``max_update_gap``, the density keys); ``blocks(start)`` counts a window's state-full blocks.
+    ``commit``: store the clock, let the plateau controller choose each new window's gap, report
+    ``update_gap`` and ``density`` events. Without it nothing is decided or stored (the window and its
+    first step do not depend on the decision, only the window's length does)."""
+    clock = _load(holder, hp)
+    if not commit:
+        clock.tick(step, blocks=blocks)
+        return clock, []
+    plateau = None
+    if hp["update_gap_growth"] > 1.0:
+        plateau = PlateauGap(patience=hp["plateau_patience"], threshold=hp["plateau_threshold"],
+                             factor=hp["update_gap_growth"], max_gap=hp["max_update_gap"] or sys.maxsize)
+        saved = (holder.get("clock") or {}).get("plateau")
+        if saved is not None:
+            plateau.load_state_dict(saved)
+    window, density = clock.window, density_at(hp, clock.start)
+    events = clock.tick(step, blocks=blocks, plateau=plateau)
+    holder["clock"] = {**clock.state_dict(), "plateau": None if plateau is None else plateau.state_dict()}
+    new_density = density_at(hp, clock.start)
+    if clock.window != window and new_density != density:
+        event = {"event": "density", "window": clock.window, "density": new_density}
+        if blocks is not None:
+            event["state_full_blocks"] = blocks(clock.start)
+        events.append(event)
+    return clock, events

@@ -48,15 +48,16 @@ def factored_shapes(shape: tuple[int, int]) -> tuple[tuple[int], tuple[int]]:
     return (m,), (n,)
 
 
-def decay_weight(step: int, beta2: float, beta2_decay: float | None) -> float:
-    r"""Weight of the new sample in the running mean at ``step`` (1-based): :math:`1 - \beta_2`
-    for a constant :math:`\beta_2`, or :math:`t^{c}` for Adafactor's schedule."""
+def decay_weight(step, beta2: float, beta2_decay: float | None):
+    r"""Weight of the new sample in the running mean at ``step`` (1-based; an int or a 0-d tensor,
+    as the optimizer keeps it, so no value is read back to the host): :math:`1 - \beta_2` for a
+    constant :math:`\beta_2`, or :math:`t^{c}` for Adafactor's schedule."""
     if beta2_decay is None:
         return 1.0 - beta2
-    return float(step) ** beta2_decay
+    return step ** beta2_decay if torch.is_tensor(step) else float(step) ** beta2_decay
 
 
-def second_moment_correction(step: int, beta2: float, beta2_decay: float | None) -> float:
+def second_moment_correction(step, beta2: float, beta2_decay: float | None):
     """Adam's bias correction ``1 - beta2**step`` of a running mean started at zero (1 for
     Adafactor's schedule, whose first weight is 1)."""
     return 1.0 if beta2_decay is not None else 1.0 - beta2 ** step
@@ -66,9 +67,15 @@ def update_factors_(row: Tensor, col: Tensor, grad: Tensor, weight: float) -> No
     """Running means of ``grad**2`` over each row (into ``row``, shape (m,)) and each column
     (into ``col``, shape (n,)): ``x = (1 - weight) x + weight * mean(grad**2)``."""
     n_rows, n_cols = grad.shape
+    weight = _as_weight(weight, row)
     # norm(.)**2 / count is the mean of squares without an m x n temporary.
     row.lerp_(torch.linalg.vector_norm(grad, dim=1).square_().div_(n_cols), weight)
     col.lerp_(torch.linalg.vector_norm(grad, dim=0).square_().div_(n_rows), weight)
+
+
+def _as_weight(weight, like: Tensor):
+    """lerp_ takes a tensor weight only in the tensor's own dtype."""
+    return weight.to(like.dtype) if torch.is_tensor(weight) else weight
 
 
 def factored_variance(row: Tensor, col: Tensor, correction: float = 1.0, eps1: float = 0.0) -> Tensor:
@@ -84,7 +91,7 @@ def factored_variance(row: Tensor, col: Tensor, correction: float = 1.0, eps1: f
 def update_one_sided_(stat: Tensor, grad: Tensor, weight: float, dim: int) -> None:
     """Running mean of ``grad**2`` averaged over ``dim`` (the statistic lives on the other side:
     ``dim=1`` gives one value per row)."""
-    stat.lerp_(torch.linalg.vector_norm(grad, dim=dim).square_().div_(grad.shape[dim]), weight)
+    stat.lerp_(torch.linalg.vector_norm(grad, dim=dim).square_().div_(grad.shape[dim]), _as_weight(weight, stat))
 
 
 def one_sided_variance(stat: Tensor, dim: int, correction: float = 1.0) -> Tensor:
@@ -102,34 +109,50 @@ def rms_clip_(update: Tensor, threshold: float | None) -> Tensor:
     return update.div_(torch.clamp_min(rms / threshold, 1.0))
 
 
-def adafactor_momentum_(target: Tensor, grad: Tensor, exp_avg: Tensor, row: Tensor, col: Tensor,
-                        step: int, *, lr: float, beta1: float, beta2: float, eps: float,
-                        beta2_decay: float | None = None, clip_threshold: float | None = None) -> None:
-    r"""AdaMeM's state-full rule on one (reduced) tensor: Adafactor with momentum.
+def adafactor_momentum_direction(grad: Tensor, exp_avg: Tensor, row: Tensor, col: Tensor, step, *,
+                                 beta1: float, beta2: float, eps: float, beta2_decay: float | None = None,
+                                 clip_threshold: float | None = None) -> Tensor:
+    r"""AdaMeM's state-full rule on one (reduced) tensor: Adafactor with momentum, as a direction.
 
     :math:`m \leftarrow \beta_1 m + (1-\beta_1) g`; the factors :math:`r, c` take :math:`g^{\odot 2}`;
-    ``target -= lr * clip((m / (1 - beta1**step)) / (sqrt(V_hat) + eps))``. ``step`` counts the
-    steps since this state was (re)initialised, 1 on the first (bias correction restarts with the
-    state, as in FRUGAL's AdamW rule). State: ``exp_avg`` (shape of ``grad``), ``row``, ``col``.
+    returns ``clip((m / (1 - beta1**step)) / (sqrt(V_hat) + eps))`` (the step is ``-lr`` times it).
+    ``step`` counts the steps since this state was (re)initialised, 1 on the first (bias correction
+    restarts with the state, as in FRUGAL's AdamW rule); an int or a 0-d tensor. State: ``exp_avg``
+    (shape of ``grad``), ``row``, ``col``.
     """
     exp_avg.lerp_(grad, 1.0 - beta1)
     update_factors_(row, col, grad, decay_weight(step, beta2, beta2_decay))
     v = factored_variance(row, col, second_moment_correction(step, beta2, beta2_decay))
     u = (exp_avg / (1.0 - beta1 ** step)).div_(v.sqrt_().add_(eps))
-    target.sub_(rms_clip_(u, clip_threshold), alpha=lr)
+    return rms_clip_(u, clip_threshold)
 
 
-def one_sided_adafactor_(param: Tensor, residual: Tensor, stat: Tensor, step: int, *, lr: float,
-                         beta2: float, eps: float, dim: int, beta2_decay: float | None = None,
-                         clip_threshold: float | None = None) -> None:
-    r"""AdaMeM's residual rule on one tensor: ``param -= lr * residual / (sqrt(s_hat) + eps)``
+def adafactor_momentum_(target: Tensor, grad: Tensor, exp_avg: Tensor, row: Tensor, col: Tensor,
+                        step, *, lr: float, beta1: float, beta2: float, eps: float,
+                        beta2_decay: float | None = None, clip_threshold: float | None = None) -> None:
+    """``target -= lr * adafactor_momentum_direction(...)`` (see there)."""
+    target.sub_(adafactor_momentum_direction(grad, exp_avg, row, col, step, beta1=beta1, beta2=beta2,
+                                             eps=eps, beta2_decay=beta2_decay, clip_threshold=clip_threshold),
+                alpha=lr)
+
+
+def one_sided_direction(residual: Tensor, stat: Tensor, step, *, beta2: float, eps: float, dim: int,
+                        beta2_decay: float | None = None, clip_threshold: float | None = None) -> Tensor:
+    r"""AdaMeM's residual rule on one tensor, as a direction: ``residual / (sqrt(s_hat) + eps)``
     with the one-sided statistic ``stat`` averaged over ``dim`` (so it has one value per index of
     the other dimension). Not state-free in FRUGAL's strict sense: it owns ``stat`` (one vector per
     matrix, e.g. ``m`` floats for an ``m x n`` weight), which the memory count includes."""
     update_one_sided_(stat, residual, decay_weight(step, beta2, beta2_decay), dim)
     v = one_sided_variance(stat, dim, second_moment_correction(step, beta2, beta2_decay))
-    u = residual / v.sqrt().add_(eps)
-    param.sub_(rms_clip_(u, clip_threshold), alpha=lr)
+    return rms_clip_(residual / v.sqrt().add_(eps), clip_threshold)
+
+
+def one_sided_adafactor_(param: Tensor, residual: Tensor, stat: Tensor, step, *, lr: float,
+                         beta2: float, eps: float, dim: int, beta2_decay: float | None = None,
+                         clip_threshold: float | None = None) -> None:
+    """``param -= lr * one_sided_direction(...)`` (see there)."""
+    param.sub_(one_sided_direction(residual, stat, step, beta2=beta2, eps=eps, dim=dim,
+                                   beta2_decay=beta2_decay, clip_threshold=clip_threshold), alpha=lr)
 
 
 def adafactor_(param: Tensor, grad: Tensor, row: Tensor, col: Tensor, step: int, *, lr: float,

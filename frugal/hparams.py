@@ -13,15 +13,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
+from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
-from .rules import STATE_FREE, STATE_FULL
+from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 
 
 class HyperparameterError(ValueError):
     """A bad optimizer hyperparameter: the message names the key, the value and what is valid."""
 
 
-RESET_MODES = ("reset", "reproject", "keep")
+RESET_MODES = ("reset", "reproject", "keep", "transport")
 GRANULARITIES = ("layer", "tensor")
 
 # Keys whose value is one of a fixed set of names.
@@ -33,10 +34,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "block_order": proj.BLOCK_ORDERS,
     "block_granularity": GRANULARITIES,
     "sign_update": SIGN_UPDATES,
+    "density_schedule": DENSITY_KINDS,
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
-BOOLEANS = ("stochastic_rounding", "foreach")
+BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback")
 
 # Numeric keys: (low, high, high_open); None = unbounded on that side.
 _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -47,6 +49,22 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "state_free_lr_scale": (0.0, None, False),
     "projectable_lr_scale": (0.0, None, False),
     "momentum": (0.0, 1.0, True),
+    "subspace_momentum": (0.0, 1.0, True),
+    "density_end": (0.0, 1.0, False),
+    "update_gap_growth": (1.0, None, False),
+    "plateau_threshold": (0.0, 1.0, True),
+}
+# Numeric keys that may also be None (off / no limit).
+_OPTIONAL_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "fira_gamma": (1.0, None, False),
+}
+# Integer keys: lowest value, and whether None is allowed.
+_INTEGERS: dict[str, tuple[int | None, bool]] = {
+    "update_gap": (1, False),
+    "seed": (None, False),
+    "density_steps": (1, True),
+    "plateau_patience": (1, False),
+    "max_update_gap": (1, True),
 }
 
 
@@ -94,16 +112,69 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     for key, (low, high, high_open) in _RANGES.items():
         if key in out:
             out[key] = _number(key, out[key], low, high, high_open)
+    for key, (low, high, high_open) in _OPTIONAL_RANGES.items():
+        if key in out and out[key] is not None:
+            try:
+                out[key] = _number(key, out[key], low, high, high_open)
+            except HyperparameterError as err:
+                raise HyperparameterError(f"{err} or None (off)") from None
     for key in BOOLEANS:
         if key in out and not isinstance(out[key], bool):
             raise HyperparameterError(f"Invalid {key}: {out[key]!r} (expected True or False)")
-    if "update_gap" in out:
-        out["update_gap"] = _integer("update_gap", out["update_gap"], low=1)
-    if "seed" in out:
-        out["seed"] = _integer("seed", out["seed"])
+    for key, (low, optional) in _INTEGERS.items():
+        if key in out and not (optional and out[key] is None):
+            try:
+                out[key] = _integer(key, out[key], low=low)
+            except HyperparameterError as err:
+                raise HyperparameterError(f"{err}{' or None' if optional else ''}") from None
     if "betas" in out:
         betas = out["betas"]
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise HyperparameterError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2), each in [0, 1))")
         out["betas"] = tuple(_number(f"beta parameter at index {i}", b, 0.0, 1.0, True) for i, b in enumerate(betas))
     return out
+
+
+def check_combination(group: Mapping[str, Any]) -> None:
+    """Settings that are valid alone but not together (one param group's resolved values): the
+    concurrent methods' rules need a split with a reduced dimension, LDAdam's pieces need a matrix
+    basis and AdamW's moments. Raises HyperparameterError naming the keys and what would work."""
+    projection, full, free = group["projection"], group["state_full"], group["state_free"]
+    projectable = group.get("projectable", True) and not group.get("always_state_free", False)
+    if STATE_FREE[free].contextual is not None:
+        if group.get("always_state_free", False):
+            raise HyperparameterError(
+                f"state_free {free!r} updates the residual of a split tensor, but this group is always "
+                "state-free (no split); valid choices there: " + ", ".join(_plain(STATE_FREE)))
+        if projectable and projection not in CONTEXTUAL_PROJECTIONS:
+            raise HyperparameterError(
+                f"state_free {free!r} needs a projection with a reduced dimension (the paper: block "
+                f"projection cannot carry norm-based scaling); got projection {projection!r}; valid "
+                f"choices: {', '.join(CONTEXTUAL_PROJECTIONS)}")
+    if group.get("error_feedback") and projectable:
+        if projection not in proj.MATRIX or free != "none" or full != "adamw":
+            raise HyperparameterError(
+                "error_feedback=True (LDAdam) carries what the low-rank step leaves out to the next "
+                f"step, so it needs a matrix projection ({', '.join(proj.MATRIX)}), state_free 'none' "
+                f"and state_full 'adamw'; got projection {projection!r}, state_free {free!r}, "
+                f"state_full {full!r}")
+    if projectable and (group["reset_state"] == "transport" or projection == "power") and (
+            projection not in proj.MATRIX or full != "adamw"):
+        raise HyperparameterError(
+            f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
+            f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
+            f"({', '.join(proj.MATRIX)}) and state_full 'adamw' (its two moments)")
+    if group["density_schedule"] != "constant" and group["density_steps"] is None:
+        raise HyperparameterError(
+            f"density_schedule {group['density_schedule']!r} needs density_steps (the steps over which the "
+            f"density goes from density={group['density']:g} to density_end={group['density_end']:g})")
+    if STATE_FULL[full].matrix_only and projectable and (
+            projection == "randk" or group["reset_state"] in ("reproject", "transport")):
+        raise HyperparameterError(
+            f"state_full {full!r} keeps factored moments of a matrix: it cannot run on projection "
+            f"{projection!r} (1-D) or with reset_state {group['reset_state']!r}; valid choices: "
+            "reset_state reset or keep, any projection but randk")
+
+
+def _plain(rules) -> list[str]:
+    return [name for name, rule in rules.items() if rule.contextual is None]

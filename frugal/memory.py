@@ -10,7 +10,11 @@ shapes alone, so it works on a model built on the `meta` device (a 7B model cost
 - column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
   columns (rows; elements for randk), and their indices (randk's, int32, are half the moments'
   size: the paper counts a seed, the implementation keeps the indices, see below).
-- svd / random (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
+- the concurrent methods add their own state: AdaMeM's Adafactor factors replace the second moment
+  (one row and one column vector of the reduced state) and its residual rule keeps one vector per
+  matrix; Fira keeps one scalar per matrix (the limiter's previous norm); LDAdam's error-feedback
+  buffer holds one value per weight entry of every split matrix.
+- svd / random / power (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
   Appendix D's layout: the projection matrix on the larger side (max(m, n) x r) and the moments on
   the smaller side (min(m, n) x r), 26/24 = 13/12 of the coordinate projections' cost for LLaMA.
   This is the layout behind Table 2's GaLore column. (galore-torch and `frugal.FRUGAL` follow
@@ -36,6 +40,7 @@ from . import projections as proj
 from .registry import optimizer_groups, resolve
 
 _STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
+_COUNTER_BYTES = 8  # an int64 step counter (AdaMeM's residual rule: exact after a reload in any dtype)
 
 
 def _tensor_bytes(obj) -> int:
@@ -59,55 +64,77 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int:
-    from .rules import STATE_FULL
-
     groups, hp = optimizer_groups(model, name, hp)  # hp is validated by resolve()
     hp = {**hparams.defaults(), **hp}
-    rule = STATE_FULL[hp["state_full"]]
-    n_moments = len(rule.state_names)
-    step_bytes = _STEP_BYTES if rule.counts_steps else 0
-    projection, density = hp["projection"], hp["density"]
-
-    def full(p: torch.Tensor) -> int:  # a tensor wholly state-full
-        return n_moments * p.numel() * p.element_size() + step_bytes
-
+    if hp["density_schedule"] != "constant":  # the peak: the larger of the two ends
+        hp["density"] = max(hp["density"], hp["density_end"])
     total = 0
     projectable: list[tuple[dict, torch.Tensor]] = []
     for group in groups:
-        if group.get("always_state_free"):
+        g = {**hp, **{k: v for k, v in group.items() if k != "params"}}
+        if g.get("always_state_free"):
             continue
-        if group.get("projectable"):
-            projectable += [(group, p) for p in group["params"]]
+        if g.get("projectable"):
+            projectable += [(g, p) for p in group["params"]]
         else:
-            total += sum(full(p) for p in group["params"])
+            total += sum(_rule_bytes(g["state_full"], p.shape, p.element_size()) for p in group["params"])
 
-    if projection == "block":
-        for p in _active_block_tensors(projectable, hp):
-            total += full(p)
-        return total
-
-    for group, p in projectable:
-        transposed = group.get("transposed", False)
-        elem = p.element_size()
-        if projection in proj.COORDINATE:
-            k = proj.coordinate_count(projection, p.shape, transposed, density)
-            if k == 0:
-                continue
-            reduced = math.prod(proj.reduced_shape(projection, p.shape, transposed, density))
-            total += (n_moments * reduced * elem + step_bytes
-                      + _coordinate_index_bytes(projection, k, p.numel()))
-        elif projection in proj.MATRIX:
-            r = proj.matrix_rank(p.shape, density)
-            if r == 0:
-                continue
-            small, large = sorted(p.shape)
-            if svd_layout == "paper":
-                total += (large * r + n_moments * small * r) * elem + step_bytes
-            else:
-                total += (small * r + n_moments * large * r) * elem + step_bytes
-        else:
-            raise ValueError(f"Unknown projection {projection!r}; valid choices: {sorted(proj.PROJECTIONS)}")
+    if hp["projection"] == "block":
+        return total + sum(_rule_bytes(hp["state_full"], p.shape, p.element_size())
+                           for p in _active_block_tensors(projectable, hp))
+    for g, p in projectable:
+        total += _split_bytes(g, p, svd_layout)
     return total
+
+
+def _rule_bytes(rule_name: str, shape, elem: int) -> int:
+    """The state-full rule's state for a target of ``shape``: its tensors and a step counter."""
+    from .rules import STATE_FULL
+
+    rule = STATE_FULL[rule_name]
+    shape = tuple(shape)
+    if rule.shapes is not None:
+        n = sum(math.prod(s) for s in rule.shapes(shape).values())
+    else:
+        n = len(rule.state_names) * math.prod(shape)
+    return n * elem + (_STEP_BYTES if rule.counts_steps else 0)
+
+
+def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:
+    """A contextual state-free rule's state: Fira's previous norm (one value), AdaMeM's one-sided
+    statistic (one value per index of the side the projection did not reduce) and its int64 counter."""
+    if free == "fira":
+        return elem
+    if free == "one_sided_adafactor":
+        return other_side * elem + _COUNTER_BYTES
+    return 0
+
+
+def _split_bytes(g: dict, p: torch.Tensor, svd_layout: str) -> int:
+    """One split tensor: the reduced state, the subspace, and what the methods add (the
+    contextual state-free rule's state, LDAdam's error buffer of the tensor's size)."""
+    projection, density, transposed = g["projection"], g["density"], g.get("transposed", False)
+    elem = p.element_size()
+    extra = p.numel() * elem if g["error_feedback"] and projection in proj.MATRIX else 0
+    if projection in proj.COORDINATE:
+        k = proj.coordinate_count(projection, p.shape, transposed, density)
+        if k == 0:
+            return 0
+        reduced = proj.reduced_shape(projection, p.shape, transposed, density)
+        dim, _ = proj.reduced_dim(projection, p.shape, transposed)
+        other = p.shape[1 - dim] if dim is not None else 0
+        return (_rule_bytes(g["state_full"], reduced, elem) + _coordinate_index_bytes(projection, k, p.numel())
+                + _free_rule_bytes(g["state_free"], other, elem))
+    if projection in proj.MATRIX:
+        r = proj.matrix_rank(p.shape, density)
+        if r == 0:
+            return 0
+        small, large = sorted(p.shape)
+        # implementation: Q (small x r), state (large x r); paper (Appendix D): Q (large x r), state (small x r)
+        basis, side = (large, small) if svd_layout == "paper" else (small, large)
+        return (basis * r * elem + _rule_bytes(g["state_full"], (side, r), elem)
+                + _free_rule_bytes(g["state_free"], side, elem) + extra)
+    raise ValueError(f"Unknown projection {projection!r}; valid choices: {sorted(proj.PROJECTIONS)}")
 
 
 def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:

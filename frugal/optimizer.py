@@ -27,13 +27,26 @@ below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` r
 fused kernels and no gather/scatter shortcuts; it is the reference the fast path is tested
 against, and the path of bfloat16 weights with ``stochastic_rounding=True``.
 
-Where methods built on FRUGAL plug in: a state-full rule with its own state layout (Adafactor-style
-factors, AdaMeM) is a ``rules.StateFullRule`` with its ``init_state``; a state-free rule that reads
-the state-full update (Fira scales the residual by the per-column norm ratio of the update and
-the reduced gradient) runs in phase 4, after phase 3 has filled ``Work.target`` next to
-``Work.full_grad`` (phase 4 would hand it the batch's ``Work`` records); a per-step projection
-refresh with an error-feedback buffer (LDAdam) is a ``frugal.state_management`` option (``update_gap=1``,
-``reproject``) plus a buffer added to the gradient in phase 2.
+The concurrent methods the paper reads as FRUGAL instances (its Appendix "Comparison with
+Concurrent Methods"; registry entries ``fira``, ``ldadam``, ``adamem``) plug into these phases:
+
+- AdaMeM: a state-full rule with its own state layout (``adafactor_momentum``: Adafactor's factors,
+  ``rules.StateFullRule.shapes``) in phase 3, and a *contextual* state-free rule
+  (``one_sided_adafactor``) in phase 4 that keeps a statistic per tensor.
+- Fira: the contextual rule ``fira`` reads the state-full update. For it phase 3 runs the
+  state-full rule with learning rate 1 on a zero target, which then holds ``-psi`` exactly (no
+  division by a learning rate that is 0 during warm-up); phase 4 reads it, and phase 5 adds
+  ``lr * projectable_lr_scale`` times its lift.
+- LDAdam: ``projection="power"`` (a basis tracked by block power iteration), ``reset_state=
+  "transport"`` (the moments moved into the new basis) and ``error_feedback=True``: in phase 2 the
+  gradient is added to the error buffer (``p.grad`` is never written), the split reads that sum,
+  and the buffer is left holding what the low-rank step did not apply (``frugal.state_management``).
+
+Opt-in beyond the paper (off by default): ``density_schedule`` (the density decays over training,
+evaluated at the first step of each window) and ``update_gap_growth`` (the update gap grows when
+the training loss, given by ``observe_loss``, stops improving: AdaFRUGAL's proposal). Both keep
+their clock in the first param group, so ``state_dict()`` resumes them exactly, and report their
+changes through ``pop_events()``.
 """
 from __future__ import annotations
 
@@ -48,13 +61,17 @@ from torch.optim import Optimizer
 
 from . import projections as proj
 from . import grouping, state_management
-from .hparams import HyperparameterError, validate
+from .adaptive import WindowClock, advance_clock, density_at, observe_clock
+from .hparams import HyperparameterError, check_combination, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
-from .rules import STATE_FREE, STATE_FULL
+from .rules import STATE_FREE, STATE_FULL, FreeContext
 from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
-_BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed")
+_BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed",
+                 "density_schedule", "density_end", "density_steps")
+# One clock serves every group once windows are not step // update_gap: its settings are shared.
+_CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
 
 
@@ -68,10 +85,13 @@ class Work:
     state: dict
     role: str  # FULL, FREE or SPLIT
     ident: int  # position among all parameters: keys the random subspace
+    window: int  # the subspace window of this step
     subspace: Tensor | None = None  # indices or Q (split tensors)
     target: Tensor | None = None  # what the state-full rule updates in place
     full_grad: Tensor | None = None  # the gradient the state-full rule sees
     free_grad: Tensor | None = None  # the gradient the state-free rule sees
+    additive: bool = False  # target collects an update that phase 5 adds (times write_scale)
+    write_scale: float = 1.0
 
 
 class FullKey(NamedTuple):
@@ -103,6 +123,7 @@ class _Layout:
     block_of: list[list]  # per group, per parameter: its block, or None
     blocks: list | None  # sorted block ids; None without block projection
     hp: dict | None  # the settings every block-projected group shares
+    clock: dict | None = None  # the settings of the window clock; None: windows are step // update_gap
     active: tuple | None = None  # (window, frozenset of active blocks), memoised
 
 
@@ -135,6 +156,17 @@ class FRUGAL(Optimizer):
     state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
     stays state-full keeps its state and only entering blocks start fresh.
 
+    Concurrent methods (module docstring): ``state_full="adafactor_momentum"`` and
+    ``state_free="one_sided_adafactor"`` (AdaMeM), ``state_free="fira"`` with the norm-growth
+    limiter ``fira_gamma`` (Fira; None: off, for runs that clip gradients), ``projection="power"``
+    with ``subspace_momentum``, ``reset_state="transport"`` and ``error_feedback`` (LDAdam).
+
+    Opt-in schedules (off by default): ``density_schedule`` ("constant", "linear", "cosine",
+    "step") takes the density from ``density`` to ``density_end`` over ``density_steps`` steps,
+    read at the first step of each window; ``update_gap_growth`` > 1 multiplies the update gap
+    (up to ``max_update_gap``) when the mean training loss of a window, fed by ``observe_loss``,
+    has not improved by the relative ``plateau_threshold`` for ``plateau_patience`` windows.
+
     Implementation keys: ``sign_update`` ("auto", "compiled", "eager"; ``frugal.kernels``) picks
     the signSGD kernel; ``stochastic_rounding=True`` rounds bfloat16 weights stochastically
     (unbiased) instead of to nearest, so updates below half a bf16 ulp are not lost in pure bf16
@@ -158,7 +190,10 @@ class FRUGAL(Optimizer):
                  density=0.25, update_gap=200, projection="block", state_full="adamw",
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
-                 momentum=0.9, seed=0, sign_update="auto", stochastic_rounding=False, foreach=True):
+                 momentum=0.9, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
+                 density_schedule="constant", density_end=0.0, density_steps=None,
+                 update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
+                 sign_update="auto", stochastic_rounding=False, foreach=True):
         params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
@@ -166,15 +201,22 @@ class FRUGAL(Optimizer):
                         state_free_lr_scale=state_free_lr_scale,
                         projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
                         block_order=block_order, block_granularity=block_granularity,
-                        momentum=momentum, seed=seed, sign_update=sign_update,
+                        momentum=momentum, seed=seed, fira_gamma=fira_gamma,
+                        subspace_momentum=subspace_momentum, error_feedback=error_feedback,
+                        density_schedule=density_schedule, density_end=density_end,
+                        density_steps=density_steps, update_gap_growth=update_gap_growth,
+                        plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
+                        max_update_gap=max_update_gap, sign_update=sign_update,
                         stochastic_rounding=stochastic_rounding, foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
+        self._events: list[dict] = []
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / unpickle: caches are rebuilt
         super().__setstate__(state)
         self._layout = None
+        self.__dict__.setdefault("_events", [])
 
     # ---- groups, layout, checkpoints ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -186,6 +228,8 @@ class FRUGAL(Optimizer):
         if first:
             group.setdefault("step", 0)
         group.update(validate({k: group[k] for k in self.defaults}))
+        check_combination(group)
+        self._check_rule_shapes(group)
         if group["projectable"] and not group["always_state_free"]:
             projection = group["projection"]
             for p in group["params"]:
@@ -193,6 +237,11 @@ class FRUGAL(Optimizer):
                     raise HyperparameterError(
                         f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
                         "valid choices for other shapes: block, randk")
+                if is_dtensor(p) and STATE_FREE[group["state_free"]].contextual is not None:
+                    raise HyperparameterError(
+                        f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
+                        f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
+                        "shard; valid choices for sharded parameters: signsgd, sgd, none")
                 if projection in proj.MATRIX and is_dtensor(p):
                     raise HyperparameterError(
                         f"projection {projection!r} needs each whole weight matrix (for its basis), "
@@ -204,14 +253,30 @@ class FRUGAL(Optimizer):
                     "its layer index as group key 'block' (or use block_granularity='tensor')")
         self._layout = None
 
+    @staticmethod
+    def _check_rule_shapes(group: dict) -> None:
+        """A state-full rule of matrices (Adafactor's factors) refuses, at construction, a tensor it
+        would have to update whole (non-projectable, block) that is not 2-D, and FSDP2 shards."""
+        if not STATE_FULL[group["state_full"]].matrix_only or group["always_state_free"]:
+            return
+        whole = not group["projectable"] or group["projection"] == "block"
+        for p in group["params"]:
+            if is_dtensor(p) or (whole and p.dim() != 2):
+                raise HyperparameterError(
+                    f"state_full {group['state_full']!r} factors the second moment of a matrix; it cannot "
+                    f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
+                    "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
+                    "does for embeddings, norms and the output layer)")
+
     @property
     def step_count(self) -> int:
-        """Steps taken so far; the next step's window is ``step_count // update_gap``."""
+        """Steps taken so far; the next step's window is ``step_count // update_gap`` (with a
+        density schedule or a growing gap: the window clock's, see ``pop_events``)."""
         return self.param_groups[0]["step"]
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every state tensor of a floating-point parameter to the parameter's dtype;
-        # index tensors keep theirs (bf16 cannot even represent indices above 256).
+        # index tensors and integer counters keep theirs (bf16 cannot even represent indices above 256).
         exact = {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
                  for key, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
@@ -220,6 +285,49 @@ class FRUGAL(Optimizer):
                 for name, v in exact.get(key, {}).items():
                     self.state[p][name] = v.to(device=local(p).device)
         self._layout = None
+
+    # ---- events and the loss (opt-in schedules) ----------------------------------------------
+    def observe_loss(self, loss: float) -> None:
+        """Record one training loss (a float, the same on every data-parallel rank: the all-reduced
+        mean) for the plateau-growing update gap. Call it once per step; without
+        ``update_gap_growth`` > 1 it does nothing. A window's gap is decided from the mean of the
+        losses recorded since the previous window change, so the decisions are the same on every
+        rank and after a resume (the sums are part of ``state_dict()``)."""
+        layout = self._get_layout()
+        if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
+            observe_clock(self.param_groups[0], layout.clock, loss)
+
+    def pop_events(self) -> list[dict]:
+        """Changes made by the opt-in schedules since the last call, oldest first, for the training
+        log: ``{"event": "density", "window", "density"[, "state_full_blocks"]}`` when a density
+        schedule changes the density of a new window, and ``{"event": "update_gap", "window",
+        "update_gap", "previous_update_gap", "window_loss"}`` when a plateau grows the gap."""
+        events, self._events = self._events, []
+        return events
+
+    def _clock(self, layout: _Layout, step: int, commit: bool) -> WindowClock | None:
+        """The window clock at ``step`` (None: windows are ``step // update_gap``); ``commit`` (only
+        a step) stores it, lets the plateau controller decide and records the events; a query never
+        decides anything, so asking (e.g. ``active_blocks()``) cannot change a run."""
+        if layout.clock is None:
+            return None
+        blocks = None
+        if layout.blocks is not None:
+            n = len(layout.blocks)
+            blocks = lambda start: proj.block_count(n, density_at(layout.hp, start))  # noqa: E731
+        clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
+        self._events += events
+        return clock
+
+    def _effective(self, group: dict, clock: WindowClock | None) -> dict:
+        """``group`` with the density of the clock's window (itself without a density schedule)."""
+        if clock is None or group["density_schedule"] == "constant":
+            return group
+        return {**group, "density": density_at(group, clock.start)}
+
+    @staticmethod
+    def _window(group: dict, step: int, clock: WindowClock | None) -> int:
+        return step // group["update_gap"] if clock is None else clock.window
 
     def materialize_state(self, step: int) -> None:
         """Set the step counter to ``step`` and give every tensor that holds state in that step's
@@ -235,13 +343,25 @@ class FRUGAL(Optimizer):
             dcp.load(state, checkpoint_id=path)
             set_optimizer_state_dict(model, optimizer, state["optim"],
                                      options=StateDictOptions(strict=False))
+
+        With a growing update gap the windows depend on the losses seen, which only the
+        checkpoint knows: refused.
         """
-        self.param_groups[0]["step"] = step
         layout = self._get_layout()
-        active = self._active(layout, step)
+        if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
+            raise HyperparameterError(
+                "materialize_state cannot know the windows of a run with update_gap_growth > 1 (they depend "
+                "on the losses seen); load such a run with optimizer.load_state_dict instead")
+        self.param_groups[0]["step"] = step
+        self.param_groups[0].pop("clock", None)
+        last = max(step - 1, 0)  # a checkpoint of step S holds the state of the window of step S - 1
+        clock = self._clock(layout, last, commit=True)
+        self._events = []
+        active = self._active(layout, last, clock)
         for gi, group in enumerate(self.param_groups):
+            group = self._effective(group, clock)
             rule = STATE_FULL[group["state_full"]]
-            window = step // group["update_gap"]
+            window = self._window(group, last, clock)
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
@@ -250,7 +370,8 @@ class FRUGAL(Optimizer):
                     rule.init_state(self.state[p], p)
                 elif group["projection"] in proj.COORDINATE:
                     state_management.coordinates(self.state[p], rule, local(p), group, window,
-                                         layout.idents[gi][pi], shard_key(p, group))
+                                                 layout.idents[gi][pi], shard_key(p, group))
+                    self._init_free_state(self.state[p], p, group)
                 else:  # the basis comes from the checkpoint (svd: from a gradient)
                     state = self.state[p]
                     shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"],
@@ -261,6 +382,17 @@ class FRUGAL(Optimizer):
                     state["proj"] = torch.zeros(side, rank, dtype=p.dtype, device=p.device)
                     state["window"] = window
                     rule.init_state(state, p, shape)
+                    if group["error_feedback"]:
+                        state["error"] = torch.zeros_like(p)
+                    self._init_free_state(state, p, group)
+
+    @staticmethod
+    def _init_free_state(state: dict, p: Tensor, group: dict) -> None:
+        """The state of a contextual state-free rule (Fira's norm, AdaMeM's statistic)."""
+        free = STATE_FREE[group["state_free"]]
+        if free.init_state is not None:
+            dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
+            free.init_state(state, p.t() if transposed else p, dim)
 
     def _get_layout(self) -> _Layout:
         if self._layout is not None:
@@ -270,6 +402,7 @@ class FRUGAL(Optimizer):
             idents.append(list(range(n, n + len(g["params"]))))
             block_of.append([None] * len(g["params"]))
             n += len(g["params"])
+        split = [g for g in self.param_groups if g["projectable"] and not g["always_state_free"]]
         groups = [(gi, g) for gi, g in enumerate(self.param_groups)
                   if g["projectable"] and not g["always_state_free"] and g["projection"] == "block"]
         layout = _Layout(idents, block_of, None, None)
@@ -287,17 +420,29 @@ class FRUGAL(Optimizer):
                     count += 1
             layout.blocks = sorted({b for row in block_of for b in row if b is not None})
             layout.hp = hp
+        clocked = [g for g in split if g["density_schedule"] != "constant" or g["update_gap_growth"] > 1.0]
+        if clocked:
+            clock = {k: clocked[0][k] for k in _CLOCK_SHARED + _BLOCK_SHARED}
+            for g in split:
+                for k in _CLOCK_SHARED:
+                    if g[k] != clock[k]:
+                        raise HyperparameterError(
+                            f"With a density schedule or a growing update gap all projected groups share one "
+                            f"window clock, so they must share {k}: got {clock[k]!r} and {g[k]!r}")
+            layout.clock = clock
         self._layout = layout
         return layout
 
-    def _active(self, layout: _Layout, step: int) -> frozenset:
+    def _active(self, layout: _Layout, step: int, clock: WindowClock | None) -> frozenset:
         """State-full blocks of the window holding ``step``."""
         if layout.blocks is None:
             return frozenset()
-        window = step // layout.hp["update_gap"]
+        window = self._window(layout.hp, step, clock)
         if layout.active is None or layout.active[0] != window:
-            chosen = proj.select_blocks(layout.hp["block_order"], len(layout.blocks),
-                                        layout.hp["density"], window, layout.hp["seed"])
+            hp = layout.hp
+            density = hp["density"] if clock is None else density_at(hp, clock.start)
+            chosen = proj.select_blocks(hp["block_order"], len(layout.blocks), density, window, hp["seed"],
+                                        offset=None if clock is None else clock.offset)
             layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
         return layout.active[1]
 
@@ -316,17 +461,20 @@ class FRUGAL(Optimizer):
         """State-full blocks (layer indices, or tensor positions with granularity 'tensor') of
         the window the next step will use; None without block projection."""
         layout = self._get_layout()
-        return None if layout.blocks is None else sorted(self._active(layout, self.step_count))
+        clock = self._clock(layout, self.step_count, commit=False)
+        return None if layout.blocks is None else sorted(self._active(layout, self.step_count, clock))
 
     def _census(self) -> tuple[int, int, int, float]:
         """(projectable elements, state-full ones next step, one selection unit, density asked)."""
         layout = self._get_layout()
-        active = self._active(layout, self.step_count)
+        clock = self._clock(layout, self.step_count, commit=False)
+        active = self._active(layout, self.step_count, clock)
         total = full = units = asked = 0
         block_sizes: dict = defaultdict(int)
         for gi, g in enumerate(self.param_groups):
             if not g["projectable"] or g["always_state_free"]:
                 continue
+            g = self._effective(g, clock)
             for pi, p in enumerate(g["params"]):
                 n = p.numel()
                 total += n
@@ -375,13 +523,13 @@ class FRUGAL(Optimizer):
             (single if reference else fast).append(w)
         for batch in self._batches(fast):
             for w in batch:
-                self._split(w, step)                                      # 2. split
+                self._split(w)                                            # 2. split
             self._update_state_full(batch)                                # 3. state-full update
             self._update_state_free(batch)                                # 4. state-free update
             for w in batch:
                 self._write_back(w)                                       # 5. write back
         for w in single:
-            update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step)
+            update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step, w.window)
         self.param_groups[0]["step"] = step + 1
         return loss
 
@@ -389,9 +537,11 @@ class FRUGAL(Optimizer):
         """Phase 1. Tensors leaving the state-full set (and state-free ones) drop their state
         first, whether or not they have a gradient; state is allocated only in later phases."""
         layout = self._get_layout()
-        active = self._active(layout, step)
+        clock = self._clock(layout, step, commit=True)
+        active = self._active(layout, step, clock)
         roles = []
         for gi, group in enumerate(self.param_groups):
+            group = self._effective(group, clock)
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
@@ -401,7 +551,7 @@ class FRUGAL(Optimizer):
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")
                 roles.append((gi, pi, group, p, role))
         return [Work(p, local(p), local(p.grad), group, self.state[p] if role != FREE else {}, role,
-                     layout.idents[gi][pi])
+                     layout.idents[gi][pi], self._window(group, step, clock))
                 for gi, pi, group, p, role in roles if p.grad is not None]
 
     @staticmethod
@@ -425,7 +575,7 @@ class FRUGAL(Optimizer):
         if batch:
             yield batch
 
-    def _split(self, w: Work, step: int) -> None:
+    def _split(self, w: Work) -> None:
         """Phase 2: state-full subspace, ``full_grad``/``target`` and ``free_grad`` of one tensor."""
         group, rule = w.group, STATE_FULL[w.group["state_full"]]
         if w.role == FREE:
@@ -436,22 +586,38 @@ class FRUGAL(Optimizer):
             w.target, w.full_grad = w.local, w.grad
             return
         p, projection, transposed = w.local, group["projection"], group["transposed"]
-        window = step // group["update_gap"]
+        free = STATE_FREE[group["state_free"]]
         if projection in proj.MATRIX:
-            w.subspace = state_management.matrix(w.state, rule, p, w.grad, group, window, w.ident)
-            w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
+            grad, moved = w.grad, None
+            if group["error_feedback"]:  # LDAdam: the split reads g + e (the buffer holds it)
+                grad, moved = state_management.feedback_begin(w.state, w.grad), {}
+            w.subspace = state_management.matrix(w.state, rule, p, grad, group, w.window, w.ident, moved)
+            w.full_grad = proj.project(grad, projection, transposed, w.subspace)
+            if group["error_feedback"]:
+                state_management.feedback_end(w.state, group, p, w.full_grad, w.subspace, moved)
             w.target = torch.zeros_like(w.full_grad)  # collects the state-full update
+            w.additive = True
             w.free_grad = w.grad
             if group["state_free"] != "none":
-                w.free_grad = w.grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
-                                                         w.subspace)
-            return
-        w.subspace = state_management.coordinates(w.state, rule, p, group, window, w.ident,
-                                                  shard_key(w.param, group))
-        w.subspace = w.subspace.long()  # once, not in each of the three gathers/scatters below
-        w.target = proj.project(p, projection, transposed, w.subspace)
-        w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
-        w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
+                w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
+                                                       w.subspace)
+        else:
+            w.subspace = state_management.coordinates(w.state, rule, p, group, w.window, w.ident,
+                                                      shard_key(w.param, group))
+            w.subspace = w.subspace.long()  # once, not in each of the gathers/scatters below
+            w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
+            w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
+            if free.contextual is not None:  # it reads the residual itself (norms, statistics)
+                w.free_grad = proj.write_coordinates_(w.grad.clone(), projection, transposed, w.subspace,
+                                                      torch.zeros_like(w.full_grad))
+            if free.reads_update:
+                w.target, w.additive = torch.zeros_like(w.full_grad), True
+            else:
+                w.target = proj.project(p, projection, transposed, w.subspace)
+        if free.reads_update:  # phase 3 runs at lr 1 so that target = -psi; phase 5 scales it
+            w.write_scale = group["lr"] * group["projectable_lr_scale"]
+        if free.init_state is not None:
+            self._init_free_state(w.state, p, group)
 
     def _update_state_full(self, works: list[Work]) -> None:
         """Phase 3: the state-full rule on every target, one call per bucket of equal settings."""
@@ -462,9 +628,11 @@ class FRUGAL(Optimizer):
             g = w.group
             lr, wd = g["lr"], g["weight_decay"]
             lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
+            if w.role == SPLIT and STATE_FREE[g["state_free"]].reads_update:
+                lr_full = 1.0  # the target (zeros) then holds -psi exactly (module docstring)
             # Decoupled decay (lr * wd) happens inside the rule when the target holds weights;
-            # a matrix projection's target collects only the update (phase 4 decays the weights).
-            holds_weights = w.role == FULL or g["projection"] in proj.COORDINATE
+            # an additive target collects only the update (phase 4 decays the weights).
+            holds_weights = w.role == FULL or not w.additive
             wd_full = wd * lr / lr_full if holds_weights and lr_full else 0.0
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
@@ -484,13 +652,18 @@ class FRUGAL(Optimizer):
                          betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum)
 
     def _update_state_free(self, works: list[Work]) -> None:
-        """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor)."""
+        """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor);
+        contextual rules (Fira, AdaMeM) one tensor at a time, the others in buckets."""
         buckets: dict[FreeKey, tuple] = {}
         for w in works:
             if w.role == FULL:
                 continue
             g = w.group
             p = w.local
+            rule = STATE_FREE[g["state_free"]]
+            if rule.contextual is not None:
+                self._contextual_update(w, rule)
+                continue
             key = FreeKey(g["state_free"], g["lr"] * g["state_free_lr_scale"],
                           1.0 - g["lr"] * g["weight_decay"], g["sign_update"], p.device, p.dtype)
             params, grads = buckets.setdefault(key, ([], []))
@@ -501,12 +674,25 @@ class FRUGAL(Optimizer):
                                          sign_update=key.sign_update)
 
     @staticmethod
+    def _contextual_update(w: Work, rule) -> None:
+        """p <- p * (1 - lr wd) - lr * state_free_lr_scale * d, d = rule(residual, its state, the split)."""
+        g, p = w.group, w.local
+        dim, transposed = proj.reduced_dim(g["projection"], p.shape, g["transposed"])
+        residual = w.free_grad.t() if transposed else w.free_grad
+        update = torch.neg(w.target) if rule.reads_update else None  # the target holds -psi
+        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, update, dim, g))
+        if g["weight_decay"]:
+            p.mul_(1.0 - g["lr"] * g["weight_decay"])
+        p.sub_(d.t() if transposed else d, alpha=g["lr"] * g["state_free_lr_scale"])
+
+    @staticmethod
     def _write_back(w: Work) -> None:
         """Phase 5, and the end of the batch's temporaries."""
         if w.role == SPLIT:
             g, p = w.group, w.local
-            if g["projection"] in proj.MATRIX:
-                p.add_(proj.project_back(w.target, p.shape, g["projection"], g["transposed"], w.subspace))
+            if w.additive:
+                p.add_(proj.project_back(w.target, p.shape, g["projection"], g["transposed"], w.subspace),
+                       alpha=w.write_scale)
             else:
                 proj.write_coordinates_(p, g["projection"], g["transposed"], w.subspace, w.target)
         w.target = w.full_grad = w.free_grad = w.subspace = None

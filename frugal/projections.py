@@ -11,10 +11,16 @@ Projections fall into three kinds, which the optimizer treats differently:
 * coordinate projections (``column``, ``row``, ``randk``, ``randperm``): a set of coordinates
   along one dimension (or of the flattened tensor, for ``randk``) is state-full. Projecting is a
   gather, projecting back a scatter, and the state lives in the gathered (reduced) shape.
-* matrix projections (``svd``, ``random``): a semi-orthogonal matrix ``Q`` (``s x r``, orthonormal
-  columns) on the smaller side ``s`` of the (logical) ``m x n`` weight, as in GaLore's ``std``
-  mode: for ``m >= n`` the reduced gradient is ``G @ Q`` (``m x r``), otherwise ``Q^T @ G``
-  (``r x n``).
+* matrix projections (``svd``, ``random``, ``power``): a semi-orthogonal matrix ``Q`` (``s x r``,
+  orthonormal columns) on the smaller side ``s`` of the (logical) ``m x n`` weight, as in GaLore's
+  ``std`` mode: for ``m >= n`` the reduced gradient is ``G @ Q`` (``m x r``), otherwise ``Q^T @ G``
+  (``r x n``). ``power`` (LDAdam's) starts from the SVD basis and then tracks it with one
+  warm-started block power iteration per window (``frugal.state_management``); here it is the SVD.
+
+SVD bases have a fixed sign per column (largest-magnitude entry positive): singular vectors are
+defined up to sign, LAPACK, cuSOLVER and different dtypes pick different ones, and a method that keeps
+moments across a change of basis (GaLore's and Fira's ``keep``) reads them in the new basis, so
+without a fixed sign its trajectory would depend on the backend.
 
 "Logical" orientation: a GPT-2 ``Conv1D`` weight is stored ``(in, out)``; with ``transposed=True``
 it is treated as its transpose so that ``column`` means an input feature, as for ``nn.Linear``.
@@ -27,7 +33,7 @@ import torch
 
 BLOCK_ORDERS = ("ascending", "descending", "random", "mirror")
 COORDINATE = ("column", "row", "randk", "randperm")
-MATRIX = ("svd", "random")
+MATRIX = ("svd", "random", "power")
 PROJECTIONS = ("block",) + COORDINATE + MATRIX
 
 _MASK64 = (1 << 64) - 1
@@ -85,24 +91,33 @@ def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return values[first <= first.kthvalue(k).values]
 
 
-def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int) -> list[int]:
+def block_count(num_blocks: int, density: float) -> int:
+    """k = round-half-up(density * L) state-full blocks of L."""
+    return min(num_blocks, round_half_up(density * num_blocks))
+
+
+def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int,
+                  offset: int | None = None) -> list[int]:
     """Positions (0..L-1) of the state-full blocks in ``window``; k = round-half-up(density * L).
 
     ascending: window w holds {(w*k + j) mod L : j < k}; descending: the same counted from the
     top (position L-1 down); mirror: the same walk over the sequence 0, L-1, 1, L-2, ... so that
     blocks come in pairs from both ends (an odd k simply takes one more element of the walk);
-    random: k distinct blocks drawn from a generator seeded by (seed, w).
+    random: k distinct blocks drawn from a generator seeded by (seed, w). ``offset`` replaces
+    ``w*k`` as the walk's start (a density that changes between windows: the sum of the earlier
+    windows' k, so the walk still visits every block in turn).
     """
     if order not in BLOCK_ORDERS:
         raise ValueError(f"Unknown block_order {order!r}; valid choices: {', '.join(BLOCK_ORDERS)}")
     L = num_blocks
-    k = min(L, round_half_up(density * L))
+    k = block_count(L, density)
     if k == 0 or L == 0:
         return []
     if order == "random":
         perm = torch.randperm(L, generator=generator(seed, window))
         return sorted(perm[:k].tolist())
-    walk = [(window * k + j) % L for j in range(k)]
+    start = window * k if offset is None else offset
+    walk = [(start + j) % L for j in range(k)]
     if order == "descending":
         return sorted(L - 1 - i for i in walk)
     if order == "mirror":
@@ -166,17 +181,25 @@ def matrix_rank(shape, density: float) -> int:
     return round_half_up(density * min(shape[0], shape[1]))
 
 
+def canonical_signs(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with each column's sign chosen so that its largest-magnitude entry is positive."""
+    idx = q.abs().argmax(dim=0, keepdim=True)
+    signs = torch.sign(q.gather(0, idx))
+    return q * torch.where(signs == 0, torch.ones_like(signs), signs)
+
+
 def matrix_projection(projection, grad, transposed, density, seed, window, ident) -> torch.Tensor:
-    """The ``s x r`` orthonormal-column matrix Q. svd: the top-r singular vectors of the current
-    gradient on the smaller side (GaLore); random: QR of a seeded Gaussian (gradient-free)."""
+    """The ``s x r`` orthonormal-column matrix Q. svd (and power's first basis): the top-r singular
+    vectors of the current gradient on the smaller side (GaLore), signs fixed (module docstring);
+    random: QR of a seeded Gaussian (gradient-free)."""
     g = grad.t() if transposed else grad
     side = matrix_side(grad.shape, transposed)
     r = matrix_rank(grad.shape, density)
-    if projection == "svd":
+    if projection in ("svd", "power"):
         # At least fp32 (bf16 has no SVD), as galore-torch does; fp64 stays fp64.
         work = g.to(torch.promote_types(g.dtype, torch.float32))
         U, _, Vh = torch.linalg.svd(work, full_matrices=False)
-        q = Vh[:r].t() if side == "right" else U[:, :r]
+        q = canonical_signs(Vh[:r].t() if side == "right" else U[:, :r])
     elif projection == "random":
         s = g.shape[1] if side == "right" else g.shape[0]
         # drawn on the CPU in float64 so every device and dtype gets the same basis
@@ -196,6 +219,17 @@ def project(grad: torch.Tensor, projection: str, transposed: bool, subspace: tor
     if dim is None:
         return grad.view(-1).index_select(0, subspace)
     return grad.index_select(dim, subspace)
+
+
+def reduced_dim(projection: str, shape, transposed: bool) -> tuple[int, bool]:
+    """(the dimension the projection reduces, whether that is a dimension of the transpose).
+
+    Matrix projections reduce the logical weight (a ``Conv1D`` weight's transpose): dimension 1
+    for ``G Q``, 0 for ``Q^T G``. Coordinate projections select along a stored dimension (None for
+    ``randk``, which has no other dimension)."""
+    if projection in MATRIX:
+        return (1 if matrix_side(shape, transposed) == "right" else 0), transposed
+    return coordinate_dim(projection, shape, transposed), False
 
 
 def write_coordinates_(out: torch.Tensor, projection: str, transposed: bool, index: torch.Tensor,

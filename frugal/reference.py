@@ -19,14 +19,15 @@ from torch import Tensor
 from . import projections as proj
 from . import sharding, state_management
 from .kernels import stochastic_round_
-from .rules import STATE_FREE, STATE_FULL
+from .rules import STATE_FREE, STATE_FULL, FreeContext
 
 FULL, FREE, SPLIT = "state-full", "state-free", "split"
 
 
 def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: str, ident: int,
-                  step: int) -> None:
-    """One step of one tensor (``grad``: its local values; ``param`` may be an FSDP2 DTensor)."""
+                  step: int, window: int) -> None:
+    """One step of one tensor (``grad``: its local values; ``param`` may be an FSDP2 DTensor) in
+    subspace window ``window``."""
     g, p = group, sharding.local(param)
     full_rule, free_rule = STATE_FULL[g["state_full"]], STATE_FREE[g["state_free"]]
     hp = {"betas": tuple(g["betas"]), "eps": g["eps"], "momentum": g["momentum"]}
@@ -42,17 +43,28 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
             new -= lr_free * free_rule.direction(grad)
     else:
         projection, transposed = g["projection"], g["transposed"]
-        window = step // g["update_gap"]
+        a, moved = grad, None
+        if g["error_feedback"]:  # LDAdam: the step reads g + e (kept in the buffer)
+            a, moved = state_management.feedback_begin(state, grad), {}
         if projection in proj.MATRIX:
-            sub = state_management.matrix(state, full_rule, p, grad, g, window, ident)
+            sub = state_management.matrix(state, full_rule, p, a, g, window, ident, moved)
         else:
             sub = state_management.coordinates(state, full_rule, p, g, window, ident,
                                                sharding.shard_key(param, g))
-        g_full = proj.project(grad, projection, transposed, sub)
+        g_full = proj.project(a, projection, transposed, sub)
+        if g["error_feedback"]:
+            state_management.feedback_end(state, g, p, g_full, sub, moved)
         d_full = full_rule.direction(g_full, state, **hp)
         new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
-        if free_rule.direction is not None:
-            g_free = grad - proj.project_back(g_full, p.shape, projection, transposed, sub)
+        if free_rule.contextual is not None:  # Fira, AdaMeM: the rule reads the split
+            dim, flip = proj.reduced_dim(projection, p.shape, transposed)
+            g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
+            residual = g_free.t() if flip else g_free
+            free_rule.init_state(state, p.t() if flip else p, dim)
+            d = free_rule.contextual(residual, state, FreeContext(g_full, d_full, dim, g))
+            new -= lr_free * (d.t() if flip else d)
+        elif free_rule.direction is not None:
+            g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
             new -= lr_free * free_rule.direction(g_free)
     if g["stochastic_rounding"] and p.dtype == torch.bfloat16:
         # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike

@@ -12,6 +12,16 @@ Most entries are presets of FRUGAL, because the paper's baselines are points of 
     sgdm       pure SGD with momentum (the paper's EMA form): every parameter state-full.
     adamw      torch.optim.AdamW, fused where the device has the fused kernel (CPU and CUDA do),
                otherwise foreach.
+    fira       Fira (Chen et al. 2024): SVD projection with AdamW, the residual updated with Fira's
+               norm-based scaling and norm-growth limiter (fira_gamma), moments kept across
+               projection changes, update scale 0.25.
+    ldadam     LDAdam (Robert et al. 2025): a basis refreshed every step by one block power
+               iteration (projection "power", update_gap 1), AdamW's moments transported into it,
+               the rest of the gradient carried to the next step in an error-feedback buffer (kept in
+               the optimizer state: one value per weight entry); betas (0.908, 0.99).
+    adamem     AdaMeM (Vyas et al. 2024) as the FRUGAL paper reads it: SVD projection, Adafactor
+               with momentum on the projected part, one-sided Adafactor on the residual;
+               embeddings, norms and the output layer AdamW (as in every FRUGAL entry).
     apollo     APOLLO, from the apollo-torch package (frugal/external.py).
     adam_mini  Adam-mini, from the adam-mini package (frugal/external.py).
 
@@ -40,6 +50,7 @@ from torch import nn
 from . import external, hparams
 from .grouping import param_groups
 from .hparams import HyperparameterError
+from .rules import STATE_FREE
 
 COMMON_KEYS = ("lr", "weight_decay", "seed")
 # FRUGAL-based entries with layout "blocks" also take the `param_groups` keys.
@@ -59,6 +70,7 @@ class _Entry:
     preset: dict = field(default_factory=dict)
     keys: tuple[str, ...] | None = None
     layout: str = "blocks"
+    rest: dict = field(default_factory=dict)  # settings of the non-projectable group (layout "blocks")
 
 
 _ENTRIES: dict[str, _Entry] = {
@@ -78,6 +90,18 @@ _ENTRIES: dict[str, _Entry] = {
     "lion": _Entry("frugal", "Lion on every parameter", {"state_full": "lion", "betas": (0.9, 0.99)},
                    ("betas",) + IMPLEMENTATION_KEYS, "all_state_full"),
     "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
+    # The concurrent methods of the paper's Appendix "Comparison with Concurrent Methods", as the
+    # FRUGAL instances it describes (docs/concurrent_methods.md).
+    "fira": _Entry("frugal", "Fira: SVD + AdamW, residual with norm-based scaling and the norm-growth limiter",
+                   {"projection": "svd", "state_free": "fira", "reset_state": "keep",
+                    "projectable_lr_scale": 0.25, "update_gap": 200}),
+    "ldadam": _Entry("frugal", "LDAdam: power-iteration basis every step, moment transport, error feedback",
+                     {"projection": "power", "update_gap": 1, "reset_state": "transport", "state_free": "none",
+                      "error_feedback": True, "subspace_momentum": 0.908, "betas": (0.908, 0.99)}),
+    "adamem": _Entry("frugal", "AdaMeM: SVD, Adafactor with momentum + one-sided Adafactor on the residual",
+                     {"projection": "svd", "state_full": "adafactor_momentum",
+                      "state_free": "one_sided_adafactor", "update_gap": 200},
+                     rest={"state_full": "adamw"}),
     "apollo": _Entry("external", external.DOCS["apollo"]),
     "adam_mini": _Entry("external", external.DOCS["adam_mini"]),
 }
@@ -172,9 +196,20 @@ def optimizer_groups(model: nn.Module, name: str, hp: dict) -> tuple[list[dict],
     """(param groups, FRUGAL keyword arguments) for FRUGAL-based entry `name` with resolved `hp`."""
     hp = dict(hp)
     grouping = {k: hp.pop(k, v) for k, v in GROUPING_DEFAULTS.items()}
-    layout = _ENTRIES[name].layout
-    if layout == "blocks":
-        return param_groups(model, **grouping), hp
+    entry = _ENTRIES[name]
+    if entry.layout == "blocks":
+        groups = param_groups(model, **grouping)
+        free = hp.get("state_free", hparams.defaults()["state_free"])
+        for group in groups:
+            if group.get("always_state_free"):
+                # A module moved to the state-free set (state_free_modules) has no split for Fira's or
+                # AdaMeM's rule to read: it takes FRUGAL's signSGD.
+                if STATE_FREE[free].contextual is not None:
+                    group["state_free"] = "signsgd"
+            elif not group.get("projectable"):
+                group.update(entry.rest)
+        return groups, hp
+    layout = entry.layout
     params = _trainable(model)
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")

@@ -17,18 +17,32 @@ foreach path on CPU, at memory speed): the step is memory-bound, so passes over 
 State-free rules own no state by construction. signSGD is the state-free rule of choice because
 its update has Adam's magnitude (Section 4 of the paper).
 
-A new state-full rule (e.g. Adafactor-style factored moments, as AdaMeM needs) gives its
-``init_state``; a new state-free rule, its two forms.
+Rules of the concurrent methods the FRUGAL paper reads as FRUGAL instances (its Appendix
+"Comparison with Concurrent Methods"; docs/concurrent_methods.md):
+
+- ``adafactor_momentum`` (AdaMeM's state-full rule): momentum preconditioned by Adafactor's factored
+  second moment, state ``exp_avg`` plus a row and a column vector (``StateFullRule.shapes``), for
+  2-D tensors only; per tensor (outer products), not foreach.
+- ``fira`` (Fira's state-free rule): the residual scaled per row/column by the norm ratio of the
+  state-full update and the reduced gradient, then the norm-growth limiter (``frugal.fira``).
+- ``one_sided_adafactor`` (AdaMeM's state-free rule): the residual divided by the root of a running
+  mean of its squares along the side the projection did not reduce (``frugal.factored``).
+
+The two state-free rules are *contextual*: they read the split (the reduced gradient, and for
+Fira the state-full update) and keep a little state of their own (Fira's previous norm, one
+scalar per matrix; AdaMeM's statistic, one vector per matrix), so they run per tensor on split
+tensors only, through ``StateFreeRule.contextual(residual, state, ctx)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import factored, kernels
+from . import fira as _fira
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -112,21 +126,58 @@ def sgdm_direction(grad, state, *, betas, eps, momentum=0.9):
     return state["momentum_buffer"].lerp_(grad, 1.0 - momentum).clone()
 
 
+def adafactor_momentum_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
+    """AdaMeM's state-full rule (``frugal.factored.adafactor_momentum_direction``): t *= 1 - lr*wd;
+    t -= lr * (m_hat / (sqrt(V_hat) + eps)), V_hat the factored second moment of the (reduced)
+    gradient, with Adam's bias corrections counted per tensor. One tensor at a time."""
+    if not targets:
+        return
+    exp_avgs, rows, cols = states
+    torch._foreach_add_(steps, 1.0)
+    for t, g, m, r, c, step in zip(targets, grads, exp_avgs, rows, cols, steps):
+        if weight_decay:
+            t.mul_(1.0 - lr * weight_decay)
+        t.sub_(_adafactor_math(g, m, r, c, step, betas, eps), alpha=lr)
+
+
+def _adafactor_math(g, m, row, col, step, betas, eps):
+    # bias corrections in float64 from the float32 counter, as the AdamW rule computes them
+    return factored.adafactor_momentum_direction(g, m, row, col, step.double(), beta1=betas[0],
+                                                 beta2=betas[1], eps=eps)
+
+
+def adafactor_momentum_direction(grad, state, *, betas, eps, momentum=0.0):
+    state["step"] += 1
+    return _adafactor_math(grad, state["exp_avg"], state["row"], state["col"], state["step"], betas, eps)
+
+
+def _factored_shapes(shape) -> dict:
+    if len(shape) != 2:
+        raise ValueError(f"state_full 'adafactor_momentum' factors a matrix; got a tensor of shape {tuple(shape)}")
+    return {"exp_avg": tuple(shape), "row": (shape[0],), "col": (shape[1],)}
+
+
 @dataclass(frozen=True)
 class StateFullRule:
     foreach: Callable
     direction: Callable
     state_names: tuple[str, ...]
     counts_steps: bool
+    shapes: Callable | None = None  # target shape -> {state name: shape}; None: all the target's
+    matrix_only: bool = False  # needs 2-D targets (Adafactor's factors)
 
     def init_state(self, state: dict, like: Tensor, shape=None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
         A fresh moment restarts the step count. ``like`` may be a DTensor (FSDP2 shard): the
         moments are then DTensors too, so torch.distributed.checkpoint can save and reshard them."""
+        shapes = None if self.shapes is None else self.shapes(like.shape if shape is None else shape)
         for name in self.state_names:
             if name not in state:
-                state[name] = (torch.zeros_like(like) if shape is None else
-                               torch.zeros(shape, dtype=like.dtype, device=like.device))
+                if shapes is not None:
+                    state[name] = torch.zeros(shapes[name], dtype=like.dtype, device=like.device)
+                else:
+                    state[name] = (torch.zeros_like(like) if shape is None else
+                                   torch.zeros(shape, dtype=like.dtype, device=like.device))
                 state.pop("step", None)
         if self.counts_steps:
             step = state.get("step")
@@ -140,6 +191,8 @@ STATE_FULL = {
     "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True),
     "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False),
     "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False),
+    "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
+                                        ("exp_avg", "row", "col"), True, _factored_shapes, True),
 }
 
 
@@ -164,14 +217,63 @@ def none_(params, grads, *, lr, decay=1.0, sign_update=None):
         torch._foreach_mul_(params, decay)
 
 
+class FreeContext(NamedTuple):
+    """What a contextual state-free rule reads besides the residual: the split of one tensor, in
+    the orientation of the reduced gradient (a GPT-2 ``Conv1D`` weight under a matrix projection:
+    its transpose)."""
+    full_grad: Tensor  # the reduced gradient R
+    full_update: Tensor | None  # the state-full direction psi(R) (reduced), for rules that read it
+    reduced_dim: int  # the dimension of R (and of the residual) that the projection reduced
+    group: dict  # the tensor's hyperparameters
+
+
+def fira_direction(residual: Tensor, state: dict, ctx: FreeContext) -> Tensor:
+    """Fira's residual update S (norm-based scaling, then the norm-growth limiter unless
+    ``fira_gamma`` is None); ``state["fira_norm"]`` is the limiter's previous norm."""
+    gamma = ctx.group["fira_gamma"]
+    return _fira.fira_residual_update(residual, ctx.full_update, ctx.full_grad, ctx.reduced_dim,
+                                      state["fira_norm"] if gamma is not None else None, gamma)
+
+
+def _fira_state(state: dict, like: Tensor, reduced_dim: int) -> None:
+    if "fira_norm" not in state:  # never reset: it measures the residual update, whatever the basis
+        state["fira_norm"] = _fira.new_limiter_state(like)
+
+
+def one_sided_adafactor_direction(residual: Tensor, state: dict, ctx: FreeContext) -> Tensor:
+    """AdaMeM's residual rule: ``residual / (sqrt(s_hat) + eps)``, ``s`` the running mean of the
+    residual's squares over the reduced dimension (one value per index of the other one, so the
+    update stays orthogonal to the state-full subspace), Adam's correction counted since the start."""
+    state["free_step"] += 1
+    beta2 = ctx.group["betas"][1]
+    return factored.one_sided_direction(residual, state["free_stat"], state["free_step"].double(),
+                                        beta2=beta2, eps=ctx.group["eps"], dim=ctx.reduced_dim)
+
+
+def _one_sided_state(state: dict, like: Tensor, reduced_dim: int) -> None:
+    if "free_stat" not in state:  # never reset, like Fira's norm; an integer counter: exact on reload
+        state["free_stat"] = torch.zeros(like.shape[1 - reduced_dim], dtype=like.dtype, device=like.device)
+        state["free_step"] = torch.zeros((), dtype=torch.int64, device=like.device)
+
+
 @dataclass(frozen=True)
 class StateFreeRule:
-    foreach: Callable
+    foreach: Callable | None
     direction: Callable[[Tensor], Tensor] | None  # None: no update besides weight decay
+    # Contextual rules (Fira, AdaMeM): (residual, state, FreeContext) -> direction, per split tensor,
+    # with their own state created by init_state(state, residual, reduced_dim).
+    contextual: Callable | None = None
+    init_state: Callable | None = None
+    reads_update: bool = False  # needs FreeContext.full_update (the state-full direction)
 
 
 STATE_FREE = {
     "signsgd": StateFreeRule(signsgd_, torch.sign),
     "sgd": StateFreeRule(sgd_, lambda g: g),
     "none": StateFreeRule(none_, None),
+    "fira": StateFreeRule(None, None, fira_direction, _fira_state, reads_update=True),
+    "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state),
 }
+# Projections a contextual rule can run on: a reduced gradient with a reduced dimension, so that a
+# norm or a statistic along the other dimension exists (not block, not randk).
+CONTEXTUAL_PROJECTIONS = ("svd", "random", "power", "column", "row", "randperm")

@@ -11,9 +11,27 @@ Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the 
   that stay selected move to their new position, entering ones start at zero, the step count is
   kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
   (the paper's momentum-mass correction) and second moments through ``R * R``.
-- ``keep``: the stale state as it is (GaLore).
+- ``keep``: the stale state as it is (GaLore). A subspace of another size (a density schedule)
+  cannot keep its state and restarts.
+- ``transport`` (matrix projections, AdamW; LDAdam): both moments move into the new basis as
+  LDAdam's projection-aware update computes them (``frugal.subspace.reproject_moments``: the first
+  through ``R``, the second as variance plus squared mean), and the step count goes on.
 
 Selecting every coordinate (or none) is an unchanged projection and keeps the state.
+
+Only the state-full rule's state restarts: what a contextual state-free rule keeps (Fira's
+previous norm, AdaMeM's one-sided statistic) and LDAdam's error-feedback buffer live in the same
+dict and outlive every change of subspace.
+
+``power`` (LDAdam's basis) is chosen at the first window like ``svd``; at every later window change
+it is one block power iteration warm-started from the previous basis, towards the top subspace of
+``b = rho * lift(m_hat) + (1 - rho) * a`` (``rho`` = ``subspace_momentum``; ``frugal.subspace``).
+
+Error feedback (``error_feedback=True``, LDAdam): the buffer ``error`` (one value per weight
+entry) is added to the gradient before anything else (``a = g + e``, in the buffer itself, so
+``p.grad`` is never written) and afterwards holds what the low-rank step left out of ``a``, plus,
+when the basis changed, what the momentum lost in the move, weighted by ``beta1 / (1 - beta1)``
+(LDAdam's generalised error feedback).
 
 The subspace is kept as tensors in the state (``index``: sorted coordinates; ``proj``: Q) with
 ``window``, the window it was chosen in, so a resumed run continues with the same subspace.
@@ -24,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import projections as proj
+from . import subspace
 from .rules import StateFullRule
 
 
@@ -38,13 +57,16 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
                                   ident, device=p.device, shard=shard)
     dim = proj.coordinate_dim(projection, p.shape, transposed)
     mode = group["reset_state"] if "window" in state else "reset"
-    if "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]):
+    if "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
+            and idx.numel() == state["index"].numel():
         mode = "keep"  # all (or nothing) stays selected: an unchanged projection keeps its state
+    if mode == "keep" and "index" in state and state["index"].numel() != idx.numel():
+        mode = "reset"  # another number of coordinates (a density schedule): the old state does not fit
     if mode == "reproject":
         for name in rule.state_names:
             state[name] = _move_coordinates(state[name], state["index"], idx, 0 if dim is None else dim)
     elif mode == "reset":
-        state.clear()  # before the new state is allocated: peak = resting state + one tensor
+        drop_full_state(state, rule)  # before the new state is allocated: peak = resting state + one tensor
     state["index"], state["window"] = idx, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
     return idx
@@ -64,21 +86,98 @@ def _move_coordinates(old: Tensor, old_idx: Tensor, new_idx: Tensor, dim: int) -
     return new
 
 
+def drop_full_state(state: dict, rule: StateFullRule) -> None:
+    """Forget the state-full rule's state (moments, step count, subspace); keep the rest."""
+    for name in (*rule.state_names, "step", "index", "proj", "window"):
+        state.pop(name, None)
+
+
 def matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
-           ident: int) -> Tensor:
+           ident: int, moved: dict | None = None) -> Tensor:
     """The orthonormal basis Q of ``p``'s state-full subspace in ``window`` (svd: of this step's
-    gradient, at the first step of a window), the state carried over."""
+    gradient, at the first step of a window; power: tracked from the previous basis), the state
+    carried over. ``grad`` is what the step projects (with error feedback: ``g + e``). ``moved``, a
+    dict, receives ``q_old`` and ``m_old`` (the first moment before the change) when the basis
+    changes from an existing one, for the error feedback."""
     projection, transposed, density = group["projection"], group["transposed"], group["density"]
     if state.get("window") != window:
-        q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
+        side = proj.matrix_side(p.shape, transposed)
+        rank = proj.matrix_rank(p.shape, density)
+        q_old = state.get("proj")
+        if projection == "power" and q_old is not None and q_old.shape[1] == rank:
+            q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
+        else:
+            q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
         mode = group["reset_state"] if "window" in state else "reset"
+        if mode == "keep" and q_old is not None and q_old.shape != q.shape:
+            mode = "reset"  # another rank (a density schedule): the old state does not fit
+        if moved is not None and q_old is not None and "exp_avg" in state:
+            moved.update(q_old=q_old, m_old=state["exp_avg"])
         if mode == "reproject":
-            _reproject(state, rule, state["proj"], q, proj.matrix_side(p.shape, transposed))
+            _reproject(state, rule, q_old, q, side)
+        elif mode == "transport":
+            _transport(state, q_old, q, side, group["betas"])
         elif mode == "reset":
-            state.clear()
+            drop_full_state(state, rule)
         state["proj"], state["window"] = q, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
     return state["proj"]
+
+
+def _updates_so_far(state: dict) -> Tensor:
+    """The step count, at least 1 (a count of 0 has zero moments: any positive value reads them as zero)."""
+    return state["step"].double().clamp_min(1.0)
+
+
+def _power_step(state: dict, a: Tensor, q_old: Tensor, side: str, group: dict) -> Tensor:
+    rho = group["subspace_momentum"]
+    if "exp_avg" in state and "step" in state and rho:
+        b = subspace.subspace_target(a, state["exp_avg"], q_old, side, rho=rho, beta1=group["betas"][0],
+                                     step=_updates_so_far(state))
+    else:
+        b = a
+    return subspace.block_power_iteration(b, q_old, side)
+
+
+def _transport(state: dict, q_old: Tensor, q_new: Tensor, side: str, betas) -> None:
+    """LDAdam's projection-aware move of AdamW's moments into the new basis; the count goes on."""
+    r = subspace.change_of_basis(q_old, q_new, side)
+    state["exp_avg"], state["exp_avg_sq"] = subspace.reproject_moments(
+        state["exp_avg"], state["exp_avg_sq"], r, side, beta1=betas[0], beta2=betas[1],
+        step=_updates_so_far(state))
+
+
+def feedback_begin(state: dict, grad: Tensor) -> Tensor:
+    """``a = g + e`` in the error buffer (created as a copy of the first gradient); returns it."""
+    e = state.get("error")
+    if e is None:
+        state["error"] = e = grad.clone()
+    else:
+        e.add_(grad)
+    return e
+
+
+def feedback_end(state: dict, group: dict, p: Tensor, full_grad: Tensor, q: Tensor, moved: dict) -> None:
+    """The new error: ``a - lift(R)`` plus, after a change of basis, ``beta1 / (1 - beta1)`` times
+    ``lift_old(m_old) - lift_new(m_moved)``; written into the buffer without a full-size temporary.
+    Call it after the split and before the state-full update (which changes the first moment)."""
+    transposed = group["transposed"]
+    e = state["error"].t() if transposed else state["error"]
+    side = proj.matrix_side(p.shape, transposed)
+    _add_lift_(e, full_grad, q, side, -1.0)
+    beta1 = group["betas"][0]
+    if moved and beta1:
+        c = beta1 / (1.0 - beta1)
+        _add_lift_(e, moved["m_old"], moved["q_old"], side, c)
+        _add_lift_(e, state["exp_avg"], q, side, -c)
+
+
+def _add_lift_(out: Tensor, x: Tensor, q: Tensor, side: str, alpha: float) -> None:
+    """``out += alpha * lift(x)`` (``x @ q.T`` or ``q @ x``) in place."""
+    if side == "right":
+        out.addmm_(x, q.t(), alpha=alpha)
+    else:
+        out.addmm_(q, x, alpha=alpha)
 
 
 def _reproject(state: dict, rule: StateFullRule, q_old: Tensor, q_new: Tensor, side: str) -> None:

@@ -43,6 +43,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .projections import canonical_signs  # noqa: F401  (re-exported: the sign convention of every SVD basis)
+
 
 def reduce(x: Tensor, q: Tensor, side: str) -> Tensor:
     """The coordinates of ``x`` in the basis ``q``: ``x @ q`` (right) or ``q.T @ x`` (left)."""
@@ -52,18 +54,6 @@ def reduce(x: Tensor, q: Tensor, side: str) -> Tensor:
 def lift(x: Tensor, q: Tensor, side: str) -> Tensor:
     """The full-shape tensor whose coordinates in ``q`` are ``x``: ``x @ q.T`` or ``q @ x``."""
     return x @ q.t() if side == "right" else q @ x
-
-
-def canonical_signs(q: Tensor) -> Tensor:
-    """``q`` with each column's sign chosen so that its largest-magnitude entry is positive.
-
-    Singular vectors are defined up to sign, and LAPACK, cuSOLVER and different dtypes pick
-    different ones. Methods that keep coordinates across a basis change (GaLore's and Fira's
-    "keep") read the old moments in the new basis, so without a fixed sign their trajectory would
-    depend on the backend; with it, CPU and GPU runs agree."""
-    idx = q.abs().argmax(dim=0, keepdim=True)
-    signs = torch.sign(q.gather(0, idx))
-    return q * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
 def top_singular_basis(b: Tensor, rank: int, side: str, fix_signs: bool = True) -> Tensor:
@@ -116,12 +106,13 @@ def reproject_momentum(m: Tensor, r: Tensor, side: str, preserve_norm: bool = Fa
 
 
 def reproject_moments(m: Tensor, v: Tensor, r: Tensor, side: str, *, beta1: float, beta2: float,
-                      step: int) -> tuple[Tensor, Tensor]:
+                      step) -> tuple[Tensor, Tensor]:
     r"""LDAdam's projection-aware transport of Adam's moments after ``step`` updates (``step`` is
-    :math:`t-1` in the module docstring; 0 means there is nothing to move and the zeros are
-    returned). Returns :math:`(\tilde m, \tilde v)` in the new basis, still without bias
-    correction, ready for the usual Adam update."""
-    if step == 0:
+    :math:`t-1` in the module docstring; the int 0 means there is nothing to move and the zeros are
+    returned; a 0-d tensor, as the optimizer keeps it, must be >= 1). Returns
+    :math:`(\tilde m, \tilde v)` in the new basis, still without bias correction, ready for the
+    usual Adam update."""
+    if isinstance(step, int) and step == 0:
         return torch.zeros_like(m), torch.zeros_like(v)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
@@ -132,10 +123,11 @@ def reproject_moments(m: Tensor, v: Tensor, r: Tensor, side: str, *, beta1: floa
 
 
 def subspace_target(a: Tensor, m: Tensor, q_prev: Tensor, side: str, *, rho: float, beta1: float,
-                    step: int) -> Tensor:
+                    step) -> Tensor:
     r""":math:`b_t = \rho\,\mathrm{lift}(\hat m_{t-1}) + (1-\rho) a_t`: the matrix whose top
-    subspace the new basis tracks (``step`` = updates made so far; at 0 it is ``a``)."""
-    if step == 0:
+    subspace the new basis tracks (``step`` = updates made so far, an int or a 0-d tensor >= 1;
+    at the int 0, or with ``rho`` 0, it is ``a``)."""
+    if (isinstance(step, int) and step == 0) or rho == 0:
         return a
     return lift(m, q_prev, side).mul_(rho / (1.0 - beta1 ** step)).add_(a, alpha=1.0 - rho)
 

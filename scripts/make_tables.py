@@ -20,7 +20,10 @@ Cells: `ours` = validation perplexity at the end of the run (the `end` row, else
 `@N` after it means the run stopped at step N, not at the paper's step; `*` means it is not finished;
 `[model]` means the run trained another model than the one the table is about: no difference to the
 paper's number is computed for it. Table 2 also shows the optimizer-state memory we measured
-(`optimizer_state_bytes`, GiB) beside the paper's memory column.
+(`optimizer_state_bytes`, GiB) beside the paper's memory column. Tables 9 and 17, whose memory the
+paper does not print, show the measured memory beside the estimate (`frugal.estimate_state_bytes` of
+the run's optimizer and model, built on the meta device; for a row no run fills, of the row's
+configs/optimizer option: Appendix D's layout, as Table 2's column).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from scripts.paper_tables import GIB, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
+from scripts.paper_tables import GIB, MODEL_OF_SIZE, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
 from train_utils.metrics import read_metrics  # noqa: E402
 from train_utils.naming import parse_overrides, short_labels  # noqa: E402
 
@@ -190,15 +193,17 @@ def build(runs: list[dict]) -> list[dict]:
                     table=table, row=label[r["dir"]], method=base[r["dir"]], option=r["option"], column=col,
                     ours=ppl, paper=p, diff=None if p is None or differs else ppl - p, step=step,
                     finished=r["finished"], state_gib=_gib(r["state_bytes"]),
-                    paper_state_gib=memory.get(base[r["dir"]], {}).get(col), model=r["model"],
-                    table_model=spec.get("model"), model_differs=differs, run=r["dir"],
+                    paper_state_gib=memory.get(base[r["dir"]], {}).get(col),
+                    estimate_state_gib=_gib(_run_estimate(r)) if spec.get("estimate") else None,
+                    model=r["model"], table_model=spec.get("model"), model_differs=differs, run=r["dir"],
                     swept={k: effective_value(r, k) for k in swept}))
         for row, by_col in paper.items():
             for col, p in by_col.items():
                 if (row, col) not in filled:
                     records.append(dict(table=table, row=row, method=row, column=col, ours=None, paper=p,
-                                        paper_state_gib=memory.get(row, {}).get(col), table_model=spec.get("model"),
-                                        swept={}))
+                                        paper_state_gib=memory.get(row, {}).get(col),
+                                        estimate_state_gib=_gib(_paper_estimate(spec, row, col)),
+                                        table_model=spec.get("model"), swept={}))
     return _in_paper_order(records)
 
 
@@ -217,6 +222,53 @@ def _gib(b):
     return None if b is None else b / GIB
 
 
+_ESTIMATES: dict[str, int | None] = {}
+
+
+def estimate_bytes(opt: dict, model: dict) -> int | None:
+    """`frugal.estimate_state_bytes` of a resolved optimizer config on a model config (built on the
+    meta device: free for any size); None when the configs do not build (e.g. fabricated runs)."""
+    import json
+
+    key = json.dumps([opt, model], sort_keys=True, default=str)
+    if key not in _ESTIMATES:
+        import torch
+
+        import frugal
+        import models
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            with torch.device("meta"):
+                built = models.build_model(model)
+            hp = dict(opt)
+            _ESTIMATES[key] = frugal.estimate_state_bytes(built, hp.pop("name"), **hp)
+        except (ValueError, KeyError, TypeError, OmegaConfBaseException):
+            _ESTIMATES[key] = None
+    return _ESTIMATES[key]
+
+
+def _run_estimate(run: dict) -> int | None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        opt = OmegaConf.to_container(run["conf"].optimizer, resolve=True)
+        model = OmegaConf.to_container(run["conf"].model, resolve=True)
+    except OmegaConfBaseException:  # a config that resolves only inside a live run, or lacks the node
+        return None
+    return estimate_bytes(opt, model)
+
+
+def _paper_estimate(spec: dict, row: str, column: str) -> int | None:
+    """The estimate of a paper cell no run fills: the row's option on the column's model."""
+    option, model = spec.get("estimate", {}).get(row), MODEL_OF_SIZE.get(column)
+    if option is None or model is None:
+        return None
+    from scripts.memory_table import model_config, optimizer_config
+
+    return estimate_bytes(optimizer_config(option), model_config(model))
+
+
 def _f(x, nd=2):
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
@@ -227,6 +279,7 @@ def markdown(records: list[dict]) -> str:
         recs = [r for r in records if r["table"] == table]
         title = SPECS[table]["title"] if table in SPECS else "Runs without a paper table (paper.table unset)"
         has_mem = table in SPECS and bool(SPECS[table].get("memory"))
+        has_est = table in SPECS and bool(SPECS[table].get("estimate"))
         cols = list(dict.fromkeys(r["column"] for r in recs))
         rows = list(dict.fromkeys(r["row"] for r in recs))
         cell = {(r["row"], r["column"]): r for r in recs}
@@ -235,13 +288,15 @@ def markdown(records: list[dict]) -> str:
             head += [f"{c} ours", f"{c} paper", f"{c} diff"]
             if has_mem:
                 head += [f"{c} state GiB ours", f"{c} state GiB paper"]
+            if has_est:
+                head += [f"{c} state GiB ours", f"{c} state GiB estimate"]
         out.write(f"### {title}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
         for row in rows:
             line = [row]
             for c in cols:
                 r = cell.get((row, c))
                 if r is None:
-                    line += ["", "", ""] + (["", ""] if has_mem else [])
+                    line += ["", "", ""] + (["", ""] if has_mem else []) + (["", ""] if has_est else [])
                     continue
                 ours = _f(r["ours"])
                 if r["ours"] is not None:
@@ -257,8 +312,9 @@ def markdown(records: list[dict]) -> str:
                     diff = "+" + diff
                 line += [ours, _f(r["paper"]), diff]
                 if has_mem:
-                    line += [_f(r.get("state_gib"), 4 if (r.get("state_gib") or 1) < 0.01 else 2),
-                             _f(r["paper_state_gib"])]
+                    line += [_gib_text(r.get("state_gib")), _f(r["paper_state_gib"])]
+                if has_est:
+                    line += [_gib_text(r.get("state_gib")), _gib_text(r.get("estimate_state_gib"))]
             out.write("| " + " | ".join(line) + " |\n")
         others = sorted({r["model"] for r in recs if r.get("model_differs")})
         if others:
@@ -268,8 +324,12 @@ def markdown(records: list[dict]) -> str:
     return out.getvalue()
 
 
+def _gib_text(x):
+    return _f(x, 4 if (x or 1) < 0.01 else 2)
+
+
 CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
-              "state_gib", "paper_state_gib", "model", "table_model", "model_differs", "run"]
+              "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs", "run"]
 
 
 def to_csv(records: list[dict]) -> str:

@@ -2,6 +2,13 @@
 
     python scripts/mini_repro.py --corpus path/to/text.txt --out results.json \\
         --md docs/mini_repro.md --plot docs/mini_repro.png
+    python scripts/mini_repro.py --corpus path/to/text.txt --extras all     # + the optional rows
+
+Optional rows (--extras, a comma list or "all"; off by default, each costs one more run): the concurrent
+methods of Tables 9 and 17 as FRUGAL instances (fira, ldadam, adamem) and what users pick instead
+today (apollo, adam_mini: the apollo-torch and adam-mini packages; a row whose package is not installed
+is skipped with a note naming it). They follow the same protocol: AdamW's best learning rate, the same
+scaled update gap (LDAdam refreshes its basis every step by definition).
 
 What it does, with the paper's protocol at a size two CPU cores train in ~15 minutes:
 1. trains a sentencepiece tokenizer on the corpus (unigram model, --vocab pieces, T5's id layout);
@@ -50,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.paper_tables import TABLE2  # noqa: E402
+from scripts.paper_tables import TABLE2, TABLE9, TABLE17  # noqa: E402
 from train_utils.metrics import read_metrics  # noqa: E402
 
 # key -> (configs/optimizer option, extra overrides, label, Table 2 row)
@@ -63,6 +70,36 @@ METHODS = {
     "signsgd": ("signsgd", [], "signSGD", None),
 }
 PAPER_SIGNSGD_130M = 33.22  # Table 16, "signSGD only" (130M); Table 2 has no signSGD row
+# Optional rows: key -> (configs/optimizer option, extra overrides, label, the paper's number and where).
+EXTRAS = {
+    "fira": ("fira", [], "Fira, rho=0.25", f"({TABLE17['Fira, rho=0.25']['130M']:.2f} at 130M, Table 17)"),
+    "ldadam": ("ldadam", [], "LDAdam, rho=0.25", f"({TABLE17['LDAdam, rho=0.25']['130M']:.2f} at 130M, Table 17)"),
+    "adamem": ("adamem", [], "AdaMeM, rho=0.25", f"{TABLE9['AdaMeM, rho=0.25']['60M']:.2f} (Table 9)"),
+    "apollo": ("apollo", [], "APOLLO", "-"),
+    "adam_mini": ("adam_mini", [], "Adam-mini", "-"),
+}
+# Options whose subspace is refreshed every update_gap steps: the gap is scaled with the run.
+GAP_OPTIONS = ("frugal", "frugal_rho0", "galore", "badam", "fira", "adamem", "apollo")
+
+
+def missing_package(key: str) -> str | None:
+    """The pip package an optional row needs and lacks (None when it can run)."""
+    import importlib.util
+
+    from frugal import external
+
+    if key not in external.PACKAGES:
+        return None
+    module, pip_name, _ = external.PACKAGES[key]
+    return None if importlib.util.find_spec(module) else pip_name
+
+
+def parse_extras(text: str) -> list[str]:
+    keys = list(EXTRAS) if text.strip() == "all" else [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in EXTRAS]
+    if unknown:
+        raise SystemExit(f"mini_repro: unknown --extras {unknown}; valid choices: all, {', '.join(EXTRAS)}")
+    return keys
 
 
 def read_text(corpus: Path) -> str:
@@ -139,28 +176,34 @@ def run_dir_for(key: str, opt: str, extra: list[str], lr: float, args, corpus_sh
     return cached_dir(args.workdir / "runs", f"{key}-lr{lr:g}", settings)
 
 
+def overrides_for(opt: str, extra: list[str], lr: float, args, tok_dir: Path, run_dir: Path) -> list[str]:
+    """The train.py command line of one run."""
+    overrides = [
+        "model=llama_tiny", "model.name=llama_mini", f"model.hidden_size={args.hidden}",
+        f"model.intermediate_size={args.intermediate}", f"model.num_hidden_layers={args.layers}",
+        f"model.num_attention_heads={args.heads}", f"model.vocab_size={args.vocab}",
+        f"model.max_position_embeddings={args.seq_len}",
+        "data=local", f"data.path={args.corpus}", f"data.tokenizer={tok_dir}", f"data.seq_len={args.seq_len}",
+        "data.packing=true", f"data.val_stride={args.val_stride}",
+        f"optimizer={opt}", f"optimizer.lr={lr}", *extra,
+        f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
+        f"train.eval_every={max(1, args.steps // args.evals)}", f"train.eval_tokens={args.eval_tokens}",
+        "train.precision=fp32", "train.log_every=1", f"train.seed={args.seed}", "train.resume=never",
+        "train.plot=false", "train.progress_bar=false", "checkpoint.every=0", "checkpoint.keep=1",
+        "wandb.mode=disabled", f"hydra.run.dir={run_dir}",
+    ]
+    if opt in GAP_OPTIONS:
+        overrides.append(f"optimizer.update_gap={args.update_gap}")
+    return overrides
+
+
 def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, run_dir: Path) -> dict:
     """One train.py run in `run_dir` (from run_dir_for); returns its end row (val_loss, val_ppl,
     optimizer_state_bytes)."""
     metrics = run_dir / "metrics.jsonl"
     end = _end_row(metrics)
     if end is None or args.force:
-        overrides = [
-            "model=llama_tiny", "model.name=llama_mini", f"model.hidden_size={args.hidden}",
-            f"model.intermediate_size={args.intermediate}", f"model.num_hidden_layers={args.layers}",
-            f"model.num_attention_heads={args.heads}", f"model.vocab_size={args.vocab}",
-            f"model.max_position_embeddings={args.seq_len}",
-            "data=local", f"data.path={args.corpus}", f"data.tokenizer={tok_dir}", f"data.seq_len={args.seq_len}",
-            "data.packing=true", f"data.val_stride={args.val_stride}",
-            f"optimizer={opt}", f"optimizer.lr={lr}", *extra,
-            f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.micro_batch_size={args.batch}",
-            f"train.eval_every={max(1, args.steps // args.evals)}", f"train.eval_tokens={args.eval_tokens}",
-            "train.precision=fp32", "train.log_every=1", f"train.seed={args.seed}", "train.resume=never",
-            "train.plot=false", "train.progress_bar=false", "checkpoint.every=0", "checkpoint.keep=1",
-            "wandb.mode=disabled", f"hydra.run.dir={run_dir}",
-        ]
-        if opt in ("frugal", "frugal_rho0", "galore", "badam"):
-            overrides.append(f"optimizer.update_gap={args.update_gap}")
+        overrides = overrides_for(opt, extra, lr, args, tok_dir, run_dir)
         if run_dir.exists():
             for f in run_dir.glob("metrics.jsonl"):
                 f.unlink()
@@ -206,7 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run (for the curves)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="retrain the tokenizer and rerun every run, even if cached")
+    ap.add_argument("--extras", default="", help=f"optional rows: a comma list of {', '.join(EXTRAS)}, or all")
     args = ap.parse_args(argv)
+    extras = parse_extras(args.extras)
     args.corpus = args.corpus.resolve()
     started = time.time()
 
@@ -233,6 +278,18 @@ def main(argv=None) -> int:
             end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
         results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
                         "state_bytes": int(end["optimizer_state_bytes"])}
+    skipped = {}
+    for key in extras:
+        opt, extra, _, _ = EXTRAS[key]
+        package = missing_package(key)
+        if package:
+            skipped[key] = f"skipped: the {package} package is not installed (pip install {package})"
+            print(f"  {key:12s} {skipped[key]}", flush=True)
+            continue
+        run_dirs[key] = run_dir_for(key, opt, extra, best_lr, args, corpus_sha256, tok_dir)
+        end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
+        results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
+                        "state_bytes": int(end["optimizer_state_bytes"])}
 
     params = read_metrics(str(run_dirs["adamw"] / "metrics.jsonl"))[0].get("params")
     emb_share = 2 * args.vocab * args.hidden / params if params else float("nan")
@@ -242,14 +299,19 @@ def main(argv=None) -> int:
         "| method | val loss | val ppl | optimizer state | vs AdamW | paper 60M ppl (Table 2) |",
         "|---|---|---|---|---|---|",
     ]
-    for key, (_, _, label, paper_row) in METHODS.items():
+    rows = [(key, label, f"{TABLE2[paper_row]['60M']:.2f}" if paper_row else
+             f"({PAPER_SIGNSGD_130M:.2f} at 130M, Table 16)") for key, (_, _, label, paper_row) in METHODS.items()]
+    rows += [(key, EXTRAS[key][2], EXTRAS[key][3]) for key in extras]
+    for key, label, paper_txt in rows:
+        if key in skipped:
+            lines.append(f"| {label} | {skipped[key]} | | | | {paper_txt} |")
+            continue
         r = results[key]
-        paper = TABLE2[paper_row]["60M"] if paper_row else None
-        paper_txt = f"{paper:.2f}" if paper else f"({PAPER_SIGNSGD_130M:.2f} at 130M, Table 16)"
         lines.append(f"| {label} | {r['val_loss']:.4f} | {r['val_ppl']:.2f} | {r['state_bytes'] / 1024:,.0f} KiB | "
                      f"{r['state_bytes'] / adam_state:.0%} | {paper_txt} |")
     table = "\n".join(lines)
-    order = " < ".join(METHODS[k][2] for k in sorted(results, key=lambda k: results[k]["val_loss"]))
+    labels = {key: label for key, label, _ in rows}
+    order = " < ".join(labels[k] for k in sorted(results, key=lambda k: results[k]["val_loss"]))
     summary = (f"model: LLaMA, {args.layers} layers, hidden {args.hidden}, {params:,} parameters "
                f"(embeddings + output layer {emb_share:.0%}); vocabulary {args.vocab} (sentencepiece, trained on the corpus)\n"
                f"budget: {args.steps} steps x {args.batch} x {args.seq_len} tokens = {tokens:,} tokens per run; "
@@ -265,7 +327,7 @@ def main(argv=None) -> int:
         from scripts.plot_runs import plot
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot([run_dirs[k] for k in METHODS], str(args.plot), smooth_window=10,
+        plot([run_dirs[k] for k in results], str(args.plot), smooth_window=10,
              title=f"mini Table 2 on {args.corpus.name}: {params / 1e6:.1f}M-param LLaMA, {tokens / 1e6:.2f}M tokens")
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)

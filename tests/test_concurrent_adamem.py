@@ -22,7 +22,7 @@ def test_adamem_step_matches_float64_reference(shape):
     assert max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) < 1e-12
     assert np.abs(ref[-1] - problem.w0).max() > 0.05
     # memory: the state-full part in the rank-3 subspace, one vector for the residual rule
-    big, s = max(shape), min(shape)
+    big = max(shape)
     assert state["exp_avg"].shape == ((big, 3) if shape[0] >= shape[1] else (3, big))
     assert state["free_stat"].shape == (big,)
     floats = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))

@@ -29,26 +29,47 @@ def test_density_schedule_rejects_bad_values_by_name():
         scheduled_density(0, start=0.5, end=0.1, steps=0)
 
 
+def _windows(clock, steps, **kw):
+    out = []
+    for t in steps:
+        clock.tick(t, **kw)
+        out.append(clock.window)
+    return out
+
+
 def test_window_clock_is_step_over_gap_when_the_gap_is_constant():
     clock = WindowClock(7)
-    assert [clock.tick(t) for t in range(50)] == [t // 7 for t in range(50)]
+    assert _windows(clock, range(50)) == [t // 7 for t in range(50)]
     skipping = WindowClock(7)
-    assert skipping.tick(0) == 0 and skipping.tick(30) == 30 // 7  # steps not ticked lose nothing
+    assert _windows(skipping, [0, 30]) == [0, 30 // 7]  # steps not ticked lose nothing
+    walk = WindowClock(4)
+    walk.tick(13, blocks=lambda start: 3)  # windows starting at 0, 4, 8 had 3 blocks each
+    assert (walk.window, walk.start, walk.offset) == (3, 12, 9)
 
 
-def test_window_clock_applies_a_new_gap_at_the_next_window_and_resumes():
+def test_window_clock_takes_the_plateau_gap_at_the_next_window_and_resumes():
+    ctl = PlateauGap(patience=1, threshold=0.01, factor=2.0, max_gap=16)
     clock = WindowClock(4)
-    windows = []
-    for t in range(20):
-        if t == 5:
-            clock.set_gap(8)  # requested inside window 1 (steps 4..7): applies from window 2 on
-        windows.append(clock.tick(t))
+    windows, events = [], []
+    for t in range(30):
+        events += clock.tick(t, plateau=ctl)
+        windows.append(clock.window)
+        clock.observe(1.0 if t < 4 else 1.0 - 1e-4 * t)  # the first window sets the best; then flat
         if t == 9:
-            saved = copy.deepcopy(clock.state_dict())
-    assert windows == [0] * 4 + [1] * 4 + [2] * 8 + [3] * 4
-    resumed = WindowClock(4)
+            saved, saved_ctl = copy.deepcopy(clock.state_dict()), copy.deepcopy(ctl.state_dict())
+    # window 0: steps 0-3 (best); window 1: 4-7 (no gain: the next gap doubles); window 2: 8-15;
+    # window 3: 16-31 (gap 16 = max_gap)
+    assert windows == [0] * 4 + [1] * 4 + [2] * 8 + [3] * 14
+    assert [e["update_gap"] for e in events] == [8, 16]
+    resumed, ctl2 = WindowClock(4), PlateauGap(patience=1, threshold=0.01, factor=2.0, max_gap=16)
     resumed.load_state_dict(saved)
-    assert [resumed.tick(t) for t in range(10, 20)] == windows[10:]
+    ctl2.load_state_dict(saved_ctl)
+    again = []
+    for t in range(10, 30):
+        resumed.tick(t, plateau=ctl2)
+        again.append(resumed.window)
+        resumed.observe(1.0 if t < 4 else 1.0 - 1e-4 * t)
+    assert again == windows[10:]
 
 
 def test_plateau_gap_grows_only_on_a_plateau_and_resumes():

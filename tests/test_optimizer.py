@@ -191,11 +191,23 @@ def test_block_orders_and_rounding():
 
 
 # ---- the galore preset against galore-torch ------------------------------------------------------
-def test_galore_configuration_matches_galore_torch():
+def test_galore_configuration_matches_galore_torch(monkeypatch):
     """galore-torch's AdamW adds eps to sqrt(v) before bias correction and decays the weights
     after the update; FRUGAL uses torch's AdamW. With weight_decay 0 and a negligible eps the two
-    are the same update; what remains is float rounding (different operation order)."""
+    are the same update; what remains is float rounding (different operation order).
+    FRUGAL fixes the sign of every singular vector (largest entry positive, so that the moments
+    GaLore keeps across a change of basis read the same on every backend); galore-torch takes
+    LAPACK's signs, so it is given the same convention here."""
     galore_torch = pytest.importorskip("galore_torch")
+    from galore_torch.galore_projector import GaLoreProjector
+
+    lapack_basis = GaLoreProjector.get_orthogonal_matrix
+
+    def fixed_signs(self, weights, rank, type):
+        q = lapack_basis(self, weights, rank, type)
+        return P.canonical_signs(q.t()).t() if type == "right" else P.canonical_signs(q)
+
+    monkeypatch.setattr(GaLoreProjector, "get_orthogonal_matrix", fixed_signs)
     density, gap, eps = 0.25, 5, 1e-12
     params = make_params([(32, 16), (12, 20), (16,)])
     ref_params = clone(params)
