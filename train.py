@@ -55,12 +55,13 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, resume
+from train_utils import distributed, memory_check, resume
 from train_utils.naming import is_multirun, run_group, run_name
 from train_utils.validation import ConfigError, stop_with_error, validate_config
-from train_utils.loop import (NonFiniteError, activation_checkpointing_on, check_loop_settings, enable_activation_checkpointing,
-                              end_of_run_summary, evaluate, forward_backward, grad_norm_, ranks_in_sync,
-                              seed_dropout, seed_everything, training_batches)
+from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32, check_loop_settings,
+                              compile_model, compile_wanted, enable_activation_checkpointing, end_of_run_summary,
+                              evaluate, forward_backward, grad_norm_, ranks_in_sync, seed_dropout, seed_everything,
+                              training_batches)
 from train_utils.measure import Interval, flops_per_position, peak_flops
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
 from train_utils.signals import STOP
@@ -81,6 +82,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     accelerator = distributed.make_accelerator(tc.collective_timeout_s)
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
+    tf32 = allow_tf32(tc.tf32, device)
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = None
     try:
@@ -101,19 +103,27 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 f"train.resume_changes=[train.steps].")
             return 0
 
-        # ---- data, model, optimizer, schedule. Same seed on every rank: identical initial weights.
+        # ---- data, then the memory check, then model, optimizer, schedule. Same seed on every rank:
+        # identical initial weights.
         seed_everything(tc.seed)
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
                              seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings)
+        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        compiled = compile_wanted(tc.compile, device)
+        memory = (memory_check.check(cfg, opt_cfg, dm.vocab_size, world, device, compiled) if tc.memory_check
+                  else {"memory_check": "off (train.memory_check=false)"})
+        if "memory_check" in memory and tc.memory_check:
+            say(f"warning: memory check {memory['memory_check']}")
         raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
         if tc.activation_checkpointing:
             enable_activation_checkpointing(raw_model)
         if precision == "bf16":
             raw_model.to(torch.bfloat16)
         seed_dropout(tc.seed, rank)  # ...but every rank its own dropout masks
-        model = distributed.wrap_model(accelerator, raw_model)
-        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        loss_fn = compile_model(raw_model) if compiled else None  # blocks compile at their first call
+        # ddp: `model` is the DDP wrapper (or raw_model alone); fsdp: raw_model itself, sharded in place.
+        model = distributed.wrap_model(accelerator, raw_model, tc.parallelism, precision)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
         try:
             scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
@@ -123,12 +133,13 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
-        step, tokens, active = 0, 0, None
+        step, tokens, active, fresh_state = 0, 0, None, 0
         if plan["ckpt_dir"]:
             trainer = ckpt.load(plan["ckpt_dir"], "trainer")
-            scheduler = resume.restore(plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer,
-                                       scheduler=scheduler, dm=dm, rank=rank, world=world, seed=tc.seed,
-                                       new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
+            scheduler, fresh_state = resume.restore(
+                plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer, scheduler=scheduler, dm=dm,
+                rank=rank, world=world, seed=tc.seed,
+                new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
             say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
@@ -148,20 +159,35 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         adamw_bytes = frugal.estimate_state_bytes(raw_model, "adamw")
         flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
         peak = peak_flops(device, tc.peak_flops)
+        density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
         metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in raw_model.parameters()),
                      "state_full_fraction": state_full_fraction(optimizer),
+                     **({f"density_{k}": v for k, v in density.items()} if density else {}),
                      # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
                      "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
                      "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name, "model": cfg.model.name,
                      "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
                      "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
                      "activation_checkpointing": activation_checkpointing_on(raw_model),
-                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)})
+                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
+                     "parallelism": tc.parallelism, "compiled": compiled, "tf32": tf32, **memory})
+        if density and abs(density["realised"] - density["requested"]) > 1e-3:
+            # Whole blocks (or columns, ...) are state-full or not: the realised share is rounded.
+            far = abs(density["realised"] - density["requested"]) > density["unit"] / 2
+            say(f"{'warning: ' if far else ''}optimizer.density={density['requested']:g} is realised as a state-full "
+                f"share of {density['realised']:.4g} of the projectable parameters (one selection unit is "
+                f"{density['unit']:.4g})" + ("; more than half a unit off: check the projection's granularity" if far
+                                             else ""))
         if plan["changes"]:
             metrics.log({"event": "resume_changes", "step": step,
                          "changes": {k: [old, new] for k, (old, new) in plan["changes"].items()}})
             say("applying the changed settings named in train.resume_changes: " +
                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan["changes"].items()))
+        if fresh_state:
+            metrics.log({"event": "optimizer_state_reset", "step": step, "tensors": fresh_state,
+                         "reason": "per-rank column/row/randk state of a sharded run on another process count"})
+            say(f"{fresh_state} tensors' column/row/randk optimizer state starts fresh: under FSDP2 it belongs to "
+                f"each rank's shard, and the shards changed with the process count (train_utils/sharded_checkpoint.py)")
         if plan["ckpt_dir"] and trainer["world_size"] != world:
             metrics.log({"event": "world_size_changed", "step": step, "from": trainer["world_size"], "to": world})
             say(f"continuing on {world} processes (the checkpoint was written by {trainer['world_size']}): weights, "
@@ -171,6 +197,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the loop
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
+        set_to_none = distributed.zero_grad_sets_to_none(model)
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
         bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
                    disable=not (is_main and tc.progress_bar))
@@ -179,7 +206,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             t0 = time.perf_counter()
             batches = [next(train_iter) for _ in range(accum)]
             data_wait = time.perf_counter() - t0
-            loss_sum, n_global = forward_backward(model, batches, accelerator, precision)
+            loss_sum, n_global = forward_backward(model, batches, accelerator, precision, loss_fn)
             norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
             # The step's one host sync: global loss, gradient norm, target count, the ranks' stop votes.
             votes = torch.tensor(float(STOP.received is not None), dtype=torch.float64, device=device)
@@ -198,12 +225,16 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
+            if hasattr(optimizer, "observe_loss"):  # optimizers that adapt to the loss see the global one
+                optimizer.observe_loss(loss)
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
             step += 1
             tokens += int(targets)
-            for event in dm.pop_events():  # e.g. a source that wrapped around an epoch
+            events = list(dm.pop_events())  # e.g. a source that wrapped around an epoch
+            events += list(optimizer.pop_events()) if hasattr(optimizer, "pop_events") else []
+            for event in events:
                 metrics.log({**event, "step": step})
             interval.add(int(targets), sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
@@ -216,7 +247,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
+                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
                 metrics.log(last_eval)
             # A signal during the last step lets the run finish instead (only the summary is left).
             stopping = stop_votes > 0 and step < tc.steps
@@ -238,7 +269,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
         if last_eval is None or last_eval["step"] != step:
-            last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
+            last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
             metrics.log(last_eval)
         in_sync, checksum = ranks_in_sync(raw_model)
         end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],

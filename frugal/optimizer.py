@@ -222,8 +222,9 @@ class FRUGAL(Optimizer):
         self._layout = None
 
     def materialize_state(self, step: int) -> None:
-        """Set the step counter to ``step`` and give every tensor that holds state in that step's
-        window its state, zero-filled, in the shapes a checkpoint of that step holds.
+        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
+        steps (in the window of the last step taken) its state, zero-filled, in the shapes a
+        checkpoint of that step holds.
 
         For loading with torch.distributed.checkpoint, which loads into the state dict of the
         optimizer it is given: which tensors hold state depends on the window, so a freshly built
@@ -237,11 +238,14 @@ class FRUGAL(Optimizer):
                                      options=StateDictOptions(strict=False))
         """
         self.param_groups[0]["step"] = step
+        # The state after `step` steps is that of the last step taken (index step - 1): a checkpoint
+        # written at a window boundary holds the old window's blocks and coordinates.
+        last = max(step - 1, 0)
         layout = self._get_layout()
-        active = self._active(layout, step)
+        active = self._active(layout, last)
         for gi, group in enumerate(self.param_groups):
             rule = STATE_FULL[group["state_full"]]
-            window = step // group["update_gap"]
+            window = last // group["update_gap"]
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:

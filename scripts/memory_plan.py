@@ -113,9 +113,10 @@ def table(args) -> str:
 @dataclass(frozen=True)
 class Case:
     """A CPU training run to measure. wrapper: "none" (one process: the loop runs without DDP),
-    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place), "ddp-no-view"
+    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place: the loop's DDP), "ddp-no-view"
     (gradient_as_bucket_view=False), "ddp-set-to-none" (bucket view, zero_grad(set_to_none=True)),
-    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce)."""
+    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce). compiled: the loop's
+    train.compile (blocks and loss compiled by train_utils.loop.compile_model)."""
     model: str
     vocab: int | None
     optimizer: dict
@@ -124,6 +125,7 @@ class Case:
     checkpointing: bool = False
     precision: str = "bf16-mixed"
     wrapper: str = "none"
+    compiled: bool = False
 
 
 _SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch at the second step
@@ -145,9 +147,11 @@ VALIDATION_CASES = [
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-no-view"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-set-to-none"),
-    # FRUGAL does not take FSDP2's DTensor parameters yet (issue 11): measured with torch's AdamW.
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="fsdp"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, checkpointing=True, wrapper="fsdp"),
+    Case("llama_20m", 1000, _SWITCHING, 8, 128, wrapper="fsdp"),
+    # The compiled loss: the logits' gradient instead of three fp32 log-softmax tensors.
+    Case("llama_20m", 4000, {"name": "frugal", "density": 0.0}, 4, 128, compiled=True),
 ]
 
 
@@ -164,7 +168,7 @@ def plan_case(case: Case, phase: str | None = None) -> int:
                        activation_checkpointing=case.checkpointing, precision=case.precision,
                        vocab_size=case.vocab, device_type="cpu", gradient_as_bucket_view=not copy,
                        world_size=2 if case.wrapper.startswith("ddp") else 1,
-                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp")
+                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp", compiled_loss=case.compiled)
     return plan.phases[phase] if phase else plan.total
 
 
@@ -189,10 +193,7 @@ def measure_case(case: Case) -> tuple[int, int]:
     import frugal
     import models
 
-    try:
-        from train_utils.loop import token_loss_sum  # where the loop's helpers are moving (issue 13)
-    except ImportError:
-        from train import token_loss_sum
+    from train_utils.loop import compile_model, token_loss_sum
 
     cfg = OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml")
     vocab, ddp, accumulation = case.vocab or cfg.vocab_size, case.wrapper.startswith("ddp"), 2
@@ -203,10 +204,18 @@ def measure_case(case: Case) -> tuple[int, int]:
         if case.checkpointing:  # per transformer block, non-reentrant, through the transformers API
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         wrapped = model
+        loss_fn = compile_model(model) if case.compiled else token_loss_sum
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view")
+            # init_sync=False: one process has nothing to broadcast. The construction-time broadcast
+            # flattens the parameters into one buffer (flatten_dense_tensors: 4 bytes per parameter
+            # here, at most one 250 MB bucket in a real run); in about one run in ten that buffer was
+            # still alive through every measured step (its release is not ordered with the caller;
+            # which runs hit it varied with PYTHONHASHSEED, not with test order), which counted a
+            # second gradient copy and failed the DDP cases of the full suite.
+            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view",
+                                              init_sync=False)
         elif case.wrapper == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -224,7 +233,7 @@ def measure_case(case: Case) -> tuple[int, int]:
                 with contextlib.nullcontext() if sync else wrapped.no_sync():
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
                         logits = wrapped(input_ids=ids, use_cache=False).logits
-                    loss = token_loss_sum(logits, ids)
+                    loss = loss_fn(logits, ids)
                     (loss / ids.numel()).backward()
                 del logits, loss
             with record_function("optimizer_step"):
