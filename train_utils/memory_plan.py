@@ -471,7 +471,10 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
         loss_bwd = 2 * logits + 4 * B * S
     else:  # eager: fp32 log-softmax output, its gradient, the input gradient
         loss_bwd = logits + 3 * 4 * B * (S - 1) * V
-    head_bwd = 2 * logits + grad_transient(f.head_weight)  # caller's logits, their gradient, head weight grad
+    if r.casts_weights:  # the head weight's bf16 gradient beside the logits' gradient, then its fp32 copy
+        head_bwd = logits + max(logits + 2 * f.head_weight, 6 * f.head_weight)
+    else:  # the caller's logits, their gradient, the head weight's gradient
+        head_bwd = 2 * logits + grad_transient(f.head_weight)
     # Inside a block's backward: the residual gradient in and out, three MLP-wide gradients, a weight's.
     block_bwd = 2 * r.weight_bytes * T * h + 3 * cb * T * f.intermediate + layer_grad
 
