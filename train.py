@@ -124,6 +124,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         loss_fn = compile_model(raw_model) if compiled else None  # blocks compile at their first call
         # ddp: `model` is the DDP wrapper (or raw_model alone); fsdp: raw_model itself, sharded in place.
         model = distributed.wrap_model(accelerator, raw_model, tc.parallelism, precision)
+        set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
         try:
             scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
@@ -170,7 +171,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                      "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
                      "activation_checkpointing": activation_checkpointing_on(raw_model),
                      "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
-                     "parallelism": tc.parallelism, "compiled": compiled, "tf32": tf32, **memory})
+                     "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism, "compiled": compiled,
+                     "tf32": tf32, **memory})
         if density and abs(density["realised"] - density["requested"]) > 1e-3:
             # Whole blocks (or columns, ...) are state-full or not: the realised share is rounded.
             far = abs(density["realised"] - density["requested"]) > density["unit"] / 2
@@ -197,7 +199,6 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the loop
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
-        set_to_none = distributed.zero_grad_sets_to_none(model)
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
         bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
                    disable=not (is_main and tc.progress_bar))
