@@ -35,17 +35,20 @@ def train_rows(run_dir) -> list[dict]:
     return [r for r in rows(run_dir) if "loss" in r]
 
 
-def model_weights(run_dir) -> dict[str, torch.Tensor]:
-    """The weights of a run's latest checkpoint, whole, whatever wrote them (DCP or torch.save)."""
+def checkpoint_weights(ckpt_dir) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, whole, whatever wrote them (DCP or torch.save)."""
     import models
 
-    ckpt_dir = ckpt.latest(str(run_dir / "checkpoints"))
     if not sharded_checkpoint.is_sharded(ckpt_dir):
         return ckpt.load(ckpt_dir, "model")
-    cfg = compose_cfg(*TINY)
-    model = models.build_model(cfg.model, vocab_size=512)  # the synthetic corpus's vocabulary
+    model = models.build_model(compose_cfg(*TINY).model, vocab_size=512)  # the synthetic corpus's vocabulary
     sharded_checkpoint.load_model(ckpt_dir, model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def model_weights(run_dir) -> dict[str, torch.Tensor]:
+    """The weights of a run's latest checkpoint."""
+    return checkpoint_weights(ckpt.latest(str(run_dir / "checkpoints")))
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +187,57 @@ def test_svd_under_fsdp_is_refused_before_training(tmp_path):
         run_inprocess(tmp_path, *FSDP, "train.steps=1", "optimizer=galore",
                       base=[o for o in TINY if not o.startswith("optimizer")])
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_disk_full_during_a_sharded_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    """A rank's DCP write fails with ENOSPC in the second checkpoint: one line naming the previous,
+    intact checkpoint, no temporary left (FSDP2 in one process: the same code path as N ranks)."""
+    import contextlib
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" in mode and ckpt.step_dir_name(4) in str(path) and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        with real(self, path, mode) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run_inprocess(tmp_path, *FSDP, "train.steps=4", "checkpoint.every=2")
+    root = str(tmp_path / "checkpoints")
+    previous = os.path.join(root, ckpt.step_dir_name(2))
+    failed = os.path.join(root, ckpt.step_dir_name(4), sharded_checkpoint.SHARDED_DIR)
+    assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
+    assert sorted(os.listdir(root)) == [ckpt.LATEST, ckpt.step_dir_name(2)]
+    assert ckpt.latest(root) == previous and ckpt.verify(previous) is None
+
+
+def test_nonfinite_shards_are_never_checkpointed(tmp_path):
+    from train_utils.loop import NonFiniteError
+
+    with pytest.raises(NonFiniteError) as err:
+        run_inprocess(tmp_path, *FSDP, "train.steps=10", "optimizer.lr=1e6", "checkpoint.every=1",
+                      "checkpoint.keep=20")
+    written = ckpt.list_checkpoints(str(tmp_path / "checkpoints"))
+    assert written and f"Last checkpoint (finite): {written[-1]}" in str(err.value)
+    for ckpt_dir in written:
+        assert all(t.isfinite().all() for t in checkpoint_weights(ckpt_dir).values()), ckpt_dir
+
+
+def test_damaged_shard_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    reference = tmp_path / "reference"
+    assert run_inprocess(reference, *FSDP, f"train.steps={2 * N}") == 0
+    run_dir = tmp_path / "damaged"
+    assert run_inprocess(run_dir, *FSDP, f"train.steps={N}", "checkpoint.every=1", "checkpoint.keep=3") == 0
+    latest = ckpt.latest(str(run_dir / "checkpoints"))
+    with open(os.path.join(latest, "dcp", "__0_0.distcp"), "r+b") as f:
+        f.seek(1000)
+        f.write(b"\x00" * 64)
+    assert run_inprocess(run_dir, *FSDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
+    assert os.path.isdir(latest + ckpt.DAMAGED_SUFFIX)  # set aside, named
+    assert losses(run_dir) == losses(reference)  # redid step N from step N - 1: bitwise the same run

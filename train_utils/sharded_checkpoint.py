@@ -30,6 +30,7 @@ import glob
 import hashlib
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -178,6 +179,8 @@ def load_model(ckpt_dir: str, model) -> None:
 
     state = {"model": get_model_state_dict(model)}
     # Without a process group (one process) every rank's shards are read here; with one, it is collective.
-    dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR),
-             no_dist=not torch.distributed.is_initialized())
+    alone = not torch.distributed.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR), no_dist=alone)
     set_model_state_dict(model, state["model"])
