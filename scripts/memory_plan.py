@@ -90,7 +90,8 @@ def table(args) -> str:
     head = "| model | optimizer | " + " | ".join(name for name, _, _ in TABLE_SETTINGS) + " |"
     lines = [f"Per-rank peak allocated memory (GiB) at the largest micro-batch that fits {dev / GIB:.2f} GiB "
              f"with the allowance, {args.world_size} GPUs, global batch 512 x 256 tokens, bf16-mixed. "
-             "Cell: micro-batch / peak (required incl. allowance); '-' = nothing fits.", "", head,
+             "Cell: micro-batch / peak (required incl. allowance); '-' = nothing fits; 'refused' = the optimizer "
+             "refuses FSDP2 shards (svd needs whole matrices).", "", head,
              "|---|---|" + "---|" * len(TABLE_SETTINGS)]
     for model in args.models:
         for label, opt_name in TABLE_OPTIMIZERS.items():
@@ -100,6 +101,9 @@ def table(args) -> str:
             opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
             cells = []
             for _, parallelism, ac in TABLE_SETTINGS:
+                if parallelism == "fsdp" and opt.get("projection") in ("svd", "random"):
+                    cells.append("refused")  # GaLore's bases need whole matrices, not FSDP2 shards
+                    continue
                 micro, plan = largest_micro_batch(cfg.model, opt, device_bytes=dev, seq_len=256,
                                                   world_size=args.world_size, global_batch=512,
                                                   parallelism=parallelism, activation_checkpointing=ac)

@@ -290,3 +290,23 @@ def test_compile_setting_is_checked(tmp_path):
         run_inprocess(tmp_path, "train.compile=sometimes")
     with pytest.raises(ConfigError, match="train.parallelism='zero3' is invalid; choose one of ddp, fsdp"):
         run_inprocess(tmp_path, "train.parallelism=zero3")
+
+
+def test_memory_check_on_a_gpu_also_counts_the_host_ram_of_building_the_model(monkeypatch):
+    """On a GPU node every process builds its fp32 model on the host before moving it: 8 processes
+    x 4 bytes x 6.7B parameters do not fit a host with 64 GiB free, whatever the GPUs hold."""
+    import train_utils.memory_check as memory_check
+    from train_utils.memory_check import MemoryCheckError
+    from train_utils.memory_plan import DEVICES, GIB
+
+    free = {"cpu": 64 * GIB, "cuda": DEVICES["a100-80gb"]}
+    monkeypatch.setattr(memory_check, "device_memory", lambda device: free[torch.device(device).type])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = compose_cfg("experiment=table2", "model=llama_7b")
+    opt = {"name": "frugal", "density": 0.0}
+    with pytest.raises(MemoryCheckError, match=r"building llama_7b needs about 208.8 GiB of host RAM \(8 processes"):
+        memory_check.check(cfg, opt, 32000, 8, torch.device("cuda"))
+    free["cpu"] = 512 * GIB  # a host with room: the GPU's own check passes (FSDP2, micro-batch 32)
+    result = memory_check.check(cfg, opt, 32000, 8, torch.device("cuda"))
+    assert result["memory_planned_bytes"] < result["memory_available_bytes"] == DEVICES["a100-80gb"]
