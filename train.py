@@ -4,14 +4,17 @@
     python train.py optimizer=adamw train.steps=1000     # any config key can be overridden
     python train.py experiment=table2 model=llama_130m   # a cell of a paper table (configs/experiment/)
     torchrun --standalone --nproc_per_node 2 train.py hydra.run.dir=runs/ddp    # data parallel
+    torchrun --standalone --nproc_per_node 8 train.py train.parallelism=fsdp     # FSDP2: sharded
     python train.py hydra.run.dir=<run dir>              # continue a stopped run (train.resume=auto)
 
-The script reads top to bottom: processes and config checks, which checkpoint to continue, data/
-model/optimizer, resume, the loop, the final evaluation and summary. Helpers live with their
-concern in train_utils/: loop.py (loss, forward/backward, evaluation), checkpoint.py (atomic,
-verified checkpoints), resume.py (continuing a run, changed settings), measure.py (what a training
-row measures), metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, timeouts),
-signals.py (stop signals), slurm.py (SLURM jobs), config.py (start-up validation).
+The script reads top to bottom: processes and config checks, which checkpoint to continue, data,
+the memory check, model/optimizer, resume, the loop, the final evaluation and summary. Helpers live
+with their concern in train_utils/: loop.py (loss, forward/backward, evaluation, compiling),
+checkpoint.py (atomic, verified checkpoints), sharded_checkpoint.py (FSDP2's, through
+torch.distributed.checkpoint), resume.py (continuing a run, changed settings), memory_check.py
+(refusing a run that cannot fit, from memory_plan.py), measure.py (what a training row measures),
+metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, DDP or FSDP2, timeouts),
+signals.py (stop signals), slurm.py (SLURM jobs), validation.py (start-up validation).
 
 A step: fetch the micro-batches (timed: data wait), forward/backward with gradient accumulation,
 one global gradient norm (also used for clipping when train.grad_clip is set), then one host sync
@@ -21,7 +24,8 @@ the update is applied, and no checkpoint with non-finite weights or state is eve
 Exit codes: 0 done (also when the run had already finished: nothing is written then); 1 error,
 e.g. a non-finite loss (the message names the step and the last checkpoint, which is finite), a
 checkpoint that cannot be written (the previous one is intact), a rank that stopped answering;
-2 invalid configuration, or a setting that differs from the checkpoint's; 75 (EX_TEMPFAIL, "try
+2 invalid configuration, a setting that differs from the checkpoint's, or a run the memory planner
+says cannot fit (the message gives the planned and available memory); 75 (EX_TEMPFAIL, "try
 again") stopped by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2, after writing a checkpoint (or during
 start-up, before any step): rerun the same command with the same run dir to continue (in a
 submitit job, submitit requeues it: train_utils/slurm.py).

@@ -7,8 +7,8 @@
     python scripts/memory_plan.py --validate             # real CPU steps measured beside their plans (~30 s)
 
 Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
-micro-batch, sequence length, precision, global batch (and `train.activation_checkpointing` /
-`train.parallelism` once the loop has them) come from that config unless an option below sets them.
+micro-batch, sequence length, precision, global batch, `train.activation_checkpointing` and
+`train.parallelism` come from that config unless an option below sets them.
 The vocabulary is the model's (the paper's C4 runs); `--vocab-size` overrides it (data=synthetic: 512).
 
 Memory is planned on the meta device (nothing allocated; seconds for 7B) by
@@ -62,6 +62,8 @@ def run_settings(cfg, args) -> dict:
         vocab_size=args.vocab_size,
         gradient_as_bucket_view=not args.no_bucket_view,
         autocast_cache=not args.no_autocast_cache,
+        compiled_loss=args.compiled_loss if args.compiled_loss is not None else
+        OmegaConf.select(cfg, "train.compile", default=False) is True,
     )
 
 
@@ -313,6 +315,9 @@ def main(argv=None) -> int:
                     help="DDP without gradient_as_bucket_view (buckets beside the gradients)")
     ap.add_argument("--no-autocast-cache", action="store_true",
                     help="torch.autocast(cache_enabled=False): no cached bf16 weight copies in the forward")
+    ap.add_argument("--compiled-loss", action="store_true", default=None,
+                    help="the loop's compiled loss (train.compile): 4 instead of 14 bytes per token and vocabulary "
+                         "entry; default: train.compile=true in the config (auto counts as eager: the GPU decides)")
     ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")

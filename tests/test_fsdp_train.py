@@ -243,3 +243,19 @@ def test_damaged_shard_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     assert run_inprocess(run_dir, *FSDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
     assert os.path.isdir(latest + ckpt.DAMAGED_SUFFIX)  # set aside, named
     assert losses(run_dir) == losses(reference)  # redid step N from step N - 1: bitwise the same run
+
+
+def test_pure_bf16_and_compiled_blocks_under_fsdp(tmp_path):
+    """Pure bf16 shards (no mixed-precision policy: computed and reduced in bf16, as DDP does), and
+    compiled blocks with activation checkpointing under fully_shard, agree with the eager run."""
+    assert run_inprocess(tmp_path / "eager", *FSDP, "train.steps=3") == 0
+    assert run_inprocess(tmp_path / "compiled", *FSDP, "train.steps=3", "train.compile=true",
+                         "train.activation_checkpointing=true") == 0
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), abs=2e-3)
+    assert run_inprocess(tmp_path / "bf16", *FSDP, "train.steps=3", "train.precision=bf16") == 0
+    assert losses(tmp_path / "bf16") == pytest.approx(losses(tmp_path / "eager"), abs=2e-2)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = os.path.join(ckpt.latest(str(tmp_path / "bf16" / "checkpoints")), sharded_checkpoint.SHARDED_DIR)
+    metadata = FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert metadata["model.lm_head.weight"].properties.dtype == torch.bfloat16  # the shards are bf16

@@ -194,7 +194,7 @@ def test_memory_check_refuses_llama_7b_on_this_host_with_the_figures(tmp_path, m
     with pytest.raises(MemoryCheckError) as err:
         run_inprocess(tmp_path, "model=llama_7b", "train.steps=1")
     text = str(err.value)
-    assert re.search(r"llama_7b \+ frugal .* needs about [\d.]+ GiB .* has [\d.]+ GiB", text), text
+    assert re.search(r"llama_7b \+ frugal .* needs about [\d.]+ GiB .* available RAM is [\d.]+ GiB", text), text
     assert "train.memory_check=false" in text and "train.activation_checkpointing=true" in text
     assert built and set(built) == {"meta"}
     assert not os.path.exists(tmp_path / "checkpoints")
@@ -208,7 +208,7 @@ def test_memory_check_logs_its_figures_and_can_be_skipped(tmp_path, monkeypatch)
     start = rows(tmp_path / "fits")[0]
     assert 0 < start["memory_planned_bytes"] < start["memory_available_bytes"]
     monkeypatch.setattr(memory_check, "device_memory", lambda device: 2**20)  # a host with 1 MiB free
-    with pytest.raises(MemoryCheckError, match="has 0.0 GiB"):
+    with pytest.raises(MemoryCheckError, match="available RAM is 0.0 GiB"):
         run_inprocess(tmp_path / "refused", "train.steps=1")
     assert run_inprocess(tmp_path / "skipped", "train.steps=1", "train.memory_check=false") == 0
     assert rows(tmp_path / "skipped")[0]["memory_check"].startswith("off")

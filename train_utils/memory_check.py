@@ -60,7 +60,8 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
                 f"building {cfg.model.name} needs about {_gib(build)} of host RAM ({local_world} processes x 4 bytes x "
                 f"{params:,} parameters + {_gib(PROCESS_BYTES)} each) but {_gib(host)} is available. "
                 f"Use fewer processes per node, a machine with more RAM, or train.memory_check=false to skip the check")
-        need, available, where = plan.required, device_memory(device), f"the GPU ({torch.cuda.get_device_name(device)})"
+        need, available = plan.required, device_memory(device)
+        where = f"the memory of the GPU ({torch.cuda.get_device_name(device)})"
         per_process = need
     else:
         per_process = plan.total + PROCESS_BYTES
@@ -72,9 +73,10 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
                                    **settings)
     remedy = (f"train.micro_batch_size={micro} (the largest that fits)" if micro else
               "no micro-batch fits: weights, gradients and optimizer state alone are too large")
-    processes = f"{local_world} processes x " if local_world > 1 and device.type != "cuda" else ""
+    processes = (f" ({local_world} processes x {_gib(per_process)})" if local_world > 1 and device.type != "cuda"
+                 else "")
     raise MemoryCheckError(
-        f"{what} needs about {_gib(need)} ({processes}{_gib(per_process)} per process; planned peak {parts} GiB "
-        f"at the {plan.phase}) but {where} has {_gib(available)}. Options: {remedy}; "
-        f"train.activation_checkpointing=true; train.parallelism=fsdp over more processes; or "
-        f"train.memory_check=false to skip this check (docs/memory_plan.md explains the estimate)")
+        f"{what} needs about {_gib(need)}{processes} (planned peak: {parts} GiB, at the {plan.phase}) but "
+        f"{where} is {_gib(available)}. Options: {remedy}; train.activation_checkpointing=true; "
+        f"train.parallelism=fsdp over more processes; or train.memory_check=false to skip this check "
+        f"(docs/memory_plan.md explains the estimate)")
