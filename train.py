@@ -63,7 +63,8 @@ from train_utils import distributed, memory_check, resume
 from train_utils.naming import is_multirun, run_group, run_name
 from train_utils.validation import ConfigError, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32, check_loop_settings,
-                              compile_model, compile_wanted, enable_activation_checkpointing, end_of_run_summary,
+                              compile_model, compile_wanted, density_message, enable_activation_checkpointing,
+                              end_of_run_summary,
                               evaluate, forward_backward, grad_norm_, ranks_in_sync, seed_dropout, seed_everything,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, peak_flops
@@ -177,13 +178,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                      "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
                      "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism, "compiled": compiled,
                      "tf32": tf32, **memory})
-        if density and abs(density["realised"] - density["requested"]) > 1e-3:
-            # Whole blocks (or columns, ...) are state-full or not: the realised share is rounded.
-            far = abs(density["realised"] - density["requested"]) > density["unit"] / 2
-            say(f"{'warning: ' if far else ''}optimizer.density={density['requested']:g} is realised as a state-full "
-                f"share of {density['realised']:.4g} of the projectable parameters (one selection unit is "
-                f"{density['unit']:.4g})" + ("; more than half a unit off: check the projection's granularity" if far
-                                             else ""))
+        if density and density_message(density):
+            say(density_message(density))
         if plan["changes"]:
             metrics.log({"event": "resume_changes", "step": step,
                          "changes": {k: [old, new] for k, (old, new) in plan["changes"].items()}})

@@ -193,6 +193,20 @@ def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, rank, offset]).generate_state(1, np.uint64)[0]))
 
 
+def density_message(report: dict) -> str | None:
+    """What the console says about `optimizer.density_report()`: whole blocks (columns, ...) are
+    state-full or not, so the realised share is rounded; a note when it differs from the request, a
+    warning beyond half a selection unit (issue 8). None when they agree."""
+    gap = abs(report["realised"] - report["requested"])
+    if gap <= 1e-3:
+        return None
+    far = gap > report["unit"] / 2
+    return (f"{'warning: ' if far else ''}optimizer.density={report['requested']:g} is realised as a state-full "
+            f"share of {report['realised']:.4g} of the projectable parameters (one selection unit is "
+            f"{report['unit']:.4g})" + ("; more than half a unit off: check the projection's granularity" if far
+                                        else ""))
+
+
 def compile_model(model):
     """Compile each transformer block's forward in place (module docstring); return the compiled loss.
     Parameter names and hooks are unchanged, so checkpoints and FSDP2 see the same model."""
