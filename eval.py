@@ -12,7 +12,8 @@ means its latest checkpoint.
 Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
 <checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
 and with the same code as train.py's evaluations, so the two agree. Runs under torchrun too (the
-ranks split the validation set). Exit codes: 0 done; 2 bad arguments, or a missing or damaged
+ranks split the validation set). A checkpoint of a sharded run (train.parallelism=fsdp) is read
+whole into each process, on any number of processes. Exit codes: 0 done; 2 bad arguments, or a missing or damaged
 checkpoint (verified against its manifest; a run directory falls back to its newest intact one).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 import data
 import models
 from train_utils import checkpoint as ckpt
+from train_utils import sharded_checkpoint
 from train_utils.validation import PRECISIONS, ConfigError
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
@@ -87,9 +89,12 @@ def main(argv: list[str]) -> dict:
     except data.DataConfigError as err:
         raise ConfigError(str(err)) from err
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
-    model.load_state_dict(ckpt.load(ckpt_dir, "model"))
     if tc.precision == "bf16":
         model.to(torch.bfloat16)
+    if sharded_checkpoint.is_sharded(ckpt_dir):  # written by an FSDP2 run: its shards, gathered whole here
+        sharded_checkpoint.load_model(ckpt_dir, model)
+    else:
+        model.load_state_dict(ckpt.load(ckpt_dir, "model"))
     model.to(accelerator.device)
     result = evaluate(model, dm, tc.eval_tokens, tc.precision, accelerator)
     result.update(step=int(ckpt.load(ckpt_dir, "trainer")["step"]), checkpoint=os.path.abspath(ckpt_dir),

@@ -4,14 +4,17 @@
     python train.py optimizer=adamw train.steps=1000     # any config key can be overridden
     python train.py experiment=table2 model=llama_130m   # a cell of a paper table (configs/experiment/)
     torchrun --standalone --nproc_per_node 2 train.py hydra.run.dir=runs/ddp    # data parallel
+    torchrun --standalone --nproc_per_node 8 train.py train.parallelism=fsdp     # FSDP2: sharded
     python train.py hydra.run.dir=<run dir>              # continue a stopped run (train.resume=auto)
 
-The script reads top to bottom: processes and config checks, which checkpoint to continue, data/
-model/optimizer, resume, the loop, the final evaluation and summary. Helpers live with their
-concern in train_utils/: loop.py (loss, forward/backward, evaluation), checkpoint.py (atomic,
-verified checkpoints), resume.py (continuing a run, changed settings), measure.py (what a training
-row measures), metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, timeouts),
-signals.py (stop signals), slurm.py (SLURM jobs), config.py (start-up validation).
+The script reads top to bottom: processes and config checks, which checkpoint to continue, data,
+the memory check, model/optimizer, resume, the loop, the final evaluation and summary. Helpers live
+with their concern in train_utils/: loop.py (loss, forward/backward, evaluation, compiling),
+checkpoint.py (atomic, verified checkpoints), sharded_checkpoint.py (FSDP2's, through
+torch.distributed.checkpoint), resume.py (continuing a run, changed settings), memory_check.py
+(refusing a run that cannot fit, from memory_plan.py), measure.py (what a training row measures),
+metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, DDP or FSDP2, timeouts),
+signals.py (stop signals), slurm.py (SLURM jobs), validation.py (start-up validation).
 
 A step: fetch the micro-batches (timed: data wait), forward/backward with gradient accumulation,
 one global gradient norm (also used for clipping when train.grad_clip is set), then one host sync
@@ -21,7 +24,8 @@ the update is applied, and no checkpoint with non-finite weights or state is eve
 Exit codes: 0 done (also when the run had already finished: nothing is written then); 1 error,
 e.g. a non-finite loss (the message names the step and the last checkpoint, which is finite), a
 checkpoint that cannot be written (the previous one is intact), a rank that stopped answering;
-2 invalid configuration, or a setting that differs from the checkpoint's; 75 (EX_TEMPFAIL, "try
+2 invalid configuration, a setting that differs from the checkpoint's, or a run the memory planner
+says cannot fit (the message gives the planned and available memory); 75 (EX_TEMPFAIL, "try
 again") stopped by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2, after writing a checkpoint (or during
 start-up, before any step): rerun the same command with the same run dir to continue (in a
 submitit job, submitit requeues it: train_utils/slurm.py).
@@ -55,12 +59,14 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, resume
+from train_utils import distributed, memory_check, resume
 from train_utils.naming import is_multirun, run_group, run_name
 from train_utils.validation import ConfigError, stop_with_error, validate_config
-from train_utils.loop import (NonFiniteError, activation_checkpointing_on, check_loop_settings, enable_activation_checkpointing,
-                              end_of_run_summary, evaluate, forward_backward, grad_norm_, ranks_in_sync,
-                              seed_dropout, seed_everything, training_batches)
+from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32, check_loop_settings,
+                              compile_model, compile_wanted, density_message, enable_activation_checkpointing,
+                              end_of_run_summary,
+                              evaluate, forward_backward, grad_norm_, ranks_in_sync, seed_dropout, seed_everything,
+                              training_batches)
 from train_utils.measure import Interval, flops_per_position, peak_flops
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
 from train_utils.signals import STOP
@@ -81,6 +87,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     accelerator = distributed.make_accelerator(tc.collective_timeout_s)
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
+    tf32 = allow_tf32(tc.tf32, device)
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = None
     try:
@@ -101,19 +108,28 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 f"train.resume_changes=[train.steps].")
             return 0
 
-        # ---- data, model, optimizer, schedule. Same seed on every rank: identical initial weights.
+        # ---- data, then the memory check, then model, optimizer, schedule. Same seed on every rank:
+        # identical initial weights.
         seed_everything(tc.seed)
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
                              seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings)
+        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        compiled = compile_wanted(tc.compile, device)
+        memory = (memory_check.check(cfg, opt_cfg, dm.vocab_size, world, device, compiled) if tc.memory_check
+                  else {"memory_check": "off (train.memory_check=false)"})
+        if "memory_check" in memory and tc.memory_check:
+            say(f"warning: memory check {memory['memory_check']}")
         raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
         if tc.activation_checkpointing:
             enable_activation_checkpointing(raw_model)
         if precision == "bf16":
             raw_model.to(torch.bfloat16)
         seed_dropout(tc.seed, rank)  # ...but every rank its own dropout masks
-        model = distributed.wrap_model(accelerator, raw_model)
-        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        loss_fn = compile_model(raw_model) if compiled else None  # blocks compile at their first call
+        # ddp: `model` is the DDP wrapper (or raw_model alone); fsdp: raw_model itself, sharded in place.
+        model = distributed.wrap_model(accelerator, raw_model, tc.parallelism, precision)
+        set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
         try:
             scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
@@ -123,12 +139,13 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
-        step, tokens, active = 0, 0, None
+        step, tokens, active, fresh_state = 0, 0, None, 0
         if plan["ckpt_dir"]:
             trainer = ckpt.load(plan["ckpt_dir"], "trainer")
-            scheduler = resume.restore(plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer,
-                                       scheduler=scheduler, dm=dm, rank=rank, world=world, seed=tc.seed,
-                                       new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
+            scheduler, fresh_state = resume.restore(
+                plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer, scheduler=scheduler, dm=dm,
+                rank=rank, world=world, seed=tc.seed,
+                new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
             say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
@@ -148,20 +165,31 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         adamw_bytes = frugal.estimate_state_bytes(raw_model, "adamw")
         flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
         peak = peak_flops(device, tc.peak_flops)
+        density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
         metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in raw_model.parameters()),
                      "state_full_fraction": state_full_fraction(optimizer),
+                     **({f"density_{k}": v for k, v in density.items()} if density else {}),
                      # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
                      "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
                      "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name, "model": cfg.model.name,
                      "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
                      "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
                      "activation_checkpointing": activation_checkpointing_on(raw_model),
-                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)})
+                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
+                     "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism, "compiled": compiled,
+                     "tf32": tf32, **memory})
+        if density and density_message(density):
+            say(density_message(density))
         if plan["changes"]:
             metrics.log({"event": "resume_changes", "step": step,
                          "changes": {k: [old, new] for k, (old, new) in plan["changes"].items()}})
             say("applying the changed settings named in train.resume_changes: " +
                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan["changes"].items()))
+        if fresh_state:
+            metrics.log({"event": "optimizer_state_reset", "step": step, "tensors": fresh_state,
+                         "reason": "per-rank column/row/randk state of a sharded run on another process count"})
+            say(f"{fresh_state} tensors' column/row/randk optimizer state starts fresh: under FSDP2 it belongs to "
+                f"each rank's shard, and the shards changed with the process count (train_utils/sharded_checkpoint.py)")
         if plan["ckpt_dir"] and trainer["world_size"] != world:
             metrics.log({"event": "world_size_changed", "step": step, "from": trainer["world_size"], "to": world})
             say(f"continuing on {world} processes (the checkpoint was written by {trainer['world_size']}): weights, "
@@ -179,7 +207,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             t0 = time.perf_counter()
             batches = [next(train_iter) for _ in range(accum)]
             data_wait = time.perf_counter() - t0
-            loss_sum, n_global = forward_backward(model, batches, accelerator, precision)
+            loss_sum, n_global = forward_backward(model, batches, accelerator, precision, loss_fn)
             norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
             # The step's one host sync: global loss, gradient norm, target count, the ranks' stop votes.
             votes = torch.tensor(float(STOP.received is not None), dtype=torch.float64, device=device)
@@ -198,12 +226,16 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
+            if hasattr(optimizer, "observe_loss"):  # optimizers that adapt to the loss see the global one
+                optimizer.observe_loss(loss)
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
             step += 1
             tokens += int(targets)
-            for event in dm.pop_events():  # e.g. a source that wrapped around an epoch
+            events = list(dm.pop_events())  # e.g. a source that wrapped around an epoch
+            events += list(optimizer.pop_events()) if hasattr(optimizer, "pop_events") else []
+            for event in events:
                 metrics.log({**event, "step": step})
             interval.add(int(targets), sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
@@ -216,7 +248,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
+                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
                 metrics.log(last_eval)
             # A signal during the last step lets the run finish instead (only the summary is left).
             stopping = stop_votes > 0 and step < tc.steps
@@ -238,7 +270,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
         if last_eval is None or last_eval["step"] != step:
-            last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator)}
+            last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
             metrics.log(last_eval)
         in_sync, checksum = ranks_in_sync(raw_model)
         end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],

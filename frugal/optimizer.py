@@ -330,8 +330,9 @@ class FRUGAL(Optimizer):
         return step // group["update_gap"] if clock is None else clock.window
 
     def materialize_state(self, step: int) -> None:
-        """Set the step counter to ``step`` and give every tensor that holds state in that step's
-        window its state, zero-filled, in the shapes a checkpoint of that step holds.
+        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
+        steps (in the window of the last step taken) its state, zero-filled, in the shapes a
+        checkpoint of that step holds.
 
         For loading with torch.distributed.checkpoint, which loads into the state dict of the
         optimizer it is given: which tensors hold state depends on the window, so a freshly built

@@ -7,8 +7,8 @@
     python scripts/memory_plan.py --validate             # real CPU steps measured beside their plans (~30 s)
 
 Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
-micro-batch, sequence length, precision, global batch (and `train.activation_checkpointing` /
-`train.parallelism` once the loop has them) come from that config unless an option below sets them.
+micro-batch, sequence length, precision, global batch, `train.activation_checkpointing` and
+`train.parallelism` come from that config unless an option below sets them.
 The vocabulary is the model's (the paper's C4 runs); `--vocab-size` overrides it (data=synthetic: 512).
 
 Memory is planned on the meta device (nothing allocated; seconds for 7B) by
@@ -62,6 +62,8 @@ def run_settings(cfg, args) -> dict:
         vocab_size=args.vocab_size,
         gradient_as_bucket_view=not args.no_bucket_view,
         autocast_cache=not args.no_autocast_cache,
+        compiled_loss=args.compiled_loss if args.compiled_loss is not None else
+        OmegaConf.select(cfg, "train.compile", default=False) is True,
     )
 
 
@@ -90,7 +92,8 @@ def table(args) -> str:
     head = "| model | optimizer | " + " | ".join(name for name, _, _ in TABLE_SETTINGS) + " |"
     lines = [f"Per-rank peak allocated memory (GiB) at the largest micro-batch that fits {dev / GIB:.2f} GiB "
              f"with the allowance, {args.world_size} GPUs, global batch 512 x 256 tokens, bf16-mixed. "
-             "Cell: micro-batch / peak (required incl. allowance); '-' = nothing fits.", "", head,
+             "Cell: micro-batch / peak (required incl. allowance); '-' = nothing fits; 'refused' = the optimizer "
+             "refuses FSDP2 shards (svd needs whole matrices).", "", head,
              "|---|---|" + "---|" * len(TABLE_SETTINGS)]
     for model in args.models:
         for label, opt_name in TABLE_OPTIMIZERS.items():
@@ -100,6 +103,9 @@ def table(args) -> str:
             opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
             cells = []
             for _, parallelism, ac in TABLE_SETTINGS:
+                if parallelism == "fsdp" and opt.get("projection") in ("svd", "random"):
+                    cells.append("refused")  # GaLore's bases need whole matrices, not FSDP2 shards
+                    continue
                 micro, plan = largest_micro_batch(cfg.model, opt, device_bytes=dev, seq_len=256,
                                                   world_size=args.world_size, global_batch=512,
                                                   parallelism=parallelism, activation_checkpointing=ac)
@@ -113,9 +119,10 @@ def table(args) -> str:
 @dataclass(frozen=True)
 class Case:
     """A CPU training run to measure. wrapper: "none" (one process: the loop runs without DDP),
-    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place), "ddp-no-view"
+    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place: the loop's DDP), "ddp-no-view"
     (gradient_as_bucket_view=False), "ddp-set-to-none" (bucket view, zero_grad(set_to_none=True)),
-    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce)."""
+    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce). compiled: the loop's
+    train.compile (blocks and loss compiled by train_utils.loop.compile_model)."""
     model: str
     vocab: int | None
     optimizer: dict
@@ -124,6 +131,7 @@ class Case:
     checkpointing: bool = False
     precision: str = "bf16-mixed"
     wrapper: str = "none"
+    compiled: bool = False
 
 
 _SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch at the second step
@@ -145,9 +153,12 @@ VALIDATION_CASES = [
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-no-view"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="ddp-set-to-none"),
-    # FRUGAL does not take FSDP2's DTensor parameters yet (issue 11): measured with torch's AdamW.
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, wrapper="fsdp"),
     Case("llama_20m", 1000, {"name": "adamw"}, 8, 128, checkpointing=True, wrapper="fsdp"),
+    Case("llama_20m", 1000, _SWITCHING, 8, 128, wrapper="fsdp"),
+    # The compiled loss: the logits' gradient instead of three fp32 log-softmax tensors (the eager
+    # twin is the llama_tiny case above).
+    Case("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64, compiled=True),
 ]
 
 
@@ -164,7 +175,7 @@ def plan_case(case: Case, phase: str | None = None) -> int:
                        activation_checkpointing=case.checkpointing, precision=case.precision,
                        vocab_size=case.vocab, device_type="cpu", gradient_as_bucket_view=not copy,
                        world_size=2 if case.wrapper.startswith("ddp") else 1,
-                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp")
+                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp", compiled_loss=case.compiled)
     return plan.phases[phase] if phase else plan.total
 
 
@@ -181,6 +192,7 @@ def measure_case(case: Case) -> tuple[int, int]:
     while a micro-batch's activations are alive, and a block switch inside the second step.
     Needs a (one-process) torch.distributed group for the DDP and FSDP wrappers."""
     import contextlib
+    import gc
 
     import torch
     from torch._C._profiler import _EventType
@@ -189,11 +201,11 @@ def measure_case(case: Case) -> tuple[int, int]:
     import frugal
     import models
 
-    try:
-        from train_utils.loop import token_loss_sum  # where the loop's helpers are moving (issue 13)
-    except ImportError:
-        from train import token_loss_sum
+    from train_utils.loop import compile_model, token_loss_sum
 
+    # What earlier cases left in reference cycles (FSDP2's modules and hooks, DDP's reducer) must be
+    # freed now: collected during this case, it would lower the running totals below this case's own.
+    gc.collect()
     cfg = OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml")
     vocab, ddp, accumulation = case.vocab or cfg.vocab_size, case.wrapper.startswith("ddp"), 2
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -203,10 +215,18 @@ def measure_case(case: Case) -> tuple[int, int]:
         if case.checkpointing:  # per transformer block, non-reentrant, through the transformers API
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         wrapped = model
+        loss_fn = compile_model(model) if case.compiled else token_loss_sum
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view")
+            # init_sync=False: one process has nothing to broadcast. The construction-time broadcast
+            # flattens the parameters into one buffer (flatten_dense_tensors: 4 bytes per parameter
+            # here, at most one 250 MB bucket in a real run); in about one run in ten that buffer was
+            # still alive through every measured step (its release is not ordered with the caller;
+            # which runs hit it varied with PYTHONHASHSEED, not with test order), which counted a
+            # second gradient copy and failed the DDP cases of the full suite.
+            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view",
+                                              init_sync=False)
         elif case.wrapper == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -224,7 +244,7 @@ def measure_case(case: Case) -> tuple[int, int]:
                 with contextlib.nullcontext() if sync else wrapped.no_sync():
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
                         logits = wrapped(input_ids=ids, use_cache=False).logits
-                    loss = token_loss_sum(logits, ids)
+                    loss = loss_fn(logits, ids)
                     (loss / ids.numel()).backward()
                 del logits, loss
             with record_function("optimizer_step"):
@@ -295,6 +315,9 @@ def main(argv=None) -> int:
                     help="DDP without gradient_as_bucket_view (buckets beside the gradients)")
     ap.add_argument("--no-autocast-cache", action="store_true",
                     help="torch.autocast(cache_enabled=False): no cached bf16 weight copies in the forward")
+    ap.add_argument("--compiled-loss", action="store_true", default=None,
+                    help="the loop's compiled loss (train.compile): 4 instead of 14 bytes per token and vocabulary "
+                         "entry; default: train.compile=true in the config (auto counts as eager: the GPU decides)")
     ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")

@@ -106,7 +106,11 @@ def test_signal_to_one_rank_stops_all_ranks_at_one_step_and_resume_matches(tmp_p
 
 
 def test_ddp_keeps_gradients_as_bucket_views(ddp_run):
-    assert rows(ddp_run)[0]["ddp_gradient_as_bucket_view"] is True  # read from the DDP wrapper itself
+    start = rows(ddp_run)[0]
+    assert start["ddp_gradient_as_bucket_view"] is True  # read from the DDP wrapper itself
+    # ...and zeroes them in place: set_to_none=True would make every no_sync micro-batch allocate
+    # gradients beside the buckets (docs/memory_plan.md measures the second copy)
+    assert start["zero_grad_set_to_none"] is False
 
 
 # A GPT-2 small enough for a test, with dropout on (the preset pre-trains without it).

@@ -221,14 +221,46 @@ def test_fsdp_shards_weights_gradients_and_state():
 def test_switch_transient_is_one_block_of_state():
     cfg = model_cfg("llama_60m")
     layer = 4 * 512 * 512 + 3 * 512 * 1376  # q, k, v, o, gate, up, down of one block
-    plans = {d: plan_memory(cfg, {"name": "frugal", "density": d}, micro_batch_size=1, seq_len=256,
-                            activation_checkpointing=True) for d in (0.0, 0.25, 1.0)}
-    transient = {d: p.phases["optimizer step"] - (p.weights + p.gradients + p.comm_buffers + p.optimizer_state)
-                 for d, p in plans.items()}
-    sign = 4 * 512 * 1376  # the eager sign update's one temporary, the size of the largest weight
-    assert transient[0.25] == 2 * 4 * layer + sign  # AdamW's two fp32 moments of the entering block
-    assert transient[0.0] == sign  # nothing ever enters
-    assert transient[1.0] == 0  # everything stays, nothing is state-free
+
+    def transient(density, **hp):
+        p = plan_memory(cfg, {"name": "frugal", "density": density, **hp}, micro_batch_size=1, seq_len=256,
+                        activation_checkpointing=True)
+        return p.phases["optimizer step"] - (p.weights + p.gradients + p.comm_buffers + p.optimizer_state)
+
+    # The compiled sign update (sign_update="auto": every weight here has >= 65536 elements) makes no
+    # temporary; AdamW's fused kernel neither: only a switch's entering block counts.
+    assert transient(0.25) == 2 * 4 * layer  # AdamW's two fp32 moments of the entering block
+    assert transient(0.0) == 0  # nothing ever enters
+    assert transient(1.0) == 0  # everything stays, nothing is state-free
+    # The eager sign update makes one sign(g) at a time: the largest state-free weight.
+    assert transient(0.0, sign_update="eager") == 4 * 512 * 1376
+
+
+def test_split_temporaries_are_one_batch_of_tensors():
+    """Column projections gather the reduced weights and gradients of one batch of split tensors at
+    a time (frugal/optimizer.py: at most 8 tensors of one param group, i.e. one LLaMA layer), not of
+    every tensor: 2 x 4 bytes x one layer's reduced elements."""
+    from frugal.optimizer import _BATCH_TENSORS
+
+    plan = plan_memory(model_cfg("llama_60m"), {"name": "frugal", "density": 0.25, "projection": "column"},
+                       micro_batch_size=1, seq_len=256)
+    transient = plan.phases["optimizer step"] - (plan.weights + plan.gradients + plan.optimizer_state)
+    layer = [(512, 512)] * 4 + [(1376, 512)] * 2 + [(512, 1376)]  # q, k, v, o, gate, up, down: (out, in)
+    assert len(layer) <= _BATCH_TENSORS
+    reduced = sum(out * round(0.25 * inp) for out, inp in layer)  # a quarter of the input columns
+    assert transient == 2 * 4 * reduced  # 8 layers: an eighth of what gathering every tensor would cost
+
+
+def test_compiled_loss_keeps_the_logits_gradient_only():
+    """Eager cross-entropy keeps three fp32 tensors of micro x seq x vocab at the start of backward
+    (14 bytes per entry with the bf16 logits); the compiled loss the logits and their gradient (4)."""
+    cfg, B, S, V = model_cfg("llama_1b"), 64, 256, 32000
+    eager = plan_memory(cfg, {"name": "adamw"}, micro_batch_size=B, seq_len=S, activation_checkpointing=True)
+    compiled = plan_memory(cfg, {"name": "adamw"}, micro_batch_size=B, seq_len=S, activation_checkpointing=True,
+                           compiled_loss=True)
+    base = eager.phases["loss backward"] - (2 * B * S * V + 12 * B * (S - 1) * V)
+    assert compiled.phases["loss backward"] == base + 4 * B * S * V + 4 * B * S
+    assert round((eager.phases["loss backward"] - base) / GIB, 1) == 6.8  # the figure of docs/memory_plan.md
 
 
 # ---- the micro-batch search and the questions it answers ----------------------------------------------

@@ -302,8 +302,8 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
 
     real_forward_backward = train.forward_backward
 
-    def signal_in_last_step(model, batches, accelerator, precision):
-        out = real_forward_backward(model, batches, accelerator, precision)
+    def signal_in_last_step(model, batches, accelerator, precision, loss_fn=None):
+        out = real_forward_backward(model, batches, accelerator, precision, loss_fn)
         if len([r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]) == 2:
             os.kill(os.getpid(), signal.SIGUSR1)  # during step 3 of 3
         return out

@@ -121,20 +121,31 @@ def _describe_write_error(err: OSError, path: str, previous: str | None) -> str:
     return f"{reason} while writing {path}; {intact}"
 
 
-def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int = 2) -> str:
+def temporary_dir(root: str, step: int) -> str:
+    """Where checkpoint `step` is written before it is renamed into place."""
+    return os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")
+
+
+def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int = 2,
+         written: tuple[str, dict] | None = None) -> str:
     """Write `files` (name -> object for torch.save, stored as <name>.pt) and `texts` (file name ->
     str) as checkpoint `step` under `root`, atomically, with the manifest last; then point `latest`
-    at it and prune the oldest others so that `keep` remain."""
+    at it and prune the oldest others so that `keep` remain.
+
+    `written`: (temporary directory, {relative path: manifest entry}) of files other writers already
+    put there (the shards of a sharded checkpoint, train_utils/sharded_checkpoint.py); they join the
+    manifest and the directory is renamed with the rest."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, step_dir_name(step))
-    tmp = os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")
+    tmp, entries = written if written else (temporary_dir(root, step), {})
     previous = latest(root)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not written:
+        shutil.rmtree(tmp, ignore_errors=True)
     contents = {f"{name}.pt": obj for name, obj in files.items()} | dict(texts or {})
     path, renamed = tmp, False
     try:
-        os.makedirs(tmp)
-        manifest = {"format": 1, "step": step, "files": {}}
+        os.makedirs(tmp, exist_ok=True)
+        manifest = {"format": 1, "step": step, "files": dict(entries)}
         for name, obj in contents.items():
             path = os.path.join(tmp, name)
             manifest["files"][name] = _write_file(path, obj)
@@ -317,15 +328,18 @@ def set_rng_state(state: dict) -> None:
 
 def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
     """Name the first weight or optimizer-state tensor holding inf/NaN, or None if all are finite.
-    One host sync for the common (finite) case."""
+    One host sync for the common (finite) case. Sharded (FSDP2) tensors: this rank's shards."""
+    from frugal.sharding import local
+
     named = [(f"weight {n}", p) for n, p in model.named_parameters()]
     names = {id(p): n for n, p in model.named_parameters()}
     for p, state in optimizer.state.items():
         named += [(f"optimizer state {k!r} of {names.get(id(p), 'a parameter')}", t) for k, t in state.items()
                   if torch.is_tensor(t) and t.is_floating_point()]
-    if not named or bool(torch.stack([t.detach().isfinite().all() for _, t in named]).all()):
+    named = [(name, local(t).detach()) for name, t in named]
+    if not named or bool(torch.stack([t.isfinite().all() for _, t in named]).all()):
         return None
-    return next(name for name, t in named if not bool(t.detach().isfinite().all()))
+    return next(name for name, t in named if not bool(t.isfinite().all()))
 
 
 def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_state: dict, merge_data_states,
@@ -334,24 +348,38 @@ def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_s
 
     Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
     the last checkpoint, which is then the last finite one). Every rank's data position (`data_state`)
-    and RNG state go into the one checkpoint the main process writes; `merge_data_states(per_rank)`
-    makes the stored data position from the ranks' states. A failed write (CheckpointError) stops every rank with
-    the writer's message. Returns the checkpoint's path on the main process."""
+    and RNG state go into `trainer.pt`; `merge_data_states(per_rank)` makes the stored data position
+    from the ranks' states. Replicated (DDP) weights and optimizer state are written by the main
+    process; sharded (FSDP2) ones by every rank, through torch.distributed.checkpoint
+    (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
+    writer's message. Returns the checkpoint's path on the main process."""
     from accelerate.utils import broadcast_object_list, gather_object
 
-    bad = nonfinite_state(model, optimizer)  # every rank holds the same replica, so all agree
-    if bad is not None:
+    from train_utils import sharded_checkpoint
+    from train_utils.distributed import is_sharded
+
+    sharded = is_sharded(model)
+    bad = nonfinite_state(model, optimizer)
+    if sharded:  # each rank checked its own shards
+        bad = next((b for b in gather_object([bad]) if b is not None), None)
+    if bad is not None:  # replicas: every rank found the same
         raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. "
                                  f"Last checkpoint (finite): {latest(root) or 'none'}")
     per_rank = gather_object([{"data": data_state, "rng": rng_state()}])
-    path, error = None, None
+    trainer = None
     if accelerator.is_main_process:
         trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
                    "scheduler": scheduler.state_dict(), "data": merge_data_states([r["data"] for r in per_rank]),
                    "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
+    texts = {"config.yaml": config_yaml}
+    if sharded:
+        return sharded_checkpoint.save(root, step, model=model, optimizer=optimizer, trainer=trainer, texts=texts,
+                                       keep=keep, accelerator=accelerator)
+    path, error = None, None
+    if accelerator.is_main_process:
         try:
             path = save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                     "trainer": trainer}, texts={"config.yaml": config_yaml}, keep=keep)
+                                     "trainer": trainer}, texts=texts, keep=keep)
         except CheckpointError as err:
             error = str(err)
     # Also the barrier: nobody moves on (or exits) before the checkpoint exists or has failed.

@@ -3,9 +3,21 @@
 Backends. accelerate picks cuda or cpu and the backend (NCCL on GPU, gloo on CPU). Precision is
 ours (train.precision), so accelerate must not add its own autocast. Without a GPU, cpu=True is what
 makes accelerate form a gloo process group under torchrun (otherwise each worker runs alone).
-DDP keeps its gradients as views of its communication buckets (`gradient_as_bucket_view`): one fp32
-copy of the gradients instead of two. The model wrapping lives in `wrap_model`, the one place a
-sharded mode (FSDP) would branch.
+
+Parallelism (`train.parallelism`, `wrap_model`):
+
+- ddp (default): every rank holds the whole model; DDP keeps its gradients as views of its
+  communication buckets (`gradient_as_bucket_view`), which is one fp32 copy of the gradients instead
+  of two only if the gradients are zeroed in place between steps (`zero_grad_sets_to_none`).
+- fsdp: torch's FSDP2 `fully_shard` on every transformer block and on the root, so weights,
+  gradients and optimizer state are DTensor shards (1/N per rank) and FRUGAL steps on the shards
+  (frugal/sharding.py). Precision: bf16-mixed computes with bf16 weights and reduce-scatters the
+  gradients in fp32 into fp32 shards (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+  the loop's bf16 autocast stays on, so the ops autocast keeps in fp32 stay there); fp32 computes and
+  reduces in fp32; pure bf16 (weights already bf16) computes and reduces in bf16, as DDP does. The
+  gradients are reduce-scattered after every micro-batch: skipping the sync during accumulation
+  (`set_requires_gradient_sync(False)`) would hold unsharded fp32 gradients, 4 bytes per parameter
+  per rank more (25 GiB at 7B, docs/memory_plan.md), which is what FSDP is for not to hold.
 
 Collective timeout. A frozen (not dead) rank leaves the others waiting in their next collective.
 `train.collective_timeout_s` bounds that wait (torch's defaults are 30 minutes for gloo and longer
@@ -38,9 +50,59 @@ def make_accelerator(collective_timeout_s: float):
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=handlers)
 
 
-def wrap_model(accelerator, model):
-    """To the device; DDP wrapper when there are several processes."""
-    return accelerator.prepare_model(model)
+PARALLELISMS = ("ddp", "fsdp")
+
+
+def transformer_blocks(model) -> list:
+    """The model's transformer blocks: the modules transformers keeps whole when it splits a model
+    (`_no_split_modules`: LlamaDecoderLayer, GPT2Block)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"found no transformer blocks in {type(model).__name__} (looked for {sorted(names)})")
+    return blocks
+
+
+def wrap_model(accelerator, model, parallelism: str = "ddp", precision: str = "bf16-mixed"):
+    """To the device; with ddp a DDP wrapper when there are several processes (the module that runs
+    the forward pass; the raw model stays `model`); with fsdp `model` itself, sharded in place."""
+    if parallelism == "ddp":
+        return accelerator.prepare_model(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not torch.distributed.is_initialized():
+        # One process (accelerate forms no group then): FSDP2 still needs a process group and a mesh.
+        # A private in-memory store: nothing to rendezvous with; accelerator.end_training() destroys it.
+        torch.distributed.init_process_group("nccl" if accelerator.device.type == "cuda" else "gloo",
+                                             store=torch.distributed.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    model.to(accelerator.device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16-mixed" else MixedPrecisionPolicy()
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_ddp(model) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def zero_grad_sets_to_none(model) -> bool:
+    """How the loop clears gradients after a step. DDP with bucket views: in place (False). With
+    set_to_none=True the next no_sync micro-batch allocates fresh gradients beside the buckets and
+    the reducer swaps its views back in only at the synchronising backward: a second fp32 copy of
+    every gradient through the forward and backward passes (measured: docs/memory_plan.md).
+    Everywhere else (one process, FSDP2) None frees the gradients' memory between steps."""
+    return not (is_ddp(model) and model.gradient_as_bucket_view)
 
 
 def monitor_group(accelerator, collective_timeout_s: float):

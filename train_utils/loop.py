@@ -3,13 +3,22 @@
 Loss. Every optimizer step minimises the mean next-token loss over the *global* batch: the sum of
 the per-token losses of all micro-batches on all ranks divided by the global number of non-pad target
 tokens. The token count is all-reduced before the first backward, so each micro-batch's summed loss
-is scaled by world_size / global_tokens (DDP then averages over ranks). The result does not depend on
+is scaled by world_size / global_tokens (DDP's all-reduce and FSDP2's reduce-scatter then average
+over ranks). The result does not depend on
 how the batch is split into micro-batches or ranks, and padded sequences weigh by their real tokens.
 Validation uses the same token weighting (all ranks' sums all-reduced); perplexity = exp(val loss).
 
 Precision. bf16-mixed: fp32 weights and optimizer state, bf16 autocast for the forward pass (CPU and
 GPU). bf16: the model (and hence the optimizer state) cast to bf16, no autocast. fp32: no autocast.
 The loss itself is always computed from fp32 logits.
+
+Compiling (`train.compile`, `compile_model`). Each transformer block's forward is compiled (one graph
+serves every block: same code and shapes; hooks such as FSDP2's gathers and activation
+checkpointing stay outside it), and so is the loss: inductor fuses the fp32 upcast, log-softmax and
+the gathered targets into one pass over the bf16 logits and computes their gradient in one more, so
+the three fp32 tensors of micro-batch x sequence x vocabulary that eager cross-entropy keeps at the
+start of backward (12 of its 14 bytes per token and vocabulary entry, docs/memory_plan.md) are never
+materialised. The output head's matmul and the embeddings stay eager (one op each).
 """
 from __future__ import annotations
 
@@ -46,19 +55,44 @@ def to_device(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
 
 
+def _padded_to_max(batches: list[dict], device: torch.device) -> list[dict]:
+    """Under FSDP2 every forward pass is collective (it gathers the weights), but the validation rows
+    split unevenly over ranks: ranks with fewer batches run extra ones whose targets are all ignored
+    (they add nothing to the sums)."""
+    import torch.distributed as dist
+
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    extra = int(count.item()) - len(batches)
+    if not extra:
+        return batches
+    # A copy of a batch of this rank, or with no rows at all here a 1-row batch of pads.
+    template = batches[0] if batches else {"input_ids": torch.zeros(1, 2, dtype=torch.long),
+                                           "labels": torch.zeros(1, 2, dtype=torch.long)}
+    filler = {"input_ids": template["input_ids"], "labels": torch.full_like(template["labels"], -100)}
+    return batches + [filler] * extra
+
+
 @torch.no_grad()
-def evaluate(model, dm, eval_tokens: int, precision: str, accelerator) -> dict:
+def evaluate(model, dm, eval_tokens: int, precision: str, accelerator, loss_fn=None) -> dict:
     """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
-    No padding mask is needed: pads are at the end of a sequence and attention is causal."""
+    No padding mask is needed: pads are at the end of a sequence and attention is causal.
+    `loss_fn`: token_loss_sum, or its compiled twin (compile_model)."""
+    from train_utils.distributed import is_sharded
+
+    loss_fn = loss_fn or token_loss_sum
     was_training = model.training
     model.eval()
     device = accelerator.device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
-    for batch in dm.val_batches(eval_tokens):
+    batches = dm.val_batches(eval_tokens)
+    if is_sharded(model):
+        batches = _padded_to_max(batches, device)
+    for batch in batches:
         ids, labels = to_device(batch, device)
         with autocast(precision, device):
             logits = model(input_ids=ids, use_cache=False).logits
-        sums[0] += token_loss_sum(logits, labels).double()
+        sums[0] += loss_fn(logits, labels).double()
         sums[1] += count_targets(labels)
     sums = accelerator.reduce(sums, reduction="sum")
     model.train(was_training)
@@ -72,35 +106,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def forward_backward(model, batches: list[dict], accelerator, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(model, batches: list[dict], accelerator, precision: str,
+                     loss_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradient of the global batch's mean token loss over this rank's `batches`.
 
     Returns this rank's summed token loss (float64) and the global target count, both as tensors
     (no host sync here). The count is all-reduced before the first backward (see the module docstring).
+    `loss_fn`: token_loss_sum, or its compiled twin (compile_model).
     """
+    from train_utils.distributed import is_ddp
+
+    loss_fn = loss_fn or token_loss_sum
     device = accelerator.device
     n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device), reduction="sum")
-    scale = accelerator.num_processes / n_global.float()  # DDP averages over ranks; x world makes it a sum
+    scale = accelerator.num_processes / n_global.float()  # ranks' gradients are averaged; x world makes it a sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in enumerate(batches):
         ids, labels = to_device(batch, device)
-        # Skip the gradient all-reduce on all but the last micro-batch: accumulate locally.
-        with accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext():
+        # DDP: skip the gradient all-reduce on all but the last micro-batch, accumulate locally. (FSDP2
+        # reduce-scatters every micro-batch: see train_utils/distributed.py.)
+        skip_sync = is_ddp(model) and i < len(batches) - 1
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
             with autocast(precision, device):
                 logits = model(input_ids=ids, use_cache=False).logits
-            loss = token_loss_sum(logits, labels)
+            loss = loss_fn(logits, labels)
             (loss * scale).backward()
         loss_sum += loss.detach().double()
         del logits, loss  # free the activations' last references before the next forward
     return loss_sum, n_global
 
 
-def ranks_in_sync(model) -> tuple[bool, float]:
-    """Data parallelism must keep every rank's weights identical: a cheap check (one float per rank)."""
+def ranks_in_sync(model) -> tuple[bool | None, float]:
+    """Data parallelism must keep every rank's weights identical: a cheap check (one float per rank).
+    Returns (in sync, the sum of every weight). Sharded (FSDP2) weights have no replicas to compare:
+    (None, the sum over all shards), comparable with a DDP run's checksum up to float rounding."""
     from accelerate.utils import gather_object
 
-    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    return len(set(gather_object([checksum]))) == 1, checksum
+    from train_utils.distributed import is_sharded
+    from frugal.sharding import local
+
+    checksum = sum(float(local(p.detach()).double().sum()) for p in model.parameters())
+    sums = gather_object([checksum])
+    if is_sharded(model):
+        return None, math.fsum(sums)
+    return len(set(sums)) == 1, checksum
 
 
 def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir: str, plot: bool) -> str:
@@ -113,7 +162,7 @@ def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir:
         floor = end["loss_floor"]
         lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
     lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
-    if not end.get("ranks_in_sync", True):
+    if end.get("ranks_in_sync") is False:
         lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
     lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
     return "\n".join(lines)
@@ -126,9 +175,12 @@ class NonFiniteError(FloatingPointError):
 
 def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """The global gradient norm (one foreach norm over every gradient, identical on every rank after
-    DDP's all-reduce); clips the gradients to `max_norm` in place when it is set. No host sync."""
+    DDP's all-reduce); clips the gradients to `max_norm` in place when it is set. No host sync.
+    FSDP2's sharded gradients give a DTensor norm, reduced over the shards (one all-reduce)."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
@@ -139,6 +191,47 @@ def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
     the shared seed: identical initial weights, different masks on every rank. The stream is part of
     the checkpoint's per-rank RNG state, so a resume on the same process count continues it exactly."""
     torch.manual_seed(int(np.random.SeedSequence([seed, rank, offset]).generate_state(1, np.uint64)[0]))
+
+
+def density_message(report: dict) -> str | None:
+    """What the console says about `optimizer.density_report()`: whole blocks (columns, ...) are
+    state-full or not, so the realised share is rounded; a note when it differs from the request, a
+    warning beyond half a selection unit (issue 8). None when they agree."""
+    gap = abs(report["realised"] - report["requested"])
+    if gap <= 1e-3:
+        return None
+    far = gap > report["unit"] / 2
+    return (f"{'warning: ' if far else ''}optimizer.density={report['requested']:g} is realised as a state-full "
+            f"share of {report['realised']:.4g} of the projectable parameters (one selection unit is "
+            f"{report['unit']:.4g})" + ("; more than half a unit off: check the projection's granularity" if far
+                                        else ""))
+
+
+def compile_model(model):
+    """Compile each transformer block's forward in place (module docstring); return the compiled loss.
+    Parameter names and hooks are unchanged, so checkpoints and FSDP2 see the same model."""
+    from train_utils.distributed import transformer_blocks
+
+    for block in transformer_blocks(model):
+        block.forward = torch.compile(block.forward)
+    return torch.compile(token_loss_sum)
+
+
+def compile_wanted(setting, device: torch.device) -> bool:
+    """train.compile: true, false, or auto (compile on GPUs, where it pays off; eager on CPU, where
+    compiling takes longer than a short run)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def allow_tf32(enabled: bool, device: torch.device) -> bool:
+    """TF32 for fp32 matmuls and convolutions on Ampere or newer GPUs (train.tf32). Mixed precision
+    computes its matmuls in bf16 already; this speeds up what stays fp32 (train.precision=fp32, ops
+    outside autocast). Returns whether TF32 is on."""
+    on = bool(enabled) and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+    return on
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -159,7 +252,8 @@ def activation_checkpointing_on(model) -> bool:
 
 def check_loop_settings(tc) -> None:
     """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
-    activation_checkpointing); the other train keys are checked by train_utils.validation."""
+    activation_checkpointing, parallelism, compile, tf32, memory_check); the other train keys are
+    checked by train_utils.validation."""
     from train_utils.validation import ConfigError
 
     timeout = tc.collective_timeout_s
@@ -169,9 +263,15 @@ def check_loop_settings(tc) -> None:
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
         raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
                           f"the device's peak FLOP/s, e.g. 312e12")
-    for key in ("require_eval_tokens", "activation_checkpointing"):
+    for key in ("require_eval_tokens", "activation_checkpointing", "tf32", "memory_check"):
         if not isinstance(tc[key], bool):
             raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
+    if tc.compile not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={tc.compile!r} is invalid; choose true, false or auto (compile on GPUs only)")
+    from train_utils.distributed import PARALLELISMS
+
+    if tc.parallelism not in PARALLELISMS:
+        raise ConfigError(f"train.parallelism={tc.parallelism!r} is invalid; choose one of {', '.join(PARALLELISMS)}")
     changes = tc.resume_changes
     if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
         raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "

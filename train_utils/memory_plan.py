@@ -23,7 +23,8 @@ the derivations and the validation against measured peaks):
   layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests);
   with activation checkpointing, each block's input plus one block recomputed in backward.
 - logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
-  at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed).
+  at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed); with the loop's
+  compiled loss (train.compile) the logits and their gradient (4 bytes).
 - not in the total but in ``allowance``: the CUDA context, NCCL and cuBLAS workspaces (a fixed
   2 GiB) and the caching allocator's fragmentation (5% of the peak).
 
@@ -95,59 +96,109 @@ def _weight_numel(module: nn.Module) -> list[int]:
             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
 
 
-def _optimizer_extra(model: nn.Module, name: str, hp: dict, estimate: int) -> tuple[int, int]:
-    """(bytes the optimizer holds beyond `estimate`, bytes its step allocates on top of its state).
+# Bytes per index drawn by frugal.projections.random_subset (randk's coordinates at a window change):
+# the int64 draws, torch.unique's values, inverse and sort buffers, the first-draw positions. Measured
+# on CPU with the profiler: 44-47 bytes per draw at densities 0.1-0.5.
+_DRAW_BYTES = 48
+
+
+def _draws(n: int, k: int) -> int:
+    """Indices random_subset draws to pick k of n (the complement when k > n/2, plus its n-byte mask)."""
+    k = min(k, n - k)
+    return int(-n * math.log1p(-k / n) * 1.05) + 16 if k > 0 else 0
+
+
+def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
+    """Bytes `optimizer.step()` allocates on top of the state it holds, at its peak.
 
     Read from the optimizer itself, built on the meta-device model (no memory): its param groups
-    carry every hyperparameter and the FRUGAL group keys (projectable, block, always_state_free)."""
+    carry every hyperparameter and the FRUGAL group keys. The step (frugal/optimizer.py) runs the
+    wholly state-full and state-free tensors as one batch, then the split tensors (column, row, randk,
+    svd, random, ...) a batch of at most 8 at a time, whose temporaries are freed before the next:
+
+    - whole tensors: a block switch (the optimizer's contract: resting state + at most one block; it
+      frees what leaves before it allocates what enters, so it stays at or below that); signSGD on
+      tensors the compiled single pass does not take (eager: one sign(g) at a time; with
+      sign_update="auto" those below frugal.kernels.AUTO_MIN_NUMEL elements); Lion's update direction
+      (torch._foreach_lerp returns a new tensor per target).
+    - a batch of split tensors: the gathered reduced weights and gradients (coordinate projections;
+      randk also its indices as int64), or the projected gradient, the update and the residual
+      gradient (matrix projections) of every tensor of the batch; at a window change the draw of one
+      tensor's randk coordinates (_DRAW_BYTES per draw), svd's decomposition of one gradient, or
+      re-projected moments; Lion's direction per reduced target.
+    Torch's fused AdamW allocates nothing."""
     import frugal
     from frugal import projections as proj
+    from frugal.kernels import AUTO_MIN_NUMEL
+    from frugal.optimizer import _BATCH_TENSORS
     from frugal.rules import STATE_FULL
 
     optimizer = frugal.build_optimizer(model, name, **hp)
     if not isinstance(optimizer, frugal.FRUGAL):
-        return 0, 0  # torch's fused AdamW updates in place
+        return 0
     groups = optimizer.param_groups
     g0 = groups[0]
-    n_moments = len(STATE_FULL[g0["state_full"]].state_names)
-    projectable = [(g, p) for g in groups if g["projectable"] and not g["always_state_free"] for p in g["params"]]
-    state_full = [p for g in groups if not g["projectable"] and not g["always_state_free"] for p in g["params"]]
-    free = [p for g in groups if g["always_state_free"] for p in g["params"]]
-    free += [p for _, p in projectable] if g0["density"] < 1 else []
     elem = next(iter(model.parameters())).element_size()
-    held = 0
-    # signSGD without a compiled kernel (or on today's eager path) makes one sign temporary at a time.
-    total = max((p.numel() for p in free), default=0) * elem if g0["state_free"] != "none" else 0
-    active = 0
-    if projectable and g0["projection"] == "block":
-        units: dict = {}
-        for i, (g, p) in enumerate(projectable):
-            key = g["block"] if g0["block_granularity"] == "layer" else i
-            units[key] = units.get(key, 0) + p.numel()
-        count = len(optimizer.active_blocks() or [])
-        active = count * max(units.values())  # exact for layers (all the same size), a bound for tensors
-        if 0 < count < len(units):  # a switch frees what leaves before allocating what enters
-            total += n_moments * max(units.values()) * elem
-    elif projectable:
-        # Coordinate and matrix projections gather every tensor's reduced target and gradient before
-        # the state-full rule runs (frugal/optimizer.py); svd also projects one full tensor back at a
-        # time and, at a projection change, decomposes the largest gradient (input copy, U, Vh).
-        projection, density = g0["projection"], g0["density"]
-        active = sum(math.prod(proj.reduced_shape(projection, p.shape, g["transposed"], density))
-                     for g, p in projectable)
-        total += 2 * active * elem
-        if projection in proj.MATRIX:
-            m, n = max((p.shape for _, p in projectable), key=lambda s: s[0] * s[1])
-            total += (2 * m * n + min(m, n) * (m + n)) * elem
-        without_indices = _estimate(model, name, dict(hp, density=0.0)) + n_moments * active * elem
-        if projection == "randk" and estimate - without_indices < 2 * active:
-            # Before issue 11's fix the optimizer caches randk's int64 indices outside its state,
-            # uncounted by the estimate, and draws them with a randperm over the largest tensor.
-            held += 8 * active
-            total += 8 * max(p.numel() for _, p in projectable)
-    if g0["state_full"] == "lion":  # torch._foreach_lerp returns a new update direction per target
-        total += (sum(p.numel() for p in state_full) + active) * elem
-    return held, total
+    n_moments = len(STATE_FULL[g0["state_full"]].state_names)
+    lion = g0["state_full"] == "lion"
+    active = set(optimizer.active_blocks() or [])
+
+    def eager_sign(g, numel: int) -> int:  # the one sign(g) temporary of an eager update
+        if g["state_free"] != "signsgd" or g["sign_update"] == "compiled":
+            return 0
+        return numel * elem if g["sign_update"] == "eager" or numel < AUTO_MIN_NUMEL else 0
+
+    full_sizes, sign, units, batches = [], 0, {}, []
+    for gi, g in enumerate(groups):
+        split = g["projectable"] and not g["always_state_free"] and g["projection"] != "block"
+        batch: list = []
+        for pi, p in enumerate(g["params"]):
+            n = p.numel()
+            if g["projectable"] and not g["always_state_free"] and g["projection"] == "block":
+                key = g["block"] if g["block_granularity"] == "layer" else (gi, pi)
+                units[key] = units.get(key, 0) + n
+            state_full = not g["always_state_free"] and (
+                not g["projectable"] or (g["projection"] == "block" and g["block"] in active))
+            if state_full:
+                full_sizes.append(n)
+            elif split:
+                if len(batch) == _BATCH_TENSORS:
+                    batches.append((g, batch))
+                    batch = []
+                batch.append(p)
+            else:
+                sign = max(sign, eager_sign(g, n))
+        if batch:
+            batches.append((g, batch))
+    whole = sign + (sum(full_sizes) * elem if lion else 0)
+    count = len(active)
+    if 0 < count < len(units):  # a switch, at the contract: one block above the resting state
+        whole += n_moments * max(units.values()) * elem
+
+    def batch_bytes(g, params) -> int:
+        projection, density, t = g["projection"], g["density"], g["transposed"]
+        reduced = [math.prod(proj.reduced_shape(projection, p.shape, t, density)) for p in params]
+        total = 2 * sum(reduced) * elem + (sum(reduced) * elem if lion else 0)
+        # the largest one-tensor-at-a-time temporary of the batch (phase 4: the sign update of each)
+        once = max(eager_sign(g, p.numel()) for p in params)
+        if projection in proj.COORDINATE:
+            if projection == "randk":
+                total += 8 * sum(reduced)
+                once = max([once] + [_DRAW_BYTES * _draws(p.numel(), k) + (p.numel() if 2 * k > p.numel() else 0)
+                                     for p, k in zip(params, reduced)])
+            if g["reset_state"] == "reproject":
+                once = max(once, n_moments * max(reduced) * elem)
+        else:
+            full = [p.numel() for p in params]
+            if g["state_free"] != "none":
+                total += sum(full) * elem  # each tensor's residual gradient, kept until the write back
+            once = max(once, max(full) * elem)  # one tensor projected back at a time
+            if projection == "svd":  # the decomposition at a projection change (at least fp32)
+                m, n = max((p.shape for p in params), key=lambda s: s[0] * s[1])
+                once += (2 * m * n + min(m, n) * (m + n)) * max(elem, 4)
+        return total + once
+
+    return max([whole] + [batch_bytes(g, params) for g, params in batches])
 
 
 def _estimate(model: nn.Module, name: str, hp: dict) -> int:
@@ -187,7 +238,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         heads = kv_heads = c.num_attention_heads
     params = list(model.parameters())
     estimate = _estimate(model, name, opt)
-    held, transient = _optimizer_extra(model, name, opt, estimate)
+    transient = _optimizer_transient(model, name, opt)
     return _Facts(
         family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
@@ -195,7 +246,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
         layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
         head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
-        optimizer_state=estimate + held,
+        optimizer_state=estimate,
         optimizer_transient=transient,
     )
 
@@ -348,7 +399,7 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                 world_size: int = 1, parallelism: str = "ddp", precision: str = "bf16-mixed",
                 activation_checkpointing: bool = False, vocab_size: int | None = None,
                 device_type: str = "cuda", gradient_as_bucket_view: bool = True,
-                autocast_cache: bool = True) -> MemoryPlan:
+                autocast_cache: bool = True, compiled_loss: bool = False) -> MemoryPlan:
     """Plan the per-rank peak memory of training `model_cfg` with `optimizer_cfg` (module docstring).
 
     `model_cfg`: a configs/model node (dict or DictConfig) as `models.build_model` takes it
@@ -358,7 +409,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     CPU autocast (used to validate against CPU measurements; no context allowance).
     `gradient_as_bucket_view=False` models DDP keeping its buckets beside the gradients;
     `autocast_cache=False` models `torch.autocast(cache_enabled=False)`, which stops the forward pass
-    from keeping every bf16 weight copy when blocks are checkpointed.
+    from keeping every bf16 weight copy when blocks are checkpointed. `compiled_loss=True` models the
+    loop's compiled loss (train.compile): no fp32 log-softmax tensors, the logits' gradient directly.
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     _check_int("seq_len", seq_len, 2)
@@ -415,8 +467,14 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
         comm = 0
         layer_grad = grad_transient(f.largest_layer_weight)
     logits = cb * B * S * V
-    loss_bwd = logits + 3 * 4 * B * (S - 1) * V  # fp32 log-softmax output, its gradient, the input gradient
-    head_bwd = 2 * logits + grad_transient(f.head_weight)  # caller's logits, their gradient, head weight grad
+    if compiled_loss:  # one fused pass: the logits' gradient in their dtype, a fp32 logsumexp per token
+        loss_bwd = 2 * logits + 4 * B * S
+    else:  # eager: fp32 log-softmax output, its gradient, the input gradient
+        loss_bwd = logits + 3 * 4 * B * (S - 1) * V
+    if r.casts_weights:  # the head weight's bf16 gradient beside the logits' gradient, then its fp32 copy
+        head_bwd = logits + max(logits + 2 * f.head_weight, 6 * f.head_weight)
+    else:  # the caller's logits, their gradient, the head weight's gradient
+        head_bwd = 2 * logits + grad_transient(f.head_weight)
     # Inside a block's backward: the residual gradient in and out, three MLP-wide gradients, a weight's.
     block_bwd = 2 * r.weight_bytes * T * h + 3 * cb * T * f.intermediate + layer_grad
 
@@ -460,7 +518,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     settings = dict(model=model_name, optimizer=optimizer,
                     micro_batch_size=B, seq_len=S, world_size=n, parallelism=parallelism, precision=precision,
                     activation_checkpointing=ac, device_type=device_type,
-                    gradient_as_bucket_view=gradient_as_bucket_view, autocast_cache=autocast_cache)
+                    gradient_as_bucket_view=gradient_as_bucket_view, autocast_cache=autocast_cache,
+                    compiled_loss=compiled_loss, params=f.params)
     return MemoryPlan(**parts, phase=phase, phases=totals, allowance=allowance, settings=settings)
 
 

@@ -14,8 +14,9 @@ real: the model, data and optimizer are built from the current config, the optim
 take the current hyperparameters (the moments and step counters come from the checkpoint), and the
 schedule is rebuilt at the checkpoint's step. The run logs a `resume_changes` event listing them.
 
-Another number of processes. Weights and optimizer state are the same on every rank, so they load
-on any number of processes; the schedule depends on the step only; the global batch (and so the
+Another number of processes. Weights and optimizer state are the same on every rank (DDP), or are
+resharded by torch.distributed.checkpoint (FSDP2, train_utils/sharded_checkpoint.py, which also says
+what starts fresh), so they load on any number of processes; the schedule depends on the step only; the global batch (and so the
 math of a step) stays `train.batch_size`, split differently (only the float summation order
 changes). The data stream continues from the global position stored by `data.merge_states`
 (exactly: the order of the global micro-batches does not depend on the process count, see
@@ -31,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from train_utils import checkpoint as ckpt
+from train_utils import sharded_checkpoint
 from train_utils.validation import ConfigError
 from train_utils.loop import seed_dropout
 from train_utils.metrics import read_metrics
@@ -39,7 +41,8 @@ from train_utils.metrics import read_metrics
 FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
-    "train.peak_flops", "train.activation_checkpointing", "data.num_workers", "data.pin_memory", "wandb",
+    "train.peak_flops", "train.activation_checkpointing", "train.compile", "train.tf32", "train.memory_check",
+    "data.num_workers", "data.pin_memory", "wandb",
     "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
 )
 ABSENT = "<absent>"
@@ -157,6 +160,13 @@ def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
     trainer = ckpt.load(found, "trainer")
     changes = config_changes(trainer["config"], cfg)
     check_changes(changes, cfg.train.resume_changes, found, cfg)
+    sharded = sharded_checkpoint.is_sharded(found)
+    if sharded != (cfg.train.parallelism == "fsdp"):
+        written = "fsdp" if sharded else "ddp"
+        raise ConfigError(f"checkpoint {found} was written with train.parallelism={written} ("
+                          f"{'sharded, torch.distributed.checkpoint' if sharded else 'whole-model files'}); it "
+                          f"continues only with train.parallelism={written} (either continues on any number of "
+                          f"processes)")
     step = int(trainer["step"])
     return {"ckpt_dir": found, "notes": notes, "step": step, "changes": changes,
             "finished": step >= cfg.train.steps and _has_end_row(metrics_path, step)}
@@ -174,19 +184,25 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
 
 def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,
             new_hyperparameters: bool):
-    """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step.
+    """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step, and
+    how many tensors' per-rank optimizer state had to start fresh (sharded_checkpoint: column/row/
+    randk state of a sharded run continued on another process count; 0 otherwise).
 
     `new_hyperparameters`: the current config's optimizer hyperparameters replace the checkpoint's
     (train.resume_changes named optimizer keys); the state (moments, step counters) is the checkpoint's.
     """
-    step = trainer["step"]
+    step, reset = trainer["step"], 0
+    current = [dict(g) for g in optimizer.param_groups] if new_hyperparameters else None
     try:
-        model.load_state_dict(ckpt.load(ckpt_dir, "model"))
-        saved = ckpt.load(ckpt_dir, "optimizer")
-        if new_hyperparameters:
-            for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        if sharded_checkpoint.is_sharded(ckpt_dir):
+            reset = sharded_checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, step=step, rank=rank,
+                                            same_world_size=trainer["world_size"] == world, hyperparameters=current)
+        else:
+            model.load_state_dict(ckpt.load(ckpt_dir, "model"))
+            saved = ckpt.load(ckpt_dir, "optimizer")
+            for saved_group, group in zip(saved["param_groups"], current or []):
                 saved_group.update({k: v for k, v in group.items() if k not in ("params", "step")})
-        optimizer.load_state_dict(saved)
+            optimizer.load_state_dict(saved)
     except (RuntimeError, ValueError, KeyError) as err:  # reachable only through named model/optimizer changes
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err
@@ -202,4 +218,4 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
         ckpt.set_rng_state(rng[rank])
     else:  # a rank that did not exist in the checkpoint's run: a fresh dropout stream of its own
         seed_dropout(seed, rank, offset=step)
-    return scheduler
+    return scheduler, reset

@@ -1,0 +1,41 @@
+"""scripts/bench_train.py: runs train.py, reads its per-step rates after the warm-up, and reports each
+method's ratio to AdamW within each round (median over rounds)."""
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts import bench_train  # noqa: E402
+
+
+def test_rates_are_the_training_rows_after_the_warm_up(tmp_path):
+    args = argparse.Namespace(model="llama_tiny", steps=3, warmup=1, batch_size=2, micro_batch_size=2, seq_len=32,
+                              seed=0, overrides=[])
+    rates = bench_train.run_once("adamw", args, tmp_path / "run")
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_ratios_are_taken_within_rounds(monkeypatch, capsys):
+    """Round 2 runs everything twice as fast (a quieter machine): the per-round ratios stay 0.9."""
+    speed = {"adamw": 100.0, "frugal": 90.0, "frugal_rho0": 99.0, "galore": 80.0, "badam": 100.0}
+    calls = []
+
+    def fake_run(option, args, run_dir):
+        calls.append(option)
+        return [speed[option] * (2 if len(calls) > 5 else 1)] * 3
+
+    monkeypatch.setattr(bench_train, "run_once", fake_run)
+    assert bench_train.main(["--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert calls == list(bench_train.METHODS.values()) * 2  # interleaved: round 1 every method, then round 2
+    assert "| FRUGAL 0.25 | 135 | 0.900 | 0.900-0.900 | >= 0.98: missed |" in out
+    assert "| FRUGAL 0.0 | 148 | 0.990 | 0.990-0.990 | >= 0.98: met |" in out
+
+
+def test_bad_warm_up_is_refused():
+    with pytest.raises(SystemExit):
+        bench_train.main(["--steps", "3", "--warmup", "3"])

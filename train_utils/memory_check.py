@@ -1,0 +1,82 @@
+"""Start-up memory check: refuse, with the figures, a run that cannot fit, before anything large exists.
+
+A process that needs more memory than the machine has is killed by the kernel with no output (or
+dies in CUDA's allocator after the first steps). train.py asks the memory planner
+(train_utils/memory_plan.py: the model on the meta device, nothing allocated) first:
+
+- GPU: the planned per-rank peak plus the CUDA context and fragmentation allowance must fit the
+  device's memory; and every process of the node builds its model in fp32 on the host before moving
+  it to the GPU, so local processes x 4 bytes per parameter (+ PROCESS_BYTES each) must fit the
+  host's available RAM.
+- CPU: local processes x (planned peak + PROCESS_BYTES) must fit the host's available RAM.
+
+`train.memory_check=false` skips the check (e.g. when the planner is known to be conservative for a
+setup). The planner covers the LLaMA and GPT-2 families and the registry's optimizers; if it cannot
+plan a run, the check says so and the run goes on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from train_utils.memory_plan import GIB, device_memory, largest_micro_batch, plan_memory
+from train_utils.validation import ConfigError
+
+# Resident memory of a training process besides its tensors: the interpreter, torch, transformers,
+# the data pipeline (measured ~0.6-0.9 GiB on CPU for the test models).
+PROCESS_BYTES = GIB
+
+
+class MemoryCheckError(ConfigError):
+    """The planned memory need exceeds what the device or host has; the message gives both figures."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.device,
+          compiled: bool = False) -> dict:
+    """Plan this rank's memory and refuse the run if it cannot fit; return what the start row logs
+    ({"memory_planned_bytes", "memory_available_bytes"} or {"memory_check": why it was skipped})."""
+    tc = cfg.train
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    settings = dict(seq_len=cfg.data.seq_len, world_size=world, parallelism=tc.parallelism,
+                    precision=tc.precision, activation_checkpointing=tc.activation_checkpointing,
+                    vocab_size=vocab_size, device_type=device.type, compiled_loss=compiled)
+    try:
+        plan = plan_memory(cfg.model, optimizer_cfg, micro_batch_size=tc.micro_batch_size, **settings)
+    except (ValueError, NotImplementedError, RuntimeError, TypeError) as err:
+        return {"memory_check": f"skipped: the memory planner cannot plan this run ({err})"}
+    host = device_memory("cpu")
+    what = f"{cfg.model.name} + {cfg.optimizer.name} (micro-batch {tc.micro_batch_size}, {tc.parallelism})"
+    parts = ", ".join(f"{p.replace('_', ' ')} {getattr(plan, p) / GIB:.1f}" for p in plan.PARTS if getattr(plan, p))
+    if device.type == "cuda":
+        params = plan.settings["params"]
+        build = local_world * (params * 4 + PROCESS_BYTES)
+        if build > host:
+            raise MemoryCheckError(
+                f"building {cfg.model.name} needs about {_gib(build)} of host RAM ({local_world} processes x 4 bytes x "
+                f"{params:,} parameters + {_gib(PROCESS_BYTES)} each) but {_gib(host)} is available. "
+                f"Use fewer processes per node, a machine with more RAM, or train.memory_check=false to skip the check")
+        need, available = plan.required, device_memory(device)
+        where = f"the memory of the GPU ({torch.cuda.get_device_name(device)})"
+        per_process = need
+    else:
+        per_process = plan.total + PROCESS_BYTES
+        need, available, where = local_world * per_process, host, "this host's available RAM"
+    if need <= available:
+        return {"memory_planned_bytes": need, "memory_available_bytes": available}
+    budget = available if device.type == "cuda" else available // local_world - PROCESS_BYTES
+    micro, _ = largest_micro_batch(cfg.model, optimizer_cfg, device_bytes=max(budget, 1), global_batch=tc.batch_size,
+                                   **settings)
+    remedy = (f"train.micro_batch_size={micro} (the largest that fits)" if micro else
+              "no micro-batch fits: weights, gradients and optimizer state alone are too large")
+    processes = (f" ({local_world} processes x {_gib(per_process)})" if local_world > 1 and device.type != "cuda"
+                 else "")
+    raise MemoryCheckError(
+        f"{what} needs about {_gib(need)}{processes} (planned peak: {parts} GiB, at the {plan.phase}) but "
+        f"{where} is {_gib(available)}. Options: {remedy}; train.activation_checkpointing=true; "
+        f"train.parallelism=fsdp over more processes; or train.memory_check=false to skip this check "
+        f"(docs/memory_plan.md explains the estimate)")

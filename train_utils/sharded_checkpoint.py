@@ -1,0 +1,186 @@
+"""Checkpoints of a sharded (FSDP2) run: every rank writes its shards, any process count reads them.
+
+Layout (inside the usual atomic checkpoint directory of train_utils/checkpoint.py):
+
+    step_00000100/  dcp/.metadata  dcp/__0_0.distcp  dcp/__1_0.distcp ...   weights + optimizer state
+                    rank00000.pt  rank00001.pt ...     per-rank optimizer state (column/row/randk only)
+                    trainer.pt  config.yaml  manifest.json
+
+Weights and optimizer state go through `torch.distributed.checkpoint` (DCP): each rank writes the
+shards it holds, and a later run on another number of processes reads the slices its own shards
+cover, so a run can continue on any process count. The usual promises hold: the temporary
+directory is renamed into place only when every rank's files and then the manifest (each file's
+size and SHA-256; every rank hashes the files it wrote) are complete; a failed write on any rank
+removes it and names the previous, intact checkpoint; non-finite shards on any rank stop the save
+(checkpoint.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
+cluster's shared file system).
+
+FRUGAL's column/row/randk state under FSDP2 is per rank: each rank selects coordinates inside its
+own shard (DESIGN invariant 10), so its reduced moments and indices describe that shard only and
+cannot be resharded. They are kept out of DCP and saved per rank (`rank<r>.pt`). A resume on the
+same number of processes restores them exactly; on another number the shards differ, so these
+tensors start from fresh state (as at a subspace change with reset_state="reset"), and the run logs
+an `optimizer_state_reset` event naming how many. Block projection state, AdamW's and the
+non-projectable tensors' state are DTensors and reshard exactly.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import hashlib
+import os
+import shutil
+import warnings
+
+import torch
+
+from train_utils import checkpoint as ckpt
+
+SHARDED_DIR = "dcp"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def is_sharded(ckpt_dir: str) -> bool:
+    """Written by a sharded run (DCP files) rather than as whole-model files."""
+    return os.path.isdir(os.path.join(ckpt_dir, SHARDED_DIR))
+
+
+def _per_rank_keys(optim_sd: dict) -> list[str]:
+    """Parameter names whose optimizer state is per rank: FRUGAL's coordinate projections on shards."""
+    from frugal import projections as proj
+
+    keys = []
+    for group in optim_sd.get("param_groups", []):
+        if group.get("projectable") and not group.get("always_state_free") \
+                and group.get("projection") in proj.COORDINATE:
+            keys += list(group["params"])
+    return keys
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
+    """(model state, optimizer state without the per-rank part, the per-rank part), FQN-keyed."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    per_rank = {k: optim_sd["state"].pop(k) for k in _per_rank_keys(optim_sd) if k in optim_sd["state"]}
+    return model_sd, optim_sd, per_rank
+
+
+def _hash(path: str) -> dict:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def _first_os_error(err: BaseException) -> OSError | None:
+    """The OSError behind a DCP failure (DCP gathers every rank's exception into one)."""
+    if isinstance(err, OSError):
+        return err
+    for exc, _trace in getattr(err, "failures", {}).values():
+        if isinstance(exc, OSError):
+            return exc
+    cause = err.__cause__ or err.__context__
+    return _first_os_error(cause) if cause is not None else None
+
+
+def save(root: str, step: int, *, model, optimizer, trainer: dict | None, texts: dict, keep: int,
+         accelerator) -> str | None:
+    """Write checkpoint `step` of a sharded run (collective). `trainer` is the main process's
+    trainer.pt content (None elsewhere). Returns the checkpoint's path on the main process."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.utils import broadcast_object_list, gather_object
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rank, main = accelerator.process_index, accelerator.is_main_process
+    previous = ckpt.latest(root) if main else None
+    tmp, error = None, None
+    if main:
+        tmp = ckpt.temporary_dir(root, step)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = ckpt._describe_write_error(err, tmp, previous)
+    tmp, error = broadcast_object_list([tmp, error])
+    entries: dict = {}
+    if error is None:
+        model_sd, optim_sd, per_rank = _state_dicts(model, optimizer)
+        path = os.path.join(tmp, SHARDED_DIR)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            mine = glob.glob(os.path.join(path, f"__{rank}_*")) + ([os.path.join(path, ".metadata")] if main else [])
+            for file in mine:
+                entries[os.path.relpath(file, tmp)] = _hash(file)
+            if per_rank:
+                path = os.path.join(tmp, rank_file(rank))
+                entries[rank_file(rank)] = ckpt._write_file(path, per_rank)
+        except (OSError, CheckpointException) as err:
+            cause = _first_os_error(err) or OSError(errno.EIO, str(err).splitlines()[0])
+            error = ckpt._describe_write_error(cause, path.replace(tmp, os.path.join(root, ckpt.step_dir_name(step))),
+                                               previous)
+    reports = gather_object([(entries, error)])
+    final = None
+    if main:
+        error = next((e for _, e in reports if e is not None), None)
+        if error is None:
+            written = {name: entry for part, _ in reports for name, entry in part.items()}
+            try:
+                final = ckpt.save(root, step, {"trainer": trainer}, texts=texts, keep=keep, written=(tmp, written))
+            except ckpt.CheckpointError as err:
+                error = str(err)
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    error = broadcast_object_list([error])[0]  # also the barrier: nobody moves on before it exists
+    if error is not None:
+        raise ckpt.CheckpointError(error)
+    return final
+
+
+def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_size: bool,
+         hyperparameters: list[dict] | None = None) -> int:
+    """Load a sharded checkpoint into a freshly built (sharded or not) model and optimizer
+    (collective). `hyperparameters`: param-group settings that replace the checkpoint's (a named
+    change on resume). Returns how many tensors' per-rank state started fresh (another process count)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if hasattr(optimizer, "materialize_state"):  # FRUGAL: which tensors hold state depends on the window
+        optimizer.materialize_state(step)
+    model_sd, optim_sd, fresh = _state_dicts(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR))
+    set_model_state_dict(model, model_sd)
+    if hyperparameters is not None:
+        for saved, current in zip(optim_sd["param_groups"], hyperparameters):
+            saved.update({k: v for k, v in current.items() if k not in ("params", "step")})
+    reset = 0
+    if fresh:
+        path = os.path.join(ckpt_dir, rank_file(rank))
+        if same_world_size and os.path.exists(path):
+            optim_sd["state"].update(torch.load(path, map_location="cpu", weights_only=True))
+        else:  # no state for them: their next step starts it afresh (frugal.state_management)
+            reset = len(fresh)
+    # strict=False: FRUGAL's state-free tensors own no state (torch's check expects every tensor to).
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=False))
+    return reset
+
+
+def load_model(ckpt_dir: str, model) -> None:
+    """Only the weights of a sharded checkpoint, into any model (eval.py: a whole model in one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    # Without a process group (one process) every rank's shards are read here; with one, it is collective.
+    alone = not torch.distributed.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR), no_dist=alone)
+    set_model_state_dict(model, state["model"])
