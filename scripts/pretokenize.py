@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
                          "unless the config packs")
     ap.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     ap.add_argument("overrides", nargs="*", help="data.KEY=VALUE or model.KEY=VALUE")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
 
     cfg = OmegaConf.create({"model": _config("model", args.model), "data": _config("data", args.data)})
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(args.overrides))

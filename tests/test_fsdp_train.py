@@ -65,7 +65,9 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("precision, loss_tol, norm_tol", [("fp32", 1e-5, 1e-5), ("bf16-mixed", 1e-3, 1e-2)])
+# fp32: reductions run in a different order over shards, so the norms drift apart by ~1e-5 relative
+# after a few steps (measured 1.3e-5 at step 6); a wrong norm (one shard missed) is off by tens of %.
+@pytest.mark.parametrize("precision, loss_tol, norm_tol", [("fp32", 1e-5, 1e-4), ("bf16-mixed", 1e-3, 1e-2)])
 def test_fsdp_matches_ddp(runs, precision, loss_tol, norm_tol):
     ddp, fsdp = train_rows(runs["ddp", precision]), train_rows(runs["fsdp", precision])
     assert [r["step"] for r in fsdp] == [r["step"] for r in ddp] == list(range(1, 2 * N + 1))
@@ -75,9 +77,20 @@ def test_fsdp_matches_ddp(runs, precision, loss_tol, norm_tol):
     assert start["parallelism"] == "fsdp" and start["world_size"] == 2
     assert end["event"] == "end" and end["ranks_in_sync"] is None  # shards: no replicas to compare
     assert end["val_loss"] == pytest.approx(rows(runs["ddp", precision])[-1]["val_loss"], abs=loss_tol)
-    atol = 1e-5 if precision == "fp32" else 5e-3  # a few signSGD steps of lr 1e-3 may flip on ~0 gradients
-    assert_same_weights(model_weights(runs["fsdp", precision]), model_weights(runs["ddp", precision]),
-                        exact=False, atol=atol)
+    if precision == "fp32":
+        # Equal up to rounding, except where a gradient is ~0: there the two reduction orders may give
+        # signSGD opposite signs, moving that one weight by up to 2 lr per step (lr 1e-3 here).
+        fsdp_w, ddp_w = model_weights(runs["fsdp", precision]), model_weights(runs["ddp", precision])
+        assert fsdp_w.keys() == ddp_w.keys()
+        flips = total = 0
+        for k in fsdp_w:
+            diff = (fsdp_w[k] - ddp_w[k]).abs()
+            assert diff.max() <= 2 * 1e-3 * 2 * N, f"{k}: {diff.max():.3g} is more than sign flips can explain"
+            flips, total = flips + int((diff > 1e-5).sum()), total + diff.numel()
+        assert flips <= 1e-4 * total, f"{flips} of {total} weights differ by more than 1e-5"
+    else:  # a few signSGD steps of lr 1e-3 may flip on ~0 gradients
+        assert_same_weights(model_weights(runs["fsdp", precision]), model_weights(runs["ddp", precision]),
+                            exact=False, atol=5e-3)
 
 
 def test_optimizer_state_per_rank_is_half_of_ddps(runs):

@@ -41,7 +41,7 @@ TOY = ["model=llama_tiny", "train.steps=2", "train.batch_size=4", "train.micro_b
        "train.eval_every=0", "train.eval_tokens=64", "data.seq_len=32", "checkpoint.every=0", "train.plot=false",
        "train.progress_bar=false", "wandb.mode=disabled"]
 SCRIPT_ARGS = {
-    "scripts/pretokenize.py": ["--train-tokens", "20000", "--val-tokens", "5000"],
+    "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
     "scripts/memory_table.py": ["--measure-max-params", "0"],
     "eval.py": ["train.eval_tokens=64"],
 }
