@@ -60,7 +60,7 @@ import frugal
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, memory_check, resume
-from train_utils.naming import is_multirun, run_group, run_name
+from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import ConfigError, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32, check_loop_settings,
                               compile_model, compile_wanted, density_message, enable_activation_checkpointing,
@@ -171,7 +171,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                      **({f"density_{k}": v for k, v in density.items()} if density else {}),
                      # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
                      "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
-                     "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name, "model": cfg.model.name,
+                     "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name,
+                     "optimizer_option": optimizer_option(cfg), "model": cfg.model.name,
                      "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
                      "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
                      "activation_checkpointing": activation_checkpointing_on(raw_model),
@@ -281,7 +282,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         metrics.close()  # wandb prints its own lines at finish; the summary below comes last
         if is_main and tc.plot:
             plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
-        say(end_of_run_summary(end, cfg.model.name, cfg.optimizer.name, run_dir, tc.plot))
+        say(end_of_run_summary(end, cfg.model.name, optimizer_option(cfg), run_dir, tc.plot))
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()

@@ -66,7 +66,8 @@ def test_preset_composes_with_paper_settings(preset):
     assert cfg.train.batch_size == 512 and cfg.data.seq_len == 256
     assert cfg.train.eval_tokens >= 10_000_000 and cfg.train.require_eval_tokens is True
     assert cfg.train.steps >= 100_000
-    assert cfg.train.batch_size % cfg.train.micro_batch_size == 0
+    # The standard A100 node: 8 GPUs. A micro-batch above 512 / 8 would stop such a run at start-up.
+    assert cfg.train.batch_size % (cfg.train.micro_batch_size * 8) == 0
     # Throughput settings every paper preset states (configs/setup/paper.yaml, issue 10): compiled on
     # GPUs, and C4's DataLoader workers per rank from docs/data_pipeline.md.
     assert cfg.train.compile == "auto"
