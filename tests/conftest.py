@@ -96,3 +96,28 @@ def t5_tokenizer_dir(tmp_path_factory, c4_texts) -> _Path:
         _json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": 100, "model_max_length": 512})
     )
     return root
+
+
+@_pytest.fixture
+def fake_train(monkeypatch):
+    """scripts/mini_repro.py with train.py replaced by a stand-in that writes the metrics a finished
+    run leaves (the script's own logic is under test, not training): validation loss 4.0 at the
+    learning rate 3e-3, worse away from it. Returns the overrides of every call."""
+    import subprocess
+
+    from scripts import mini_repro
+
+    calls = []
+
+    def run(cmd, **kwargs):
+        overrides = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        calls.append(overrides)
+        loss = 4.0 + abs(float(overrides["optimizer.lr"]) - 3e-3) * 100
+        rows = [{"event": "start", "step": 0, "params": 1000},
+                {"event": "end", "step": int(overrides["train.steps"]), "val_loss": loss, "val_ppl": 2.718 ** loss,
+                 "optimizer_state_bytes": 4096}]
+        (_Path(overrides["hydra.run.dir"]) / "metrics.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in rows))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(mini_repro.subprocess, "run", run)
+    return calls

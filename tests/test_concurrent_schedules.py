@@ -12,14 +12,7 @@ import frugal
 from frugal import FRUGAL, HyperparameterError
 from frugal import projections as P
 from frugal.adaptive import scheduled_density
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def make(layers=8, shape=(6, 8), dtype=torch.float32, seed=0):

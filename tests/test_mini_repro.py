@@ -6,7 +6,6 @@ logic, not training, is under test); the tokenizers are real sentencepiece model
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,24 +14,6 @@ from scripts import mini_repro
 
 ASSET = Path(__file__).parent / "assets" / "tinyshakespeare_slice.txt"
 
-
-@pytest.fixture
-def fake_train(monkeypatch):
-    calls = []
-
-    def run(cmd, **kwargs):
-        overrides = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
-        calls.append(overrides)
-        run_dir = Path(overrides["hydra.run.dir"])
-        loss = 4.0 + abs(float(overrides["optimizer.lr"]) - 3e-3) * 100  # best AdamW lr: 3e-3
-        rows = [{"event": "start", "step": 0, "params": 1000},
-                {"event": "end", "step": int(overrides["train.steps"]), "val_loss": loss, "val_ppl": 2.718 ** loss,
-                 "optimizer_state_bytes": 4096}]
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(mini_repro.subprocess, "run", run)
-    return calls
 
 
 @pytest.fixture

@@ -7,18 +7,9 @@ import torch
 
 from frugal import FRUGAL
 from frugal import projections as P
+from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 PROJECTIONS = ["block", "column", "row", "randk", "randperm", "svd", "random"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """torch's fused AdamW opens an OpenMP region per tensor; on a busy 2-core machine the thread
-    barrier costs milliseconds per tiny tensor. One thread keeps these tiny tests fast."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_params(shapes, dtype=torch.float32, seed=0):
