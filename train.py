@@ -67,7 +67,7 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               end_of_run_summary,
                               evaluate, forward_backward, grad_norm_, ranks_in_sync, seed_dropout, seed_everything,
                               training_batches)
-from train_utils.measure import Interval, flops_per_position, peak_flops
+from train_utils.measure import Interval, flops_per_position, optimizer_state_bytes, peak_flops
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
@@ -116,8 +116,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                              max_positions=cfg.model.max_position_embeddings)
         opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
         compiled = compile_wanted(tc.compile, device)
-        memory = (memory_check.check(cfg, opt_cfg, dm.vocab_size, world, device, compiled) if tc.memory_check
-                  else {"memory_check": "off (train.memory_check=false)"})
+        memory = (memory_check.agreed_check(cfg, opt_cfg, dm.vocab_size, world, device, compiled, accelerator)
+                  if tc.memory_check else {"memory_check": "off (train.memory_check=false)"})
         if "memory_check" in memory and tc.memory_check:
             say(f"warning: memory check {memory['memory_check']}")
         raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
@@ -129,6 +129,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         loss_fn = compile_model(raw_model) if compiled else None  # blocks compile at their first call
         # ddp: `model` is the DDP wrapper (or raw_model alone); fsdp: raw_model itself, sharded in place.
         model = distributed.wrap_model(accelerator, raw_model, tc.parallelism, precision)
+        sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
         try:
@@ -243,7 +244,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
 
             if step % tc.log_every == 0 or step == tc.steps:
                 row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                       **interval.row(), "optimizer_state_bytes": frugal.state_bytes(optimizer),
+                       **interval.row(), "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
                        "state_full_fraction": state_full_fraction(optimizer)}
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
@@ -275,7 +276,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             metrics.log(last_eval)
         in_sync, checksum = ranks_in_sync(raw_model)
         end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-               "tokens": tokens, "loss_floor": dm.loss_floor, "optimizer_state_bytes": frugal.state_bytes(optimizer),
+               "tokens": tokens, "loss_floor": dm.loss_floor,
+               "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
+               **({"optimizer_state_bytes_rank0": frugal.state_bytes(optimizer)} if sharded else {}),
                "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
                "ranks_in_sync": in_sync, "weights_checksum": checksum}
         metrics.log(end)

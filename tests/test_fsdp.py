@@ -53,3 +53,43 @@ def test_block_state_is_dtensor_and_checkpoints_with_dcp(ranks):
 def test_svd_on_shards_is_refused_with_a_remedy(ranks):
     message = ranks[0]["svd_error"]
     assert message and "'svd'" in message and "FSDP2" in message and "block" in message
+
+
+SAVE_KEEPS_THE_STEP = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from omegaconf import OmegaConf
+import frugal, models
+from train_utils import sharded_checkpoint
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = models.build_model(OmegaConf.load("configs/model/llama_tiny.yaml"), vocab_size=512)
+mesh = init_device_mesh("cpu", (1,))
+for block in model.model.layers:
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+out = {}
+for name in sys.argv[1:]:
+    optimizer = frugal.build_optimizer(model, name, lr=1e-3)
+    ids = torch.randint(0, 512, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _, optim_sd, _ = sharded_checkpoint._state_dicts(model, optimizer)
+    out[name] = [optimizer.param_groups[0]["step"], optim_sd["param_groups"][0]["step"]]
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_sharded_checkpoint_does_not_advance_a_stateless_optimizer():
+    """torch's get_optimizer_state_dict steps an optimizer without state or gradients once at lr 0
+    (signSGD, SGD): the step counter must stay, or checkpointing more often would change the run."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", SAVE_KEEPS_THE_STEP, "signsgd", "sgd", "frugal"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert steps == {"signsgd": [1, 1], "sgd": [1, 1], "frugal": [1, 1]}, steps

@@ -96,8 +96,10 @@ def test_fsdp_matches_ddp(runs, precision, loss_tol, norm_tol):
 def test_optimizer_state_per_rank_is_half_of_ddps(runs):
     for precision in ("fp32", "bf16-mixed"):
         ddp = train_rows(runs["ddp", precision])[-1]["optimizer_state_bytes"]
-        fsdp = train_rows(runs["fsdp", precision])[-1]["optimizer_state_bytes"]  # rank 0's shards
-        assert abs(fsdp / ddp - 0.5) < 0.02, (fsdp, ddp)
+        fsdp = train_rows(runs["fsdp", precision])[-1]["optimizer_state_bytes"]  # summed over the ranks
+        end = rows(runs["fsdp", precision])[-1]
+        assert abs(fsdp / ddp - 1.0) < 0.02 and end["optimizer_state_bytes"] == fsdp, (fsdp, ddp)
+        assert abs(end["optimizer_state_bytes_rank0"] / ddp - 0.5) < 0.02, (end, ddp)  # rank 0's shards
 
 
 def test_checkpoint_is_sharded_and_verified(runs):
@@ -182,8 +184,22 @@ def test_parallelism_cannot_change_on_resume(first_half, tmp_path):
 
     run_dir = tmp_path / "ddp_now"
     shutil.copytree(first_half, run_dir)
+    # Without naming the key: the message must not suggest train.resume_changes, which cannot help.
+    with pytest.raises(ConfigError, match="train.parallelism=fsdp") as err:
+        run_inprocess(run_dir, *RUN, f"train.steps={2 * N}", "train.resume_changes=[train.steps]")
+    assert "resume_changes" not in str(err.value)
     with pytest.raises(ConfigError, match="train.parallelism=fsdp"):
         run_inprocess(run_dir, *RUN, f"train.steps={2 * N}", "train.resume_changes=[train.steps,train.parallelism]")
+
+
+def test_growing_update_gap_is_refused_under_fsdp_before_training(tmp_path):
+    """Its windows depend on the losses, which a sharded checkpoint cannot restore before loading:
+    such a run would train and write checkpoints it can never resume from."""
+    from train_utils.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="update_gap_growth=2.0"):
+        run_inprocess(tmp_path, *FSDP, "train.steps=1", "optimizer.update_gap_growth=2.0")
+    assert not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_eval_reads_a_sharded_checkpoint(runs):

@@ -347,3 +347,34 @@ def test_cli(capsys):
     assert "seq_len" in capsys.readouterr().err
 
 
+
+
+def test_host_memory_respects_cgroup_limits(tmp_path):
+    """A SLURM job's --mem (a cgroup limit on the job, an ancestor of the task's cgroup) bounds what
+    the start-up check may count on, not the node's MemAvailable; v1 and v2, file cache reclaimable."""
+    from train_utils.memory_plan import cgroup_available
+
+    gib = 2**30
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    v2 = tmp_path / "v2"
+    job = v2 / "slurm" / "job_7"
+    write(tmp_path / "cg2", "0::/slurm/job_7/step_0\n")
+    write(job / "memory.max", f"{8 * gib}\n")
+    write(job / "memory.current", f"{3 * gib}\n")
+    write(job / "memory.stat", f"anon 1\ninactive_file {gib}\n")
+    write(job / "step_0" / "memory.max", "max\n")
+    assert cgroup_available(str(tmp_path / "cg2"), str(v2)) == 6 * gib  # 8 - 3 + 1 (cache)
+
+    v1 = tmp_path / "v1"
+    write(tmp_path / "cg1", "5:cpu:/x\n4:memory:/job\n0::/\n")
+    write(v1 / "memory" / "job" / "memory.limit_in_bytes", f"{4 * gib}\n")
+    write(v1 / "memory" / "job" / "memory.usage_in_bytes", f"{gib}\n")
+    write(v1 / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # no limit at the root
+    assert cgroup_available(str(tmp_path / "cg1"), str(v1)) == 3 * gib
+
+    write(tmp_path / "none", "4:memory:/\n0::/\n")
+    assert cgroup_available(str(tmp_path / "none"), str(v1 / "empty")) is None

@@ -11,6 +11,9 @@ nanoGPT's estimate): 6 x N for the weight matmuls, N the parameters except the i
 and values. The peak is the dense bf16 figure of the device from PEAK_FLOPS, or `train.peak_flops`
 (FLOP/s per device) for others; without either, MFU is not logged.
 
+Optimizer-state bytes are those of the whole run: under FSDP2 each rank holds its shards, so the
+ranks' figures are summed (one scalar all-reduce per row); replicas (DDP) hold the same, one counts.
+
 Peak memory is the peak since the previous row: CUDA's allocator peak (reset every row), or on
 CPU the process's peak resident set size (Linux resets it through /proc/self/clear_refs; elsewhere
 it is the peak since start).
@@ -21,6 +24,9 @@ import resource
 import sys
 
 import torch
+import torch.distributed as dist
+
+import frugal
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendor's data sheets, matched against the CUDA device name.
 PEAK_FLOPS = {"H100": 989e12, "A100": 312e12}
@@ -110,3 +116,14 @@ class Interval:
             out["mfu"] = self.flops * self.positions / seconds / (self.peak * self.world)
         self.reset()
         return out
+
+
+def optimizer_state_bytes(optimizer, sharded: bool, device: torch.device) -> int:
+    """`frugal.state_bytes` of the whole run: summed over the ranks when the state is sharded (a
+    collective: every rank calls it at the same rows)."""
+    held = frugal.state_bytes(optimizer)
+    if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
+        return held
+    total = torch.tensor([held], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())

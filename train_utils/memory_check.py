@@ -80,3 +80,22 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
         f"{where} is {_gib(available)}. Options: {remedy}; train.activation_checkpointing=true; "
         f"train.parallelism=fsdp over more processes; or train.memory_check=false to skip this check "
         f"(docs/memory_plan.md explains the estimate)")
+
+
+def agreed_check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.device, compiled: bool,
+                 accelerator) -> dict:
+    """`check` on every rank at the same moment, with one verdict: the ranks meet first (so that none
+    is already building its model while another reads the free memory), and if any rank refuses,
+    every rank stops with its message (instead of the others waiting in the next collective)."""
+    from accelerate.utils import gather_object
+
+    accelerator.wait_for_everyone()
+    try:
+        memory, refusal = check(cfg, optimizer_cfg, vocab_size, world, device, compiled), None
+    except MemoryCheckError as err:
+        memory, refusal = None, str(err)
+    refusals = gather_object([refusal]) if world > 1 else [refusal]
+    first = next((r for r in refusals if r is not None), None)
+    if first is not None:
+        raise MemoryCheckError(first)
+    return memory

@@ -531,15 +531,74 @@ def device_memory(device: torch.device | str) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu":
+        host = None
         try:
             with open("/proc/meminfo") as f:  # Linux
                 for line in f:
                     if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
+                        host = int(line.split()[1]) * 1024
+                        break
         except OSError:
             pass
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if host is None:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limited = cgroup_available()  # a SLURM job's --mem, a container's limit
+        return host if limited is None else min(host, limited)
     raise ValueError(f"device {device} is not supported by the memory planner; valid device types: cuda, cpu")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (cgroup v2): no limit
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_available(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Memory this process's cgroups may still use (limit - usage + reclaimable inactive file cache,
+    as the kernel would reclaim it before killing; the tightest of the process's cgroup and its
+    ancestors, where SLURM sets a job's --mem), or None without a limit. Reads cgroup v2 (memory.max)
+    and v1 (memory.limit_in_bytes); inside a container the mounted root is the process's own cgroup.
+    MemAvailable alone ignores these limits."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            names, base, inactive = ("memory.max", "memory.current"), root, "inactive_file"
+        elif "memory" in controllers.split(","):  # v1
+            names, base, inactive = ("memory.limit_in_bytes", "memory.usage_in_bytes"), os.path.join(root, "memory"), \
+                "total_inactive_file"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the own cgroup, its ancestors, the mounted root
+            directory = os.path.join(base, *parts[:depth])
+            limit = _read_int(os.path.join(directory, names[0]))
+            if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a huge number
+                continue
+            usage = _read_int(os.path.join(directory, names[1])) or 0
+            reclaimable = _stat(os.path.join(directory, "memory.stat"), inactive)
+            found.append(max(limit - usage + reclaimable, 0))
+    return min(found) if found else None
 
 
 def micro_batch_candidates(global_batch: int | None, world_size: int, limit: int = 1024) -> list[int]:

@@ -31,6 +31,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
+from frugal import HyperparameterError
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.validation import ConfigError
@@ -158,15 +159,15 @@ def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
     if found is None:
         return {"ckpt_dir": None, "notes": notes, "step": 0, "changes": {}, "finished": False}
     trainer = ckpt.load(found, "trainer")
-    changes = config_changes(trainer["config"], cfg)
-    check_changes(changes, cfg.train.resume_changes, found, cfg)
     sharded = sharded_checkpoint.is_sharded(found)
-    if sharded != (cfg.train.parallelism == "fsdp"):
+    if sharded != (cfg.train.parallelism == "fsdp"):  # first: resume_changes cannot change the format
         written = "fsdp" if sharded else "ddp"
         raise ConfigError(f"checkpoint {found} was written with train.parallelism={written} ("
                           f"{'sharded, torch.distributed.checkpoint' if sharded else 'whole-model files'}); it "
                           f"continues only with train.parallelism={written} (either continues on any number of "
                           f"processes)")
+    changes = config_changes(trainer["config"], cfg)
+    check_changes(changes, cfg.train.resume_changes, found, cfg)
     step = int(trainer["step"])
     return {"ckpt_dir": found, "notes": notes, "step": step, "changes": changes,
             "finished": step >= cfg.train.steps and _has_end_row(metrics_path, step)}
@@ -203,6 +204,8 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
             for saved_group, group in zip(saved["param_groups"], current or []):
                 saved_group.update({k: v for k, v in group.items() if k not in ("params", "step")})
             optimizer.load_state_dict(saved)
+    except HyperparameterError:  # the optimizer's own message (a ValueError) says what is wrong
+        raise
     except (RuntimeError, ValueError, KeyError) as err:  # reachable only through named model/optimizer changes
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err

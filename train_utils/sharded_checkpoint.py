@@ -25,6 +25,7 @@ non-projectable tensors' state are DTensors and reshard exactly.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import glob
 import hashlib
@@ -65,7 +66,17 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_sd = get_model_state_dict(model)
+    # An optimizer without state (signSGD, SGD) and without gradients gets one step at lr 0 from
+    # get_optimizer_state_dict (torch initialises "lazy" state that way). The weights do not move,
+    # but the step counter (and the opt-in window clock) would: keep checkpointing from changing a run.
+    first = optimizer.param_groups[0]
+    kept = {k: copy.deepcopy(first[k]) for k in ("step", "clock") if k in first}
     optim_sd = get_optimizer_state_dict(model, optimizer)
+    if any(first.get(k) != v for k, v in kept.items()):
+        first.update(kept)
+        optim_sd["param_groups"][0].update(copy.deepcopy(kept))
+        if hasattr(optimizer, "pop_events"):
+            optimizer.pop_events()  # nothing happened: drop what the lr-0 step reported
     per_rank = {k: optim_sd["state"].pop(k) for k in _per_rank_keys(optim_sd) if k in optim_sd["state"]}
     return model_sd, optim_sd, per_rank
 
@@ -108,7 +119,7 @@ def save(root: str, step: int, *, model, optimizer, trainer: dict | None, texts:
             os.makedirs(tmp)
         except OSError as err:
             error = ckpt._describe_write_error(err, tmp, previous)
-    tmp, error = broadcast_object_list([tmp, error])
+    tmp, error, previous = broadcast_object_list([tmp, error, previous])  # every rank's error names it
     entries: dict = {}
     if error is None:
         model_sd, optim_sd, per_rank = _state_dicts(model, optimizer)

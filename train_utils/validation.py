@@ -79,6 +79,13 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
     clip = cfg.train.grad_clip
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ConfigError(f"train.grad_clip={clip!r} is invalid: expected null (no clipping) or a number >= 0")
+    growth = OmegaConf.select(cfg, "optimizer.update_gap_growth", default=None)
+    if OmegaConf.select(cfg, "train.parallelism") == "fsdp" and isinstance(growth, (int, float)) and growth > 1.0:
+        # Its windows depend on the losses seen, and a sharded checkpoint is loaded into state shaped
+        # by the window (FRUGAL.materialize_state), which is not known before loading: refuse up front.
+        raise ConfigError(f"optimizer.update_gap_growth={growth} (the plateau-growing update gap) cannot resume from "
+                          f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
+                          f"train.parallelism=ddp")
     resume = cfg.train.resume
     if not isinstance(resume, str) or not resume:
         raise ConfigError(f"train.resume={resume!r} is invalid; choose auto, never or a checkpoint/run directory")
