@@ -192,6 +192,17 @@ def test_parallelism_cannot_change_on_resume(first_half, tmp_path):
         run_inprocess(run_dir, *RUN, f"train.steps={2 * N}", "train.resume_changes=[train.steps,train.parallelism]")
 
 
+def test_named_model_change_on_a_sharded_checkpoint_is_one_line(first_half, tmp_path):
+    """DCP's failed load is a BaseException (CheckpointException): still the one-line ConfigError."""
+    from train_utils.validation import ConfigError
+
+    run_dir = tmp_path / "wider"
+    shutil.copytree(first_half, run_dir)
+    with pytest.raises(ConfigError, match="cannot apply train.resume_changes"):
+        run_inprocess(run_dir, *FSDP, f"train.steps={2 * N}", "model.intermediate_size=96",
+                      "train.resume_changes=[train.steps,model.intermediate_size]")
+
+
 def test_growing_update_gap_is_refused_under_fsdp_before_training(tmp_path):
     """Its windows depend on the losses, which a sharded checkpoint cannot restore before loading:
     such a run would train and write checkpoints it can never resume from."""

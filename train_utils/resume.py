@@ -30,6 +30,7 @@ import os
 
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's failed load
 
 from frugal import HyperparameterError
 from train_utils import checkpoint as ckpt
@@ -206,7 +207,7 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
             optimizer.load_state_dict(saved)
     except HyperparameterError:  # the optimizer's own message (a ValueError) says what is wrong
         raise
-    except (RuntimeError, ValueError, KeyError) as err:  # reachable only through named model/optimizer changes
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:  # only named model/optimizer changes
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err
     # The schedule from the current config, at the checkpoint's step: identical to the stored one
