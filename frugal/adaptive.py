@@ -22,6 +22,8 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 
+from .checks import check_integer
+
 DENSITY_KINDS = ("constant", "linear", "cosine", "step")
 
 
@@ -33,8 +35,7 @@ def scheduled_density(step: int, *, start: float, end: float, steps: int, kind: 
     for name, value in (("start", start), ("end", end)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"Invalid density schedule {name}: {value!r} (must be in [0, 1])")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Invalid density schedule steps: {steps!r} (must be an integer >= 1)")
+    check_integer("density schedule steps", steps, 1, error=ValueError)
     if kind == "constant":
         return start
     f = min(max(step, 0) / steps, 1.0)
@@ -109,8 +110,7 @@ class PlateauGap:
 
     def __init__(self, *, patience: int = 3, threshold: float = 0.01, factor: float = 2.0,
                  max_gap: int = 1000, smoothing: float = 0.0):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"Invalid patience: {patience!r} (must be an integer >= 1)")
+        check_integer("patience", patience, 1, error=ValueError)
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"Invalid threshold: {threshold!r} (must be in [0, 1))")
         if not factor > 1.0:
@@ -144,36 +144,35 @@ class PlateauGap:
 
 
 def _check_gap(gap) -> None:
-    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
-        raise ValueError(f"Invalid update_gap: {gap!r} (must be an integer >= 1)")
+    check_integer("update_gap", gap, 1, error=ValueError)
 
 
 # ---- the optimizer's clock: plain numbers in its first param group --------------------------------
-def density_at(hp: Mapping, start: int) -> float:
+def density_at(settings: Mapping, start: int) -> float:
     """The density of the window starting at step ``start`` under ``hp``'s density keys."""
-    if hp["density_schedule"] == "constant":
-        return hp["density"]
-    return scheduled_density(start, start=hp["density"], end=hp["density_end"], steps=hp["density_steps"],
-                             kind=hp["density_schedule"])
+    if settings["density_schedule"] == "constant":
+        return settings["density"]
+    return scheduled_density(start, start=settings["density"], end=settings["density_end"],
+                             steps=settings["density_steps"], kind=settings["density_schedule"])
 
 
-def _load(holder: dict, hp: Mapping) -> WindowClock:
+def _load(holder: dict, settings: Mapping) -> WindowClock:
     """The clock as ``holder["clock"]`` keeps it (FRUGAL: ``param_groups[0]``; written only by a step
     or a loss, so a fresh optimizer has none and a resume that renews hyperparameters keeps the saved one)."""
-    clock = WindowClock(hp["update_gap"])
+    clock = WindowClock(settings["update_gap"])
     if holder.get("clock") is not None:
         clock.load_state_dict(holder["clock"])
     return clock
 
 
-def observe_clock(holder: dict, hp: Mapping, loss: float) -> None:
+def observe_clock(holder: dict, settings: Mapping, loss: float) -> None:
     """Add one training loss to the current window of the clock kept in ``holder``."""
-    clock = _load(holder, hp)
+    clock = _load(holder, settings)
     clock.observe(loss)
     holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
 
 
-def advance_clock(holder: dict, hp: Mapping, step: int, *, blocks: Callable[[int], int] | None,
+def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callable[[int], int] | None,
                   commit: bool) -> tuple[WindowClock, list[dict]]:
     """The clock kept in ``holder`` moved to ``step``, and the events of the move.
 
@@ -182,21 +181,21 @@ def advance_clock(holder: dict, hp: Mapping, step: int, *, blocks: Callable[[int
     ``commit``: store the clock, let the plateau controller choose each new window's gap, report
     ``update_gap`` and ``density`` events. Without it nothing is decided or stored (the window and its
     first step do not depend on the decision, only the window's length does)."""
-    clock = _load(holder, hp)
+    clock = _load(holder, settings)
     if not commit:
         clock.tick(step, blocks=blocks)
         return clock, []
     plateau = None
-    if hp["update_gap_growth"] > 1.0:
-        plateau = PlateauGap(patience=hp["plateau_patience"], threshold=hp["plateau_threshold"],
-                             factor=hp["update_gap_growth"], max_gap=hp["max_update_gap"] or sys.maxsize)
+    if settings["update_gap_growth"] > 1.0:
+        plateau = PlateauGap(patience=settings["plateau_patience"], threshold=settings["plateau_threshold"],
+                             factor=settings["update_gap_growth"], max_gap=settings["max_update_gap"] or sys.maxsize)
         saved = (holder.get("clock") or {}).get("plateau")
         if saved is not None:
             plateau.load_state_dict(saved)
-    window, density = clock.window, density_at(hp, clock.start)
+    window, density = clock.window, density_at(settings, clock.start)
     events = clock.tick(step, blocks=blocks, plateau=plateau)
     holder["clock"] = {**clock.state_dict(), "plateau": None if plateau is None else plateau.state_dict()}
-    new_density = density_at(hp, clock.start)
+    new_density = density_at(settings, clock.start)
     if clock.window != window and new_density != density:
         event = {"event": "density", "window": clock.window, "density": new_density}
         if blocks is not None:

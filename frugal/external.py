@@ -55,9 +55,9 @@ DOCS = {"apollo": "APOLLO (apollo-torch): channel-wise gradient scaling from ran
         "adam_mini": "Adam-mini (adam-mini): one second moment per head / row / tensor"}
 
 
-def validate(name: str, hp: dict) -> dict:
+def validate(name: str, settings: dict) -> dict:
     """Check the keys only these entries have (before the shared checks of frugal.hparams)."""
-    out = dict(hp)
+    out = dict(settings)
     for key, choices in CHOICES.items():
         if key in out and out[key] not in choices:
             raise HyperparameterError(f"Invalid {key} for {name}: {out[key]!r}; valid choices: {', '.join(choices)}")
@@ -78,43 +78,43 @@ def _import(name: str):
                           f"(or pip install 'frugal-optim[{extra}]')") from err
 
 
-def build(model: nn.Module, name: str, hp: dict) -> torch.optim.Optimizer:
-    return _build_apollo(model, hp) if name == "apollo" else _build_adam_mini(model, hp)
+def build(model: nn.Module, name: str, settings: dict) -> torch.optim.Optimizer:
+    return _build_apollo(model, settings) if name == "apollo" else _build_adam_mini(model, settings)
 
 
-def estimate_state_bytes(model: nn.Module, name: str, hp: dict) -> int:
+def estimate_state_bytes(model: nn.Module, name: str, settings: dict) -> int:
     """Bytes the optimizer holds after its first step (every parameter with a gradient)."""
-    return _apollo_bytes(model, hp) if name == "apollo" else _adam_mini_bytes(model, hp)
+    return _apollo_bytes(model, settings) if name == "apollo" else _adam_mini_bytes(model, settings)
 
 
 # ---- APOLLO ------------------------------------------------------------------------------------
-def _apollo_rank(shape, hp: dict) -> int:
-    if hp.get("rank") is not None:
-        return hp["rank"]
-    return max(1, math.floor(hp["density"] * min(shape) + 0.5))  # round half up, as galore's rank
+def _apollo_rank(shape, settings: dict) -> int:
+    if settings.get("rank") is not None:
+        return settings["rank"]
+    return max(1, math.floor(settings["density"] * min(shape) + 0.5))  # round half up, as galore's rank
 
 
-def _apollo_groups(model: nn.Module, hp: dict) -> list[dict]:
+def _apollo_groups(model: nn.Module, settings: dict) -> list[dict]:
     from .grouping import param_groups
 
     plain, by_rank = [], {}
-    for group in param_groups(model, target_modules=hp.get("target_modules")):
+    for group in param_groups(model, target_modules=settings.get("target_modules")):
         for p in group["params"]:
             if group["projectable"]:
-                by_rank.setdefault(_apollo_rank(p.shape, hp), []).append(p)
+                by_rank.setdefault(_apollo_rank(p.shape, settings), []).append(p)
             else:
                 plain.append(p)
     groups = [{"params": plain}] if plain else []
     for rank, params in sorted(by_rank.items()):
-        groups.append({"params": params, "rank": rank, "proj": hp["projection"], "proj_type": "std",
-                       "scale_type": hp["scale_type"], "scale": hp["scale"],
-                       "update_proj_gap": hp["update_gap"]})
+        groups.append({"params": params, "rank": rank, "proj": settings["projection"], "proj_type": "std",
+                       "scale_type": settings["scale_type"], "scale": settings["scale"],
+                       "update_proj_gap": settings["update_gap"]})
     return groups
 
 
-def _apollo_bytes(model: nn.Module, hp: dict) -> int:
+def _apollo_bytes(model: nn.Module, settings: dict) -> int:
     total = 0
-    for group in _apollo_groups(model, {**DEFAULTS["apollo"], **hp}):
+    for group in _apollo_groups(model, {**DEFAULTS["apollo"], **settings}):
         for p in group["params"]:
             if "rank" in group:
                 r, (small, large) = group["rank"], sorted(p.shape)
@@ -158,10 +158,10 @@ def _apollo_class():
     return _APOLLO_CLASSES[base]
 
 
-def _build_apollo(model: nn.Module, hp: dict) -> torch.optim.Optimizer:
-    hp = {**DEFAULTS["apollo"], **hp}
-    return _apollo_class()(_apollo_groups(model, hp), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-               weight_decay=hp["weight_decay"])
+def _build_apollo(model: nn.Module, settings: dict) -> torch.optim.Optimizer:
+    settings = {**DEFAULTS["apollo"], **settings}
+    return _apollo_class()(_apollo_groups(model, settings), lr=settings["lr"], betas=tuple(settings["betas"]),
+                           eps=settings["eps"], weight_decay=settings["weight_decay"])
 
 
 # ---- Adam-mini ---------------------------------------------------------------------------------
@@ -174,12 +174,12 @@ _ADAM_MINI_NAMES = {
 }
 
 
-def _adam_mini_shape(model: nn.Module, hp: dict) -> tuple[int, int, int]:
+def _adam_mini_shape(model: nn.Module, settings: dict) -> tuple[int, int, int]:
     config = getattr(model, "config", None)
 
     def pick(key, *attrs):
-        if hp.get(key) is not None:
-            return hp[key]
+        if settings.get(key) is not None:
+            return settings[key]
         for attr in attrs:
             if isinstance(getattr(config, attr, None), int):
                 return getattr(config, attr)
@@ -198,8 +198,8 @@ def _adam_mini_kind(name: str) -> str:
     return next((kind for kind, keys in _ADAM_MINI_NAMES.items() if any(k in name for k in keys)), "tensor")
 
 
-def _adam_mini_bytes(model: nn.Module, hp: dict) -> int:
-    dim, heads, _ = _adam_mini_shape(model, hp)
+def _adam_mini_bytes(model: nn.Module, settings: dict) -> int:
+    dim, heads, _ = _adam_mini_shape(model, settings)
     head_numel = dim * dim // heads
     total = 0
     for name, p in model.named_parameters():
@@ -211,11 +211,11 @@ def _adam_mini_bytes(model: nn.Module, hp: dict) -> int:
     return total
 
 
-def _build_adam_mini(model: nn.Module, hp: dict) -> torch.optim.Optimizer:
-    hp = {**DEFAULTS["adam_mini"], **hp}
-    dim, heads, kv_heads = _adam_mini_shape(model, hp)
+def _build_adam_mini(model: nn.Module, settings: dict) -> torch.optim.Optimizer:
+    settings = {**DEFAULTS["adam_mini"], **settings}
+    dim, heads, kv_heads = _adam_mini_shape(model, settings)
     module = _import("adam_mini")
     # A list, not the generator: the optimizer keeps it, and deepcopy cannot copy a generator.
-    return module.Adam_mini(list(model.named_parameters()), lr=hp["lr"], betas=tuple(hp["betas"]),
-                            eps=hp["eps"], weight_decay=hp["weight_decay"], dim=dim, n_heads=heads,
+    return module.Adam_mini(list(model.named_parameters()), lr=settings["lr"], betas=tuple(settings["betas"]),
+                            eps=settings["eps"], weight_decay=settings["weight_decay"], dim=dim, n_heads=heads,
                             n_kv_heads=kv_heads, verbose=False)

@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
+from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
 from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 
 
-class HyperparameterError(ValueError):
-    """A bad optimizer hyperparameter: the message names the key, the value and what is valid."""
 
 
 RESET_MODES = ("reset", "reproject", "keep", "transport")
@@ -92,11 +91,7 @@ def _number(key: str, value, low=None, high=None, high_open=False) -> float:
 
 
 def _integer(key: str, value, low: int | None = None) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 200.0 from a YAML/CLI float is the integer 200
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise HyperparameterError(f"Invalid {key}: {value!r} (expected an integer{f' >= {low}' if low is not None else ''})")
-    return value
+    return check_integer(key, value, low, integral_floats=True)
 
 
 def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:

@@ -63,27 +63,27 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(_tensor_bytes(state) for state in optimizer.state.values())
 
 
-def _frugal_bytes(model: nn.Module, name: str, hp: dict, svd_layout: str) -> int:
-    groups, hp = optimizer_groups(model, name, hp)  # hp is validated by resolve()
-    hp = {**hparams.defaults(), **hp}
-    if hp["density_schedule"] != "constant":  # the peak: the larger of the two ends
-        hp["density"] = max(hp["density"], hp["density_end"])
+def _frugal_bytes(model: nn.Module, name: str, shared: dict, svd_layout: str) -> int:
+    groups, shared = optimizer_groups(model, name, shared)  # shared is validated by resolve()
+    shared = {**hparams.defaults(), **shared}
+    if shared["density_schedule"] != "constant":  # the peak: the larger of the two ends
+        shared["density"] = max(shared["density"], shared["density_end"])
     total = 0
     projectable: list[tuple[dict, torch.Tensor]] = []
     for group in groups:
-        g = {**hp, **{k: v for k, v in group.items() if k != "params"}}
-        if g.get("always_state_free"):
+        settings = {**shared, **{k: v for k, v in group.items() if k != "params"}}
+        if settings.get("always_state_free"):
             continue
-        if g.get("projectable"):
-            projectable += [(g, p) for p in group["params"]]
+        if settings.get("projectable"):
+            projectable += [(settings, p) for p in group["params"]]
         else:
-            total += sum(_rule_bytes(g["state_full"], p.shape, p.element_size()) for p in group["params"])
+            total += sum(_rule_bytes(settings["state_full"], p.shape, p.element_size()) for p in group["params"])
 
-    if hp["projection"] == "block":
-        return total + sum(_rule_bytes(hp["state_full"], p.shape, p.element_size())
-                           for p in _active_block_tensors(projectable, hp))
-    for g, p in projectable:
-        total += _split_bytes(g, p, svd_layout)
+    if shared["projection"] == "block":
+        return total + sum(_rule_bytes(shared["state_full"], p.shape, p.element_size())
+                           for p in _active_block_tensors(projectable, shared))
+    for settings, p in projectable:
+        total += _split_bytes(settings, p, svd_layout)
     return total
 
 
@@ -110,12 +110,12 @@ def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:
     return 0
 
 
-def _split_bytes(g: dict, p: torch.Tensor, svd_layout: str) -> int:
+def _split_bytes(settings: dict, p: torch.Tensor, svd_layout: str) -> int:
     """One split tensor: the reduced state, the subspace, and what the methods add (the
     contextual state-free rule's state, LDAdam's error buffer of the tensor's size)."""
-    projection, density, transposed = g["projection"], g["density"], g.get("transposed", False)
+    projection, density, transposed = settings["projection"], settings["density"], settings.get("transposed", False)
     elem = p.element_size()
-    extra = p.numel() * elem if g["error_feedback"] and projection in proj.MATRIX else 0
+    extra = p.numel() * elem if settings["error_feedback"] and projection in proj.MATRIX else 0
     if projection in proj.COORDINATE:
         k = proj.coordinate_count(projection, p.shape, transposed, density)
         if k == 0:
@@ -123,8 +123,8 @@ def _split_bytes(g: dict, p: torch.Tensor, svd_layout: str) -> int:
         reduced = proj.reduced_shape(projection, p.shape, transposed, density)
         dim, _ = proj.reduced_dim(projection, p.shape, transposed)
         other = p.shape[1 - dim] if dim is not None else 0
-        return (_rule_bytes(g["state_full"], reduced, elem) + _coordinate_index_bytes(projection, k, p.numel())
-                + _free_rule_bytes(g["state_free"], other, elem))
+        return (_rule_bytes(settings["state_full"], reduced, elem) + _coordinate_index_bytes(projection, k, p.numel())
+                + _free_rule_bytes(settings["state_free"], other, elem))
     if projection in proj.MATRIX:
         r = proj.matrix_rank(p.shape, density)
         if r == 0:
@@ -132,8 +132,8 @@ def _split_bytes(g: dict, p: torch.Tensor, svd_layout: str) -> int:
         small, large = sorted(p.shape)
         # implementation: Q (small x r), state (large x r); paper (Appendix D): Q (large x r), state (small x r)
         basis, side = (large, small) if svd_layout == "paper" else (small, large)
-        return (basis * r * elem + _rule_bytes(g["state_full"], (side, r), elem)
-                + _free_rule_bytes(g["state_free"], side, elem) + extra)
+        return (basis * r * elem + _rule_bytes(settings["state_full"], (side, r), elem)
+                + _free_rule_bytes(settings["state_free"], side, elem) + extra)
     raise ValueError(f"Unknown projection {projection!r}; valid choices: {sorted(proj.PROJECTIONS)}")
 
 
@@ -145,16 +145,16 @@ def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:
     return k * torch.empty((), dtype=proj.index_dtype(projection, numel)).element_size()
 
 
-def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], hp: dict) -> list[torch.Tensor]:
+def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], shared: dict) -> list[torch.Tensor]:
     """Projectable tensors state-full in the first window (window 0), as the optimizer picks them."""
-    if hp["block_granularity"] == "tensor":
+    if shared["block_granularity"] == "tensor":
         units = [[p] for _, p in projectable]
     else:
         by_block: dict = {}
         for group, p in projectable:
             by_block.setdefault(group.get("block"), []).append(p)
         units = [by_block[b] for b in sorted(by_block, key=lambda b: (b is None, b))]
-    chosen = proj.select_blocks(hp["block_order"], len(units), hp["density"], 0, hp["seed"])
+    chosen = proj.select_blocks(shared["block_order"], len(units), shared["density"], 0, shared["seed"])
     return [p for i in chosen for p in units[i]]
 
 
@@ -167,10 +167,10 @@ def estimate_state_bytes(model: nn.Module, name: str, svd_layout: str = "paper",
     """
     if svd_layout not in ("implementation", "paper"):
         raise HyperparameterError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
-    name, hp = resolve(name, hparams)
+    name, shared = resolve(name, hparams)
     if name in external.PACKAGES:
-        return external.estimate_state_bytes(model, name, hp)
+        return external.estimate_state_bytes(model, name, shared)
     if name == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         return sum(2 * p.numel() * p.element_size() + _STEP_BYTES for p in params)
-    return _frugal_bytes(model, name, hp, svd_layout)
+    return _frugal_bytes(model, name, shared, svd_layout)

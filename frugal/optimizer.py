@@ -122,7 +122,7 @@ class _Layout:
     idents: list[list[int]]
     block_of: list[list]  # per group, per parameter: its block, or None
     blocks: list | None  # sorted block ids; None without block projection
-    hp: dict | None  # the settings every block-projected group shares
+    block_settings: dict | None  # the settings every block-projected group shares
     clock: dict | None = None  # the settings of the window clock; None: windows are step // update_gap
     active: tuple | None = None  # (window, frozenset of active blocks), memoised
 
@@ -178,9 +178,11 @@ class FRUGAL(Optimizer):
     whole tensor with the state-free rule). Other tensors are state-full and never reset.
 
     Subspaces are pure functions of (seed, window, parameter position) drawn from private
-    generators, so data-parallel ranks and resumed runs agree without communication. The step
-    counter is ``param_groups[0]["step"]`` (one counter; a param group is what both
-    ``state_dict()`` and torch.distributed.checkpoint keep besides per-parameter state).
+    generators, so data-parallel ranks and resumed runs agree without communication. Every param
+    group holds the step counter ``"step"`` (the same number in each: the subspace windows are
+    global), written inside ``step()``; a group added later starts at the current count. A param
+    group is what both ``state_dict()`` and torch.distributed.checkpoint keep besides
+    per-parameter state.
     Parameters may be FSDP2 DTensor shards: block state is then DTensors (checkpointable and
     reshardable by torch.distributed.checkpoint), column/row/randk select within each local shard
     (their reduced state is per rank), and svd/random are refused.
@@ -220,13 +222,12 @@ class FRUGAL(Optimizer):
 
     # ---- groups, layout, checkpoints ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        first = not self.param_groups
+        step = self.param_groups[0]["step"] if self.param_groups else 0
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for key, default in GROUP_KEYS.items():
             group.setdefault(key, default)
-        if first:
-            group.setdefault("step", 0)
+        group.setdefault("step", step)  # one count in every group: the windows are global
         group.update(validate({k: group[k] for k in self.defaults}))
         check_combination(group)
         self._check_rule_shapes(group)
@@ -280,6 +281,7 @@ class FRUGAL(Optimizer):
         exact = {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
                  for key, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        self._set_step(self.param_groups[0]["step"])  # state dicts that kept it in the first group only
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved["params"], group["params"]):
                 for name, v in exact.get(key, {}).items():
@@ -314,7 +316,7 @@ class FRUGAL(Optimizer):
         blocks = None
         if layout.blocks is not None:
             n = len(layout.blocks)
-            blocks = lambda start: proj.block_count(n, density_at(layout.hp, start))  # noqa: E731
+            blocks = lambda start: proj.block_count(n, density_at(layout.block_settings, start))  # noqa: E731
         clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
         self._events += events
         return clock
@@ -353,7 +355,7 @@ class FRUGAL(Optimizer):
             raise HyperparameterError(
                 "materialize_state cannot know the windows of a run with update_gap_growth > 1 (they depend "
                 "on the losses seen); load such a run with optimizer.load_state_dict instead")
-        self.param_groups[0]["step"] = step
+        self._set_step(step)
         self.param_groups[0].pop("clock", None)
         last = max(step - 1, 0)  # a checkpoint of step S holds the state of the window of step S - 1
         clock = self._clock(layout, last, commit=True)
@@ -399,37 +401,38 @@ class FRUGAL(Optimizer):
         if self._layout is not None:
             return self._layout
         idents, block_of, n = [], [], 0
-        for g in self.param_groups:
-            idents.append(list(range(n, n + len(g["params"]))))
-            block_of.append([None] * len(g["params"]))
-            n += len(g["params"])
-        split = [g for g in self.param_groups if g["projectable"] and not g["always_state_free"]]
-        groups = [(gi, g) for gi, g in enumerate(self.param_groups)
-                  if g["projectable"] and not g["always_state_free"] and g["projection"] == "block"]
+        for group in self.param_groups:
+            idents.append(list(range(n, n + len(group["params"]))))
+            block_of.append([None] * len(group["params"]))
+            n += len(group["params"])
+        split = [group for group in self.param_groups if group["projectable"] and not group["always_state_free"]]
+        groups = [(gi, group) for gi, group in enumerate(self.param_groups)
+                  if group["projectable"] and not group["always_state_free"] and group["projection"] == "block"]
         layout = _Layout(idents, block_of, None, None)
         if groups:
-            hp = {k: groups[0][1][k] for k in _BLOCK_SHARED}
-            for _, g in groups:
+            block_settings = {k: groups[0][1][k] for k in _BLOCK_SHARED}
+            for _, group in groups:
                 for k in _BLOCK_SHARED:
-                    if g[k] != hp[k]:
+                    if group[k] != block_settings[k]:
                         raise HyperparameterError(
-                            f"All block-projected groups must share {k}: got {hp[k]!r} and {g[k]!r}")
+                            f"All block-projected groups must share {k}: got {block_settings[k]!r} and {group[k]!r}")
             count = 0
-            for gi, g in groups:
-                for pi in range(len(g["params"])):
-                    block_of[gi][pi] = count if hp["block_granularity"] == "tensor" else g["block"]
+            for gi, group in groups:
+                for pi in range(len(group["params"])):
+                    block_of[gi][pi] = count if block_settings["block_granularity"] == "tensor" else group["block"]
                     count += 1
             layout.blocks = sorted({b for row in block_of for b in row if b is not None})
-            layout.hp = hp
-        clocked = [g for g in split if g["density_schedule"] != "constant" or g["update_gap_growth"] > 1.0]
+            layout.block_settings = block_settings
+        clocked = [group for group in split
+                   if group["density_schedule"] != "constant" or group["update_gap_growth"] > 1.0]
         if clocked:
             clock = {k: clocked[0][k] for k in _CLOCK_SHARED + _BLOCK_SHARED}
-            for g in split:
+            for group in split:
                 for k in _CLOCK_SHARED:
-                    if g[k] != clock[k]:
+                    if group[k] != clock[k]:
                         raise HyperparameterError(
                             f"With a density schedule or a growing update gap all projected groups share one "
-                            f"window clock, so they must share {k}: got {clock[k]!r} and {g[k]!r}")
+                            f"window clock, so they must share {k}: got {clock[k]!r} and {group[k]!r}")
             layout.clock = clock
         self._layout = layout
         return layout
@@ -438,11 +441,11 @@ class FRUGAL(Optimizer):
         """State-full blocks of the window holding ``step``."""
         if layout.blocks is None:
             return frozenset()
-        window = self._window(layout.hp, step, clock)
+        window = self._window(layout.block_settings, step, clock)
         if layout.active is None or layout.active[0] != window:
-            hp = layout.hp
-            density = hp["density"] if clock is None else density_at(hp, clock.start)
-            chosen = proj.select_blocks(hp["block_order"], len(layout.blocks), density, window, hp["seed"],
+            shared = layout.block_settings
+            density = shared["density"] if clock is None else density_at(shared, clock.start)
+            chosen = proj.select_blocks(shared["block_order"], len(layout.blocks), density, window, shared["seed"],
                                         offset=None if clock is None else clock.offset)
             layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
         return layout.active[1]
@@ -472,26 +475,26 @@ class FRUGAL(Optimizer):
         active = self._active(layout, self.step_count, clock)
         total = full = units = asked = 0
         block_sizes: dict = defaultdict(int)
-        for gi, g in enumerate(self.param_groups):
-            if not g["projectable"] or g["always_state_free"]:
+        for gi, group in enumerate(self.param_groups):
+            if not group["projectable"] or group["always_state_free"]:
                 continue
-            g = self._effective(g, clock)
-            for pi, p in enumerate(g["params"]):
+            group = self._effective(group, clock)
+            for pi, p in enumerate(group["params"]):
                 n = p.numel()
                 total += n
-                asked += g["density"] * n
-                if g["projection"] == "block":
+                asked += group["density"] * n
+                if group["projection"] == "block":
                     block_sizes[layout.block_of[gi][pi]] += n
                     full += n if layout.block_of[gi][pi] in active else 0
                     continue
-                shape = proj.reduced_shape(g["projection"], p.shape, g["transposed"], g["density"])
+                shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"], group["density"])
                 full += math.prod(shape)
-                if g["projection"] == "randk":
+                if group["projection"] == "randk":
                     units += 1
-                elif g["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
-                    units += shape[0] if proj.matrix_side(p.shape, g["transposed"]) == "right" else shape[1]
+                elif group["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
+                    units += shape[0] if proj.matrix_side(p.shape, group["transposed"]) == "right" else shape[1]
                 else:  # one more column (row): the elements across the other dimension
-                    units += n // p.shape[proj.coordinate_dim(g["projection"], p.shape, g["transposed"])]
+                    units += n // p.shape[proj.coordinate_dim(group["projection"], p.shape, group["transposed"])]
         units += max(block_sizes.values(), default=0)
         return total, full, units, (asked / total if total else self.defaults["density"])
 
@@ -531,8 +534,12 @@ class FRUGAL(Optimizer):
                 self._write_back(w)                                       # 5. write back
         for w in single:
             update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step, w.window)
-        self.param_groups[0]["step"] = step + 1
+        self._set_step(step + 1)
         return loss
+
+    def _set_step(self, step: int) -> None:
+        for group in self.param_groups:
+            group["step"] = step
 
     def _select(self, step: int) -> list[Work]:
         """Phase 1. Tensors leaving the state-full set (and state-free ones) drop their state
@@ -626,10 +633,10 @@ class FRUGAL(Optimizer):
         for w in works:
             if w.role == FREE:
                 continue
-            g = w.group
-            lr, wd = g["lr"], g["weight_decay"]
-            lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
-            if w.role == SPLIT and STATE_FREE[g["state_free"]].reads_update:
+            group = w.group
+            lr, wd = group["lr"], group["weight_decay"]
+            lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
+            if w.role == SPLIT and STATE_FREE[group["state_free"]].reads_update:
                 lr_full = 1.0  # the target (zeros) then holds -psi exactly (module docstring)
             # Decoupled decay (lr * wd) happens inside the rule when the target holds weights;
             # an additive target collects only the update (phase 4 decays the weights).
@@ -637,12 +644,12 @@ class FRUGAL(Optimizer):
             wd_full = wd * lr / lr_full if holds_weights and lr_full else 0.0
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
-            key = FullKey(g["state_full"], lr_full, wd_full, tuple(g["betas"]), g["eps"], g["momentum"],
+            key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
                           w.target.device, w.target.dtype)
             targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
             targets.append(w.target)
             grads.append(w.full_grad)
-            rule = STATE_FULL[g["state_full"]]
+            rule = STATE_FULL[group["state_full"]]
             for name in rule.state_names:
                 states[name].append(local(w.state[name]))
             if rule.counts_steps:
@@ -659,14 +666,14 @@ class FRUGAL(Optimizer):
         for w in works:
             if w.role == FULL:
                 continue
-            g = w.group
+            group = w.group
             p = w.local
-            rule = STATE_FREE[g["state_free"]]
+            rule = STATE_FREE[group["state_free"]]
             if rule.contextual is not None:
                 self._contextual_update(w, rule)
                 continue
-            key = FreeKey(g["state_free"], g["lr"] * g["state_free_lr_scale"],
-                          1.0 - g["lr"] * g["weight_decay"], g["sign_update"], p.device, p.dtype)
+            key = FreeKey(group["state_free"], group["lr"] * group["state_free_lr_scale"],
+                          1.0 - group["lr"] * group["weight_decay"], group["sign_update"], p.device, p.dtype)
             params, grads = buckets.setdefault(key, ([], []))
             params.append(p)
             grads.append(w.free_grad)
@@ -677,23 +684,23 @@ class FRUGAL(Optimizer):
     @staticmethod
     def _contextual_update(w: Work, rule) -> None:
         """p <- p * (1 - lr wd) - lr * state_free_lr_scale * d, d = rule(residual, its state, the split)."""
-        g, p = w.group, w.local
-        dim, transposed = proj.reduced_dim(g["projection"], p.shape, g["transposed"])
+        group, p = w.group, w.local
+        dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
         residual = w.free_grad.t() if transposed else w.free_grad
         update = torch.neg(w.target) if rule.reads_update else None  # the target holds -psi
-        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, update, dim, g))
-        if g["weight_decay"]:
-            p.mul_(1.0 - g["lr"] * g["weight_decay"])
-        p.sub_(d.t() if transposed else d, alpha=g["lr"] * g["state_free_lr_scale"])
+        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, update, dim, group))
+        if group["weight_decay"]:
+            p.mul_(1.0 - group["lr"] * group["weight_decay"])
+        p.sub_(d.t() if transposed else d, alpha=group["lr"] * group["state_free_lr_scale"])
 
     @staticmethod
     def _write_back(w: Work) -> None:
         """Phase 5, and the end of the batch's temporaries."""
         if w.role == SPLIT:
-            g, p = w.group, w.local
+            group, p = w.group, w.local
             if w.additive:
-                p.add_(proj.project_back(w.target, p.shape, g["projection"], g["transposed"], w.subspace),
+                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace),
                        alpha=w.write_scale)
             else:
-                proj.write_coordinates_(p, g["projection"], g["transposed"], w.subspace, w.target)
+                proj.write_coordinates_(p, group["projection"], group["transposed"], w.subspace, w.target)
         w.target = w.full_grad = w.free_grad = w.subspace = None

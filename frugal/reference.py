@@ -28,47 +28,47 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
                   step: int, window: int) -> None:
     """One step of one tensor (``grad``: its local values; ``param`` may be an FSDP2 DTensor) in
     subspace window ``window``."""
-    g, p = group, sharding.local(param)
-    full_rule, free_rule = STATE_FULL[g["state_full"]], STATE_FREE[g["state_free"]]
-    hp = {"betas": tuple(g["betas"]), "eps": g["eps"], "momentum": g["momentum"]}
-    lr = g["lr"]
-    lr_full = lr * g["projectable_lr_scale"] if g["projectable"] else lr
-    lr_free = lr * g["state_free_lr_scale"]
-    new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * g["weight_decay"])
+    p = sharding.local(param)
+    full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
+    rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"]}
+    lr = group["lr"]
+    lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
+    lr_free = lr * group["state_free_lr_scale"]
+    new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * group["weight_decay"])
     if role == FULL:
         full_rule.init_state(state, param)
-        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **hp)
+        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs)
     elif role == FREE:
         if free_rule.direction is not None:
             new -= lr_free * free_rule.direction(grad)
     else:
-        projection, transposed = g["projection"], g["transposed"]
+        projection, transposed = group["projection"], group["transposed"]
         a, moved = grad, None
-        if g["error_feedback"]:  # LDAdam: the step reads g + e (kept in the buffer)
+        if group["error_feedback"]:  # LDAdam: the step reads g + e (kept in the buffer)
             a, moved = state_management.feedback_begin(state, grad), {}
         if projection in proj.MATRIX:
-            sub = state_management.matrix(state, full_rule, p, a, g, window, ident, moved)
+            sub = state_management.matrix(state, full_rule, p, a, group, window, ident, moved)
         else:
-            sub = state_management.coordinates(state, full_rule, p, g, window, ident,
-                                               sharding.shard_key(param, g))
+            sub = state_management.coordinates(state, full_rule, p, group, window, ident,
+                                               sharding.shard_key(param, group))
         g_full = proj.project(a, projection, transposed, sub)
-        if g["error_feedback"]:
-            state_management.feedback_end(state, g, p, g_full, sub, moved)
-        d_full = full_rule.direction(g_full, state, **hp)
+        if group["error_feedback"]:
+            state_management.feedback_end(state, group, p, g_full, sub, moved)
+        d_full = full_rule.direction(g_full, state, **rule_kwargs)
         new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
         if free_rule.contextual is not None:  # Fira, AdaMeM: the rule reads the split
             dim, flip = proj.reduced_dim(projection, p.shape, transposed)
             g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
             residual = g_free.t() if flip else g_free
             free_rule.init_state(state, p.t() if flip else p, dim)
-            d = free_rule.contextual(residual, state, FreeContext(g_full, d_full, dim, g))
+            d = free_rule.contextual(residual, state, FreeContext(g_full, d_full, dim, group))
             new -= lr_free * (d.t() if flip else d)
         elif free_rule.direction is not None:
             g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
             new -= lr_free * free_rule.direction(g_free)
-    if g["stochastic_rounding"] and p.dtype == torch.bfloat16:
+    if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
         # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike
-        seed = proj.mix_seed(g["seed"], step, ident, *sharding.mesh_coordinate(param))
+        seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))
         stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
     else:
         p.copy_(new)

@@ -135,10 +135,10 @@ def accepted_keys(name: str) -> tuple[str, ...]:
     return tuple(sorted(defaults(name)))
 
 
-def _validate(name: str, hp: dict) -> dict:
+def _validate(name: str, settings: dict) -> dict:
     if _ENTRIES[name].kind == "external":
-        hp = external.validate(name, hp)  # first: its choices differ from FRUGAL's
-    out = hparams.validate(hp)
+        settings = external.validate(name, settings)  # first: its choices differ from FRUGAL's
+    out = hparams.validate(settings)
     if "state_free_modules" in out:
         modules = out["state_free_modules"]
         modules = () if modules is None else (modules,) if isinstance(modules, str) else tuple(modules)
@@ -186,20 +186,20 @@ def _adamw_kernel(params: list[torch.Tensor]) -> dict:
     return {}
 
 
-def _build_adamw(model: nn.Module, hp: dict) -> torch.optim.Optimizer:
+def _build_adamw(model: nn.Module, settings: dict) -> torch.optim.Optimizer:
     params = _trainable(model)
-    kwargs = {k: hp.get(k, _ADAMW_DEFAULTS[k]) for k in ("lr", "betas", "eps", "weight_decay")}
+    kwargs = {k: settings.get(k, _ADAMW_DEFAULTS[k]) for k in ("lr", "betas", "eps", "weight_decay")}
     return torch.optim.AdamW(params, **kwargs, **_adamw_kernel(params))
 
 
-def optimizer_groups(model: nn.Module, name: str, hp: dict) -> tuple[list[dict], dict]:
+def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[dict], dict]:
     """(param groups, FRUGAL keyword arguments) for FRUGAL-based entry `name` with resolved `hp`."""
-    hp = dict(hp)
-    grouping = {k: hp.pop(k, v) for k, v in GROUPING_DEFAULTS.items()}
+    settings = dict(settings)
+    grouping = {k: settings.pop(k, v) for k, v in GROUPING_DEFAULTS.items()}
     entry = _ENTRIES[name]
     if entry.layout == "blocks":
         groups = param_groups(model, **grouping)
-        free = hp.get("state_free", hparams.defaults()["state_free"])
+        free = settings.get("state_free", hparams.defaults()["state_free"])
         for group in groups:
             if group.get("always_state_free"):
                 # A module moved to the state-free set (state_free_modules) has no split for Fira's or
@@ -208,18 +208,18 @@ def optimizer_groups(model: nn.Module, name: str, hp: dict) -> tuple[list[dict],
                     group["state_free"] = "signsgd"
             elif not group.get("projectable"):
                 group.update(entry.rest)
-        return groups, hp
+        return groups, settings
     layout = entry.layout
     params = _trainable(model)
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    return [{"params": params, "projectable": False, "always_state_free": layout == "all_state_free"}], hp
+    return [{"params": params, "projectable": False, "always_state_free": layout == "all_state_free"}], settings
 
 
-def _build_frugal(model: nn.Module, name: str, hp: dict) -> torch.optim.Optimizer:
+def _build_frugal(model: nn.Module, name: str, settings: dict) -> torch.optim.Optimizer:
     from .optimizer import FRUGAL  # imported here so grouping/registry load without the optimizer
 
-    groups, kwargs = optimizer_groups(model, name, hp)
+    groups, kwargs = optimizer_groups(model, name, settings)
     return FRUGAL(groups, **kwargs)
 
 
@@ -227,12 +227,12 @@ def _builder(name: str) -> Callable[..., torch.optim.Optimizer]:
     kind = _ENTRIES[name].kind
 
     def build(model: nn.Module, **values) -> torch.optim.Optimizer:
-        _, hp = resolve(name, values)
+        _, settings = resolve(name, values)
         if kind == "adamw":
-            return _build_adamw(model, hp)
+            return _build_adamw(model, settings)
         if kind == "external":
-            return external.build(model, name, hp)
-        return _build_frugal(model, name, hp)
+            return external.build(model, name, settings)
+        return _build_frugal(model, name, settings)
 
     build.__name__ = f"build_{name}"
     build.__doc__ = f"{_ENTRIES[name].doc}. Keys: {', '.join(accepted_keys(name))}."

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import torch
 
+from frugal.checks import check_integer
+
 __all__ = ["build_model", "count_parameters", "ModelConfigError", "FAMILIES", "CONFIG_KEYS"]
 
 FAMILIES = ("llama", "gpt2")
@@ -60,9 +62,7 @@ def _check(cfg: Mapping[str, Any], vocab_size: int | None) -> dict[str, Any]:
         value = _get(cfg, key) if value is None else value
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelConfigError(f"model.{key}={value!r} in model config {name!r} is invalid: expected an integer >= 1")
-        return value
+        return check_integer(f"model.{key}", value, 1, error=ModelConfigError, why=f" in model config {name!r}")
 
     def number(key: str, low: float, high: float | None = None) -> float:
         value = _get(cfg, key)

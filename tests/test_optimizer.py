@@ -525,19 +525,27 @@ def test_step_leaves_gradients_untouched(projection, state_full, state_free, for
             assert torch.equal(p.grad, g)
 
 
-def test_one_step_counter_round_trips():
+def test_step_counter_in_every_group_round_trips():
     params = make_params([(4, 4)] * 2 + [(3,)])
     opt = FRUGAL(layered_groups(params, [1, 1]), density=0.5, update_gap=2)
     run_steps(opt, params, 3)
-    assert opt.step_count == 3 == opt.param_groups[0]["step"]
-    assert all("step" not in g for g in opt.param_groups[1:])
+    assert opt.step_count == 3 and [g["step"] for g in opt.param_groups] == [3] * len(opt.param_groups)
     extra = torch.nn.Parameter(torch.zeros(2))
     opt.add_param_group({"params": [extra]})
-    assert "step" not in opt.param_groups[-1]
+    assert opt.param_groups[-1]["step"] == 3  # a group added later joins the current count
     fresh = FRUGAL(layered_groups(clone(params), [1, 1]), density=0.5, update_gap=2)
     fresh.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     fresh.load_state_dict(opt.state_dict())
     assert fresh.step_count == 3 and fresh.active_blocks() == opt.active_blocks()
+    assert all(g["step"] == 3 for g in fresh.param_groups)
+    # A state dict that kept the count in its first group only (checkpoints of earlier versions).
+    old = opt.state_dict()
+    for g in old["param_groups"][1:]:
+        del g["step"]
+    older = FRUGAL(layered_groups(clone(params), [1, 1]), density=0.5, update_gap=2)
+    older.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    older.load_state_dict(old)
+    assert [g["step"] for g in older.param_groups] == [3] * len(older.param_groups)
 
 
 def test_deepcopy_and_torch_scheduler():
