@@ -23,10 +23,32 @@ __all__ = ["build_data", "build_source", "DataModule", "DataConfigError", "DataF
 
 SOURCES = ("c4", "local", "synthetic", "tokens")
 
+# Each source's settings when a mapping leaves them out (library use: build_data({"name": ...})). The
+# configs/data/<source>.yaml files state every one of them, with the same values, so a run's config
+# shows its whole data setup; tests/test_data.py::test_yaml_files_state_the_code_defaults keeps the
+# two in agreement. One deliberate difference: num_workers, 0 here (batches built in the calling
+# process), the training runs' worker counts in the yaml files (docs/data_pipeline.md).
+_COMMON = {"seq_len": 256, "packing": False, "truncation": "reference", "readers": DEFAULT_READERS,
+           "num_workers": 0, "pin_memory": "auto", "shuffle": True}
+DEFAULTS = {
+    "c4": {**_COMMON, "vocab_from": "model", "shuffle_window": 1024},
+    "local": {**_COMMON, "packing": True, "vocab_from": "tokenizer", "text_field": "text", "val_stride": 100},
+    "synthetic": {**{k: v for k, v in _COMMON.items() if k != "shuffle"},  # a generated language: no order
+                  "vocab_size": 512, "successors": 8, "branching": 3, "alpha": 0.5, "language_seed": 0},
+    "tokens": dict(_COMMON),
+}
 
-def _get(cfg, key, default=None):
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None and default is not None else value
+
+def _get(cfg, key):
+    """``cfg[key]``, or the source's default when the mapping leaves it out (or sets null)."""
+    value = cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+    if value is None:
+        return DEFAULTS.get(_get_name(cfg), {}).get(key)
+    return value
+
+
+def _get_name(cfg):
+    return cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
 
 
 def _source_name(cfg) -> str:
@@ -39,17 +61,17 @@ def _source_name(cfg) -> str:
 def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None) -> Source:
     """The document source named by ``cfg.name`` (no batching, no rank logic)."""
     name = _source_name(cfg)
-    seq_len = int(_get(cfg, "seq_len", 256))
+    seq_len = int(_get(cfg, "seq_len"))
     if name == "synthetic":
         from .synthetic import SyntheticSource
 
         src = SyntheticSource(
             seq_len,
-            vocab_size=int(_get(cfg, "vocab_size", 512)),
-            successors=int(_get(cfg, "successors", 8)),
-            branching=int(_get(cfg, "branching", 3)),
-            alpha=float(_get(cfg, "alpha", 0.5)),
-            language_seed=int(_get(cfg, "language_seed", 0)),
+            vocab_size=int(_get(cfg, "vocab_size")),
+            successors=int(_get(cfg, "successors")),
+            branching=int(_get(cfg, "branching")),
+            alpha=float(_get(cfg, "alpha")),
+            language_seed=int(_get(cfg, "language_seed")),
         )
         if model_vocab_size is not None and src.vocab_size > model_vocab_size:
             raise DataConfigError(f"synthetic vocab_size {src.vocab_size} > model vocab {model_vocab_size}")
@@ -58,7 +80,7 @@ def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None)
         from .token_files import TokenSource
 
         return TokenSource(_get(cfg, "path"), model_vocab_size=model_vocab_size,
-                           shuffle=bool(_get(cfg, "shuffle", True)))
+                           shuffle=bool(_get(cfg, "shuffle")))
     # c4 and local: check the data path before loading a tokenizer, the likelier mistake.
     path = _get(cfg, "path")
     if name == "local":
@@ -70,18 +92,17 @@ def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None)
 
         c4_files(path, "train")
     tok = load_tokenizer(_get(cfg, "tokenizer"))
-    # Defaults as in configs/data/{local,c4}.yaml: your own text gets the tokenizer's vocabulary.
-    info = TokenizerInfo(tok, model_vocab_size,
-                         vocab_from=str(_get(cfg, "vocab_from", "tokenizer" if name == "local" else "model")))
+    # Your own text gets the tokenizer's vocabulary by default, C4 the model's (DEFAULTS).
+    info = TokenizerInfo(tok, model_vocab_size, vocab_from=str(_get(cfg, "vocab_from")))
     if name == "local":
         from .local import LocalSource
 
-        return LocalSource(path, tok, info, text_field=str(_get(cfg, "text_field", "text")),
-                           val_stride=_get(cfg, "val_stride", 100), shuffle=bool(_get(cfg, "shuffle", True)))
+        return LocalSource(path, tok, info, text_field=str(_get(cfg, "text_field")),
+                           val_stride=_get(cfg, "val_stride"), shuffle=bool(_get(cfg, "shuffle")))
     from .c4 import C4Source
 
-    return C4Source(path, tok, info, shuffle=bool(_get(cfg, "shuffle", True)),
-                    shuffle_window=_get(cfg, "shuffle_window", 1024))
+    return C4Source(path, tok, info, shuffle=bool(_get(cfg, "shuffle")),
+                    shuffle_window=_get(cfg, "shuffle_window"))
 
 
 def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, world_size: int = 1,
@@ -97,7 +118,7 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
     permutations); validation never depends on it.
     """
     _source_name(cfg)
-    seq_len = int(_get(cfg, "seq_len", 256))
+    seq_len = int(_get(cfg, "seq_len"))
     if max_positions is not None and seq_len > int(max_positions):
         raise DataConfigError(
             f"data.seq_len={seq_len} is longer than the model's max_position_embeddings={max_positions}; "
@@ -105,7 +126,7 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
         )
     source = build_source(cfg, model_vocab_size=model_vocab_size)
     return DataModule(source, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      packing=bool(_get(cfg, "packing", source.name == "local")),  # as in the yaml files
-                      truncation=str(_get(cfg, "truncation", "reference")),
-                      readers=_get(cfg, "readers", DEFAULT_READERS), num_workers=_get(cfg, "num_workers", 0),
-                      pin_memory=_get(cfg, "pin_memory", "auto"), rank=rank, world_size=world_size, seed=seed)
+                      packing=bool(_get(cfg, "packing")),
+                      truncation=str(_get(cfg, "truncation")),
+                      readers=_get(cfg, "readers"), num_workers=_get(cfg, "num_workers"),
+                      pin_memory=_get(cfg, "pin_memory"), rank=rank, world_size=world_size, seed=seed)

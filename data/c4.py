@@ -35,6 +35,8 @@ import os
 
 import numpy as np
 
+from frugal.checks import check_integer
+
 from .errors import DataConfigError, DataFileNotFoundError
 from .rows import Source
 from .tokenizer import encode_batch
@@ -83,8 +85,7 @@ class C4Source(Source):
         import datasets
         from datasets.exceptions import DatasetNotFoundError
 
-        if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1:
-            raise DataConfigError(f"data.shuffle_window={shuffle_window!r} is invalid: expected an integer >= 1")
+        check_integer("data.shuffle_window", shuffle_window, 1, error=DataConfigError)
         self.path = path
         self.tok, self.info = tokenizer, info
         self.shuffle = bool(shuffle)

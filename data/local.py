@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 
 
+from frugal.checks import check_integer
+
 from .errors import DataConfigError, DataFileNotFoundError
 from .indexed import IndexedSource
 from .tokenizer import encode_batch
@@ -112,9 +114,8 @@ class LocalSource(IndexedSource):
 
     def __init__(self, path, tokenizer, info, text_field: str = "text", val_stride: int = 100,
                  shuffle: bool = True):
-        if isinstance(val_stride, bool) or not isinstance(val_stride, int) or val_stride < 2:
-            raise DataConfigError(f"data.val_stride={val_stride!r} is invalid: expected an integer >= 2 (every "
-                                  "val_stride-th document is held out for validation)")
+        check_integer("data.val_stride", val_stride, 2, error=DataConfigError,
+                      why=" (every val_stride-th document is held out for validation)")
         self.path, self.files = path, find_files(path)
         docs = read_documents(self.files, text_field)
         self.n_docs, self.val_stride = len(docs), val_stride

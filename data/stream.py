@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from frugal.checks import check_integer
+
 from .errors import DataConfigError
 from .rows import RowFormat, Source, doc_rows, to_batch
 
@@ -144,9 +146,7 @@ def _resolve_pin_memory(value) -> bool:
 
 
 def _int_setting(key: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise DataConfigError(f"{key}={value!r} is invalid: expected an integer >= {minimum}")
-    return int(value)
+    return check_integer(key, value, minimum, error=DataConfigError)
 
 
 # Settings a checkpoint's data state must share with the run that continues it, with their config keys.

@@ -181,8 +181,8 @@ def pretokenize(data_cfg, out_dir: str, *, train_rows: int, val_tokens: int | No
         raise DataConfigError(f"train_rows={train_rows} is invalid: expected >= 1")
     source = build_source(cfg, model_vocab_size=model_vocab_size)
     source.shuffle = False
-    seq_len, packing = int(_get(cfg, "seq_len", 256)), bool(_get(cfg, "packing", source.name == "local"))
-    truncation = str(_get(cfg, "truncation", "reference"))
+    seq_len, packing = int(_get(cfg, "seq_len")), bool(_get(cfg, "packing"))
+    truncation = str(_get(cfg, "truncation"))
     fmt = RowFormat(source, seq_len, packing, truncation)
     if layout == "auto":
         layout = "rows" if source.rows is not None or not packing else "documents"
