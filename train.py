@@ -13,7 +13,8 @@ with their concern in train_utils/: loop.py (loss, forward/backward, evaluation,
 checkpoint.py (atomic, verified checkpoints), sharded_checkpoint.py (FSDP2's, through
 torch.distributed.checkpoint), resume.py (continuing a run, changed settings), memory_check.py
 (refusing a run that cannot fit, from memory_plan.py), measure.py (what a training row measures),
-metrics.py (metrics.jsonl, wandb, train.log), distributed.py (processes, DDP or FSDP2, timeouts),
+metrics.py (metrics.jsonl, wandb, train.log), report.py (what the start, a stop and the end
+of a run log and say), distributed.py (processes, DDP or FSDP2, timeouts),
 signals.py (stop signals), slurm.py (SLURM jobs), validation.py (start-up validation).
 
 A step: fetch the micro-batches (timed: data wait), forward/backward with gradient accumulation,
@@ -44,7 +45,6 @@ if __name__ == "__main__":  # a stop signal while the libraries below import: re
 
     STOP.install()
 
-import math
 import sys
 import time
 
@@ -59,16 +59,15 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, memory_check, resume
+from train_utils import distributed, memory_check, report, resume
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import ConfigError, stop_with_error, validate_config
-from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32, check_loop_settings,
-                              compile_model, compile_wanted, density_message, enable_activation_checkpointing,
-                              end_of_run_summary,
-                              evaluate, forward_backward, grad_norm_, ranks_in_sync, seed_dropout, seed_everything,
+from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
+from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
+                              compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
+                              forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, optimizer_state_bytes, peak_flops
-from train_utils.metrics import METRICS_FILE, Console, MetricsLog, plot_losses
+from train_utils.metrics import METRICS_FILE, Console, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
 
@@ -132,11 +131,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
-        try:
-            scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
-                                               **OmegaConf.to_container(cfg.schedule, resolve=True))
-        except ValueError as err:  # frugal.schedules checks its arguments and nothing else
-            raise ConfigError(f"schedule: {err}") from err
+        scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,  # bad values: HyperparameterError
+                                           **OmegaConf.to_container(cfg.schedule, resolve=True))
         dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
@@ -146,7 +142,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             scheduler, fresh_state = resume.restore(
                 plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer, scheduler=scheduler, dm=dm,
                 rank=rank, world=world, seed=tc.seed,
-                new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]))
+                new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]),
+                shapes_may_differ=any(k.startswith(("model.", "optimizer.")) for k in plan["changes"]))
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
             say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
@@ -161,42 +158,20 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, name=name, group=run_group(cfg),
                              run_config=OmegaConf.to_container(cfg, resolve=True))
         kept = metrics.truncate_after(step if plan["ckpt_dir"] else -1)  # rows past the checkpoint never happened
-        evals = [r for r in kept if "val_loss" in r and "event" not in r and r["step"] == step]
-        last_eval = evals[-1] if evals else None
-        adamw_bytes = frugal.estimate_state_bytes(raw_model, "adamw")
+        last_eval = report.last_eval_at(kept, step)
         flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
         peak = peak_flops(device, tc.peak_flops)
-        density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
-        metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in raw_model.parameters()),
-                     "state_full_fraction": state_full_fraction(optimizer),
-                     **({f"density_{k}": v for k, v in density.items()} if density else {}),
-                     # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows below is measured.
-                     "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(raw_model, **opt_cfg),
-                     "adamw_state_bytes": adamw_bytes, "optimizer": cfg.optimizer.name,
-                     "optimizer_option": optimizer_option(cfg), "model": cfg.model.name,
-                     "loss_floor": dm.loss_floor, "world_size": world, "accumulation": accum,
-                     "resumed_from": plan["ckpt_dir"], "flops_per_position": flops, "peak_flops": peak,
-                     "activation_checkpointing": activation_checkpointing_on(raw_model),
-                     "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
-                     "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism, "compiled": compiled,
-                     "tf32": tf32, **memory})
-        if density and density_message(density):
-            say(density_message(density))
-        if plan["changes"]:
-            metrics.log({"event": "resume_changes", "step": step,
-                         "changes": {k: [old, new] for k, (old, new) in plan["changes"].items()}})
-            say("applying the changed settings named in train.resume_changes: " +
-                "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan["changes"].items()))
-        if fresh_state:
-            metrics.log({"event": "optimizer_state_reset", "step": step, "tensors": fresh_state,
-                         "reason": "per-rank column/row/randk state of a sharded run on another process count"})
-            say(f"{fresh_state} tensors' column/row/randk optimizer state starts fresh: under FSDP2 it belongs to "
-                f"each rank's shard, and the shards changed with the process count (train_utils/sharded_checkpoint.py)")
-        if plan["ckpt_dir"] and trainer["world_size"] != world:
-            metrics.log({"event": "world_size_changed", "step": step, "from": trainer["world_size"], "to": world})
-            say(f"continuing on {world} processes (the checkpoint was written by {trainer['world_size']}): weights, "
-                f"optimizer state and schedule are exact, the data stream continues from its global position; "
-                f"per-rank dropout streams and float summation order differ (train_utils/resume.py)")
+        report.log_start(metrics, say, step=step, model=raw_model, optimizer=optimizer, opt_cfg=opt_cfg,
+                         changes=plan["changes"], fresh_state=fresh_state, world=world,
+                         saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
+                         settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
+                                   "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
+                                   "accumulation": accum, "resumed_from": plan["ckpt_dir"],
+                                   "flops_per_position": flops, "peak_flops": peak,
+                                   "activation_checkpointing": activation_checkpointing_on(raw_model),
+                                   "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
+                                   "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
+                                   "compiled": compiled, "tf32": tf32, **memory})
 
         # ---- the loop
         train_iter = training_batches(dm)
@@ -211,18 +186,12 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             data_wait = time.perf_counter() - t0
             loss_sum, n_global = forward_backward(model, batches, accelerator, precision, loss_fn)
             norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
-            # The step's one host sync: global loss, gradient norm, target count, the ranks' stop votes.
-            votes = torch.tensor(float(STOP.received is not None), dtype=torch.float64, device=device)
-            summed = accelerator.reduce(torch.stack([loss_sum, votes]), reduction="sum")
-            loss_total, stop_votes, grad_norm, targets = torch.cat(
-                [summed, norm.double().view(1), n_global.double().view(1)]).tolist()
-            loss = loss_total / targets
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise NonFiniteError(
-                    f"non-finite training loss or gradient norm (loss {loss}, gradient norm {grad_norm}) at step "
-                    f"{step + 1}; stopped before applying it. Last checkpoint (finite): "
-                    f"{ckpt.latest(ckpt_root) or 'none'}. Try a lower optimizer.lr, train.grad_clip=1.0 or "
-                    f"train.precision=fp32.")
+            data_events = dm.pop_events()  # e.g. one of this rank's readers wrapped around an epoch
+            # The step's one host sync: global loss, gradient norm, target count, stop votes, data events.
+            loss, grad_norm, targets, stop_votes, n_events = step_totals(accelerator, loss_sum, norm, n_global,
+                                                                         STOP.received, len(data_events))
+            if not report.finite(loss, grad_norm):
+                raise NonFiniteError(report.nonfinite_message(loss, grad_norm, step + 1, ckpt.latest(ckpt_root)))
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
             if blocks is not None and blocks != active:  # this step starts a new state-full window
@@ -233,27 +202,23 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
-            step += 1
-            tokens += int(targets)
-            events = list(dm.pop_events())  # e.g. a source that wrapped around an epoch
-            events += list(optimizer.pop_events()) if hasattr(optimizer, "pop_events") else []
-            for event in events:
+            step, tokens = step + 1, tokens + targets
+            events = gather_events(data_events, n_events)  # every rank's (optimizer events are the same on all)
+            for event in [*events, *(optimizer.pop_events() if hasattr(optimizer, "pop_events") else [])]:
                 metrics.log({**event, "step": step})
-            interval.add(int(targets), sum(b["input_ids"].numel() for b in batches) * world,
+            interval.add(targets, sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
-
             if step % tc.log_every == 0 or step == tc.steps:
                 row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                        **interval.row(), "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
-                       "state_full_fraction": state_full_fraction(optimizer)}
+                       "state_full_fraction": report.state_full_fraction(optimizer)}
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
                 metrics.log(last_eval)
-            # A signal during the last step lets the run finish instead (only the summary is left).
-            stopping = stop_votes > 0 and step < tc.steps
+            stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
                                      data_state=dm.state_dict(), merge_data_states=data.merge_states,
@@ -263,29 +228,17 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 signame = STOP.received or "a signal on another rank"
                 metrics.log({"event": "preempted", "step": step, "signal": signame})
                 bar.close()
-                say(f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. "
-                    f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto).")
+                say(report.stopped_message(signame, step, ckpt_root, run_dir))
                 accelerator.wait_for_everyone()  # see the end of the loop: no rank tears down early
                 requeue(STOP.previous or {}, STOP.received)  # submitit jobs: submitit requeues (rank 0 exits)
                 return EXIT_PREEMPTED
 
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
-        if last_eval is None or last_eval["step"] != step:
-            last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
-            metrics.log(last_eval)
-        in_sync, checksum = ranks_in_sync(raw_model)
-        end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-               "tokens": tokens, "loss_floor": dm.loss_floor,
-               "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
-               **({"optimizer_state_bytes_rank0": frugal.state_bytes(optimizer)} if sharded else {}),
-               "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
-               "ranks_in_sync": in_sync, "weights_checksum": checksum}
-        metrics.log(end)
-        metrics.close()  # wandb prints its own lines at finish; the summary below comes last
-        if is_main and tc.plot:
-            plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
-        say(end_of_run_summary(end, cfg.model.name, optimizer_option(cfg), run_dir, tc.plot))
+        report.finish(metrics, say, step=step, tokens=tokens, last_eval=last_eval, raw_model=raw_model,
+                      optimizer=optimizer, dm=dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
+                      started=started, model_name=cfg.model.name, option=optimizer_option(cfg), run_dir=run_dir,
+                      name=name)
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()
@@ -303,10 +256,6 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         if installed:
             STOP.restore()
         accelerator.end_training()  # destroy the process group before the interpreter exits
-
-
-def state_full_fraction(optimizer) -> float | None:
-    return optimizer.state_full_fraction() if hasattr(optimizer, "state_full_fraction") else None
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

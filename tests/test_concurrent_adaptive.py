@@ -25,7 +25,7 @@ def test_density_schedule_rejects_bad_values_by_name():
         scheduled_density(0, start=0.5, end=0.1, steps=10, kind="exp")
     with pytest.raises(ValueError, match="end: 1.5"):
         scheduled_density(0, start=0.5, end=1.5, steps=10)
-    with pytest.raises(ValueError, match="steps: 0"):
+    with pytest.raises(ValueError, match="steps=0 is invalid"):
         scheduled_density(0, start=0.5, end=0.1, steps=0)
 
 
@@ -105,7 +105,7 @@ def test_steady_progress_never_grows_the_gap():
 def test_plateau_gap_rejects_bad_settings_by_name():
     with pytest.raises(ValueError, match="factor: 1.0"):
         PlateauGap(factor=1.0)
-    with pytest.raises(ValueError, match="patience: 0"):
+    with pytest.raises(ValueError, match="patience=0 is invalid"):
         PlateauGap(patience=0)
-    with pytest.raises(ValueError, match="update_gap: 0"):
+    with pytest.raises(ValueError, match="update_gap=0 is invalid"):
         WindowClock(0)

@@ -161,3 +161,22 @@ def test_continue_on_another_number_of_processes(ddp_run, tmp_path):
     assert losses(tmp_path) == pytest.approx(losses(ddp_run), abs=2e-3)
     assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
                         weights(ckpt.latest(str(ddp_run / "checkpoints"))), exact=False, atol=2e-3)
+
+
+def test_every_ranks_epoch_events_reach_the_log(tmp_path, t5_tokenizer_dir):
+    """Each rank reads its own logical reader; when both wrap around in the same step, rank 0's
+    metrics.jsonl records both epochs (it used to record only the readers of rank 0)."""
+    import json
+
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document number {i} says hello"}) + "\n" for i in range(44)))
+    # 40 training documents, 20 per reader; 2 readers on 2 ranks (reader r on rank r); each rank
+    # takes 2 micro-batches of 2 documents per step, so both readers wrap in step 6.
+    local = ["data=local", f"data.path={corpus}", f"data.tokenizer={t5_tokenizer_dir}", "data.seq_len=32",
+             "data.packing=false", "data.val_stride=11", "data.readers=2", "train.eval_tokens=8",
+             "train.micro_batch_size=2", "train.steps=6"]
+    run_dir = tmp_path / "run"
+    done = run_cli(torchrun_cmd(run_dir, *local))
+    assert done.returncode == 0, done.stderr[-4000:]
+    epochs = [(r["step"], r["reader"], r["epoch"]) for r in rows(run_dir) if r.get("event") == "epoch"]
+    assert sorted(epochs) == [(6, 0, 1), (6, 1, 1)]

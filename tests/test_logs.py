@@ -59,6 +59,47 @@ def test_peak_flops_table_and_override():
     assert peak_flops(torch.device("cpu"), 2e12) == 2e12
 
 
+def test_gpu_peak_flops_and_tf32_follow_the_device(monkeypatch):
+    """The GPU branches, with torch.cuda's queries stubbed (no GPU here): the peak comes from the
+    device name's table entry, TF32 is switched on only from compute capability 8 (Ampere) on."""
+    from train_utils.loop import allow_tf32
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert peak_flops(cuda, None) == 312e12 and peak_flops(cuda, 1e15) == 1e15
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(cuda, None) == 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    assert peak_flops(cuda, None) is None  # not in the table: no MFU unless train.peak_flops is given
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert allow_tf32(True, cuda) is True and torch.backends.cuda.matmul.allow_tf32
+        assert allow_tf32(False, cuda) is False and not torch.backends.cuda.matmul.allow_tf32
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+        assert allow_tf32(True, cuda) is False and not torch.backends.cudnn.allow_tf32
+        assert allow_tf32(True, torch.device("cpu")) is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_batches_are_copied_without_blocking(monkeypatch):
+    """to_device asks for asynchronous copies (they overlap with the GPU's work from pinned memory)."""
+    from train_utils.loop import to_device
+
+    calls = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("non_blocking"))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    to_device({"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)},
+              torch.device("cpu"))
+    assert calls == [True, True]
+
+
 def test_mfu_is_logged_with_a_peak(tmp_path):
     assert run_inprocess(tmp_path, "train.steps=3", "train.peak_flops=1e12") == 0
     start = rows(tmp_path)[0]

@@ -247,6 +247,24 @@ def test_named_changes_are_applied_for_real(tmp_path):
     assert "density: 0.5" in config and "lr: 0.003" in config
 
 
+def test_a_bug_while_loading_a_checkpoint_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only a load that fails because of a model/optimizer change the user named gets the one-line
+    ConfigError; the same failure on a plain resume is a bug and surfaces as itself."""
+    import frugal
+
+    assert run_inprocess(tmp_path, "train.steps=2", *EVERY) == 0
+
+    def broken(self, state_dict):
+        raise KeyError("a bug in load_state_dict")
+
+    monkeypatch.setattr(frugal.FRUGAL, "load_state_dict", broken)
+    with pytest.raises(KeyError, match="a bug in load_state_dict"):
+        run_inprocess(tmp_path, "train.steps=4", *EVERY, "train.resume_changes=[train.steps]")
+    with pytest.raises(ConfigError, match="cannot apply train.resume_changes"):
+        run_inprocess(tmp_path, "train.steps=4", *EVERY, "optimizer.lr=0.002",
+                      "train.resume_changes=[train.steps,optimizer.lr]")
+
+
 # ------------------------------------------------------------------------------ disk full
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     """Writes into the second checkpoint fail with ENOSPC part-way through a file."""
@@ -337,3 +355,18 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     assert ckpt.verify(final) is None
     shutil.copy(os.path.join(final, "config.yaml"), os.path.join(final, "model.pt"))
     assert "model.pt has" in ckpt.verify(final)
+
+
+def test_a_resume_loads_its_checkpoint_memory_mapped(tmp_path, monkeypatch):
+    """Every checkpoint file a resume reads is memory-mapped (torch.load(mmap=True)): pages are read
+    as they are copied into the model and optimizer, not as a second full copy per rank."""
+    assert run_inprocess(tmp_path, "train.steps=2", *EVERY) == 0
+    seen, real = [], torch.load
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("mmap"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY, "train.resume_changes=[train.steps]") == 0
+    assert len(seen) >= 3 and all(seen)  # trainer, model, optimizer

@@ -310,3 +310,30 @@ def test_memory_check_on_a_gpu_also_counts_the_host_ram_of_building_the_model(mo
     free["cpu"] = 512 * GIB  # a host with room: the GPU's own check passes (FSDP2, micro-batch 32)
     result = memory_check.check(cfg, opt, 32000, 8, torch.device("cuda"))
     assert result["memory_planned_bytes"] < result["memory_available_bytes"] == DEVICES["a100-80gb"]
+
+
+def test_a_short_validation_set_stops_a_strict_run_before_training(tmp_path, t5_tokenizer_dir):
+    """train.require_eval_tokens=true (the paper presets) refuses a validation set that scores fewer
+    than train.eval_tokens, before the first step: nothing is logged or checkpointed."""
+    import json
+
+    from data import DataConfigError
+
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document number {i} says hello"}) + "\n" for i in range(44)))
+    run_dir = tmp_path / "run"
+    local = ["data=local", f"data.path={corpus}", f"data.tokenizer={t5_tokenizer_dir}", "data.seq_len=32",
+             "data.val_stride=11", "train.steps=2", "train.eval_tokens=1000"]
+    with pytest.raises(DataConfigError, match=r"fewer than train.eval_tokens=1,000.*require_eval_tokens=false"):
+        run_inprocess(run_dir, *local, "train.require_eval_tokens=true")
+    assert not os.path.exists(run_dir / "metrics.jsonl") and not os.path.exists(run_dir / "checkpoints")
+    assert run_inprocess(run_dir, *local) == 0  # not strict (the default): a warning, and the run goes on
+
+
+def test_density_schedule_and_growing_gap_events_reach_the_log(tmp_path):
+    """The opt-in schedules of frugal.adaptive report through pop_events(); the loop logs them."""
+    assert run_inprocess(tmp_path, "train.steps=9", "optimizer.update_gap=3", "optimizer.density=0.5",
+                         "optimizer.density_schedule=step", "optimizer.density_end=0.0",
+                         "optimizer.density_steps=3") == 0
+    events = [(r["step"], r["window"], r["density"]) for r in rows(tmp_path) if r.get("event") == "density"]
+    assert events and events[0][2] == 0.0  # from the second window on, the schedule's end value

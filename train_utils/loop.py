@@ -186,25 +186,35 @@ def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tens
     return norm
 
 
+def step_totals(accelerator, loss_sum: torch.Tensor, norm: torch.Tensor, n_global: torch.Tensor,
+                stop_received, events: int = 0) -> tuple[float, float, int, int, int]:
+    """The step's one host sync: (global mean loss, gradient norm, global target count, the number of
+    ranks that received a stop signal, the number of data events on all ranks). One all-reduce of
+    [this rank's loss sum, its stop vote, its count of data events]."""
+    device = accelerator.device
+    mine = torch.tensor([float(stop_received is not None), float(events)], dtype=torch.float64, device=device)
+    summed = accelerator.reduce(torch.cat([loss_sum.view(1), mine]), reduction="sum")
+    loss_total, votes, all_events, grad_norm, targets = torch.cat(
+        [summed, norm.double().view(1), n_global.double().view(1)]).tolist()
+    return loss_total / targets, grad_norm, int(targets), int(votes), int(all_events)
+
+
+def gather_events(events: list[dict], total: int) -> list[dict]:
+    """Every rank's data events (e.g. a reader of another rank that wrapped around an epoch) for rank
+    0's log; `total`, the all-ranks count from `step_totals`, is 0 on almost every step, and then no
+    collective runs."""
+    if not total or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return events
+    from accelerate.utils import gather_object
+
+    return list(gather_object(events))
+
+
 def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
     """Give this rank its own random stream (dropout masks), once the weights were initialised from
     the shared seed: identical initial weights, different masks on every rank. The stream is part of
     the checkpoint's per-rank RNG state, so a resume on the same process count continues it exactly."""
     torch.manual_seed(int(np.random.SeedSequence([seed, rank, offset]).generate_state(1, np.uint64)[0]))
-
-
-def density_message(report: dict) -> str | None:
-    """What the console says about `optimizer.density_report()`: whole blocks (columns, ...) are
-    state-full or not, so the realised share is rounded; a note when it differs from the request, a
-    warning beyond half a selection unit (issue 8). None when they agree."""
-    gap = abs(report["realised"] - report["requested"])
-    if gap <= 1e-3:
-        return None
-    far = gap > report["unit"] / 2
-    return (f"{'warning: ' if far else ''}optimizer.density={report['requested']:g} is realised as a state-full "
-            f"share of {report['realised']:.4g} of the projectable parameters (one selection unit is "
-            f"{report['unit']:.4g})" + ("; more than half a unit off: check the projection's granularity" if far
-                                        else ""))
 
 
 def compile_model(model):
@@ -248,34 +258,6 @@ def enable_activation_checkpointing(model) -> None:
 def activation_checkpointing_on(model) -> bool:
     flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, flag))
-
-
-def check_loop_settings(tc) -> None:
-    """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
-    activation_checkpointing, parallelism, compile, tf32, memory_check); the other train keys are
-    checked by train_utils.validation."""
-    from train_utils.validation import ConfigError
-
-    timeout = tc.collective_timeout_s
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ConfigError(f"train.collective_timeout_s={timeout!r} is invalid: expected a number of seconds > 0")
-    peak = tc.peak_flops
-    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
-        raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
-                          f"the device's peak FLOP/s, e.g. 312e12")
-    for key in ("require_eval_tokens", "activation_checkpointing", "tf32", "memory_check"):
-        if not isinstance(tc[key], bool):
-            raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
-    if tc.compile not in (True, False, "auto"):
-        raise ConfigError(f"train.compile={tc.compile!r} is invalid; choose true, false or auto (compile on GPUs only)")
-    from train_utils.distributed import PARALLELISMS
-
-    if tc.parallelism not in PARALLELISMS:
-        raise ConfigError(f"train.parallelism={tc.parallelism!r} is invalid; choose one of {', '.join(PARALLELISMS)}")
-    changes = tc.resume_changes
-    if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
-        raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "
-                          f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
 
 
 def training_batches(dm):

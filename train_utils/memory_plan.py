@@ -45,6 +45,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from frugal.checks import check_integer
+
 __all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "DEVICES", "PARALLELISMS",
            "PRECISIONS", "GIB"]
 
@@ -391,8 +393,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: expected an integer >= {minimum}")
+    check_integer(name, value, minimum, error=ValueError)
 
 
 def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size: int, seq_len: int,

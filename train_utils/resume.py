@@ -39,11 +39,14 @@ from train_utils.validation import ConfigError
 from train_utils.loop import seed_dropout
 from train_utils.metrics import read_metrics
 
-# Settings that only change what is logged, evaluated or checkpointed, or how fast the run goes.
+# Settings that only change what is logged, evaluated or checkpointed, or how fast the run goes
+# without changing its numbers: activation checkpointing recomputes the same activations, the worker
+# count and pinning leave the batches as they are (data/stream.py). train.compile and train.tf32 are
+# not here: they change the floating-point results, so a resume must name them.
 FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
-    "train.peak_flops", "train.activation_checkpointing", "train.compile", "train.tf32", "train.memory_check",
+    "train.peak_flops", "train.activation_checkpointing", "train.memory_check",
     "data.num_workers", "data.pin_memory", "wandb",
     "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
 )
@@ -185,13 +188,16 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
 
 
 def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,
-            new_hyperparameters: bool):
+            new_hyperparameters: bool, shapes_may_differ: bool):
     """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step, and
     how many tensors' per-rank optimizer state had to start fresh (sharded_checkpoint: column/row/
     randk state of a sharded run continued on another process count; 0 otherwise).
 
     `new_hyperparameters`: the current config's optimizer hyperparameters replace the checkpoint's
     (train.resume_changes named optimizer keys); the state (moments, step counters) is the checkpoint's.
+    `shapes_may_differ`: train.resume_changes named model or optimizer keys, so a checkpoint that does
+    not load is the user's change (one clear line); otherwise a failure to load is a bug and keeps its
+    traceback.
     """
     step, reset = trainer["step"], 0
     current = [dict(g) for g in optimizer.param_groups] if new_hyperparameters else None
@@ -207,7 +213,9 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
             optimizer.load_state_dict(saved)
     except HyperparameterError:  # the optimizer's own message (a ValueError) says what is wrong
         raise
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:  # only named model/optimizer changes
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
+        if not shapes_may_differ:
+            raise
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err
     # The schedule from the current config, at the checkpoint's step: identical to the stored one

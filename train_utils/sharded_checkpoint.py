@@ -175,7 +175,7 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     if fresh:
         path = os.path.join(ckpt_dir, rank_file(rank))
         if same_world_size and os.path.exists(path):
-            optim_sd["state"].update(torch.load(path, map_location="cpu", weights_only=True))
+            optim_sd["state"].update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         else:  # no state for them: their next step starts it afresh (frugal.state_management)
             reset = len(fresh)
     # strict=False: FRUGAL's state-free tensors own no state (torch's check expects every tensor to).

@@ -18,6 +18,8 @@ import sys
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
+from frugal.checks import check_integer
+
 from .naming import is_multirun
 from .schema import unknown_keys
 
@@ -34,10 +36,7 @@ class JobError(CompactHydraException):
 
 
 def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
-    value = OmegaConf.select(cfg, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{key}={value!r} is invalid: expected an integer >= {minimum}")
-    return value
+    return check_integer(key, OmegaConf.select(cfg, key), minimum, error=ConfigError)
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -51,6 +50,32 @@ def check_known_keys(cfg: DictConfig) -> None:
         lines.append(f"{key} is not a config key; valid keys of {section}: {', '.join(valid)}")
     raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section, or, for "
                       "the optimizer, taken by its frugal registry entry.)")
+
+
+def check_loop_settings(tc) -> None:
+    """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
+    activation_checkpointing, parallelism, compile, tf32, memory_check), checked before the process
+    group exists (its timeout is one of them); `validate_config` checks the rest once it does."""
+    timeout = tc.collective_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"train.collective_timeout_s={timeout!r} is invalid: expected a number of seconds > 0")
+    peak = tc.peak_flops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
+        raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
+                          f"the device's peak FLOP/s, e.g. 312e12")
+    for key in ("require_eval_tokens", "activation_checkpointing", "tf32", "memory_check"):
+        if not isinstance(tc[key], bool):
+            raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
+    if tc.compile not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={tc.compile!r} is invalid; choose true, false or auto (compile on GPUs only)")
+    from .distributed import PARALLELISMS
+
+    if tc.parallelism not in PARALLELISMS:
+        raise ConfigError(f"train.parallelism={tc.parallelism!r} is invalid; choose one of {', '.join(PARALLELISMS)}")
+    changes = tc.resume_changes
+    if changes is not None and (isinstance(changes, str) or not all(isinstance(k, str) for k in changes)):
+        raise ConfigError(f"train.resume_changes={changes!r} is invalid: expected a list of dotted config keys, "
+                          f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> int:
