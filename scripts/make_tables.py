@@ -125,10 +125,17 @@ def _k(step: int) -> str:
 
 
 def cells_of(run: dict, spec: dict) -> dict[str, tuple[float, int]]:
-    """{column label: (perplexity, step)} contributed by one run."""
+    """{column label: (perplexity, step)} contributed by one run; a run with no evaluation yet (still
+    at its start, or stopped before its first) holds its final cell with (None, None), so it is
+    listed as such instead of vanishing from the table."""
     cfg, kind = run["cfg"], spec["columns"][0]
-    out: dict[str, tuple[float, int]] = {}
+    out: dict[str, tuple[float | None, int | None]] = {}
     if run["final_ppl"] is None:
+        if kind == "model":
+            out[size_label(cfg)] = (None, None)
+        else:
+            prefix = f"{cfg['schedule']['name']} " if kind == "schedule_steps" else ""
+            out[spec["columns"][1] if kind == "final" else prefix + "final"] = (None, None)
         return out
     if kind == "model":
         out[size_label(cfg)] = (run["final_ppl"], run["final_step"])
@@ -191,7 +198,7 @@ def build(runs: list[dict]) -> list[dict]:
                 filled.add((base[r["dir"]], col))
                 records.append(dict(
                     table=table, row=label[r["dir"]], method=base[r["dir"]], option=r["option"], column=col,
-                    ours=ppl, paper=p, diff=None if p is None or differs else ppl - p, step=step,
+                    ours=ppl, paper=p, diff=None if p is None or differs or ppl is None else ppl - p, step=step,
                     finished=r["finished"], state_gib=_gib(r["state_bytes"]),
                     paper_state_gib=memory.get(base[r["dir"]], {}).get(col),
                     estimate_state_gib=_gib(_run_estimate(r)) if spec.get("estimate") else None,
@@ -298,7 +305,7 @@ def markdown(records: list[dict]) -> str:
                 if r is None:
                     line += ["", "", ""] + (["", ""] if has_mem else []) + (["", ""] if has_est else [])
                     continue
-                ours = _f(r["ours"])
+                ours = _f(r["ours"]) if r["ours"] is not None or not r.get("run") else "no eval yet"
                 if r["ours"] is not None:
                     want = _paper_step(c)
                     if want is not None and r["step"] is not None and r["step"] != want:

@@ -116,6 +116,7 @@ def main(out, ckpt):
         result["block"] = compare(mesh, density=0.25)
         result["column"] = compare(mesh, density=0.25, projection="column", reset_state="reproject")
         result["row"] = compare(mesh, density=0.25, projection="row")
+        result["randk"] = compare(mesh, density=0.25, projection="randk")
         result["dcp"] = checkpoint_round_trip(mesh, ckpt)
         try:
             build(True, mesh, projection="svd")

@@ -3,7 +3,8 @@
 Block projection on DTensor shards trains exactly as the unsharded model (the subspace is the same
 pure function on every rank), holds half the state per rank as DTensors, and round-trips through
 torch.distributed.checkpoint. Column selection on row-sharded weights picks the unsharded columns,
-so it matches too; row selection draws within each shard. svd is refused with a clear message."""
+so it matches too; row and randk selection draw within each shard (half the state per rank, indices
+included). svd is refused with a clear message."""
 import json
 import os
 import subprocess
@@ -34,7 +35,7 @@ def test_sharded_matches_unsharded(ranks, projection):
         assert r[projection]["diff"] < 1e-5, r[projection]
 
 
-@pytest.mark.parametrize("projection", ["block", "column", "row"])
+@pytest.mark.parametrize("projection", ["block", "column", "row", "randk"])
 def test_state_per_rank_is_about_half(ranks, projection):
     total = sum(r[projection]["bytes"] for r in ranks)
     unsharded = ranks[0][projection]["bytes_unsharded"]

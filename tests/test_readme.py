@@ -209,3 +209,67 @@ def test_block_parser():
     assert toy_command("python train.py experiment=table2", paths)[-1] == "data=synthetic"
     with pytest.raises(AssertionError, match="not in EXAMPLE_PATHS"):
         toy_command("python train.py data.path=/somewhere/else", paths)
+
+
+# ------------------------------------------------------------------ the commands as written, composed
+def _world_size(program: str, launcher_args: list[str], launcher) -> int:
+    """The number of processes a README command starts: torchrun's --nproc_per_node x --nnodes,
+    accelerate's --num_processes, or the Hydra launcher's nodes x tasks_per_node."""
+    def option(name: str, default: int) -> int:
+        for i, a in enumerate(launcher_args):
+            if a == name and i + 1 < len(launcher_args):
+                return int(launcher_args[i + 1])
+            if a.startswith(name + "="):
+                return int(a.split("=", 1)[1])
+        return default
+
+    if program == "torchrun":
+        return option("--nproc_per_node", 1) * option("--nnodes", 1)
+    if program == "accelerate":
+        return option("--num_processes", 1)
+    if launcher is not None and "tasks_per_node" in launcher:
+        return int(launcher.nodes) * int(launcher.tasks_per_node)
+    return 1
+
+
+def _sweep_values(text: str) -> list[str]:
+    return [v.strip() for v in str(text).split(",")]
+
+
+TRAIN_COMMANDS = [(b["line"], c) for b in COMMAND_BLOCKS for c in commands(b["lines"])
+                  if " train.py" in f" {c}" and not _never_run(c)]
+
+
+@pytest.mark.parametrize("line, command", TRAIN_COMMANDS, ids=[f"line{ln}" for ln, _ in TRAIN_COMMANDS])
+def test_readme_train_command_is_valid_as_written(line, command):
+    """Every train.py command of the README, skipped blocks included (GPU, SLURM), composes as written
+    and passes the start-up checks for the number of processes it starts, for every job of its sweep
+    (the command's comma lists and the preset's own sweep): the toy-scale run above replaces the batch
+    settings, so a batch that does not divide over 8 GPUs would pass there and fail here."""
+    import itertools
+
+    from hydra import compose, initialize_config_dir
+
+    from train_utils.validation import check_loop_settings, validate_config
+
+    tokens = shlex.split(command)
+    at = tokens.index("train.py")
+    program, launcher_args = tokens[0], tokens[1:at]
+    overrides = [t for t in tokens[at + 1:] if t != "-m" and not t.startswith("hydra.run.dir=")]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        plain = [o for o in overrides if "," not in o.split("=", 1)[-1]]
+        first = [o.split(",")[0] for o in overrides]
+        hydra_cfg = compose(config_name="config", overrides=first, return_hydra_config=True).hydra
+        world = _world_size(program, launcher_args, hydra_cfg.launcher)
+        swept = {o.split("=", 1)[0]: _sweep_values(o.split("=", 1)[1])
+                 for o in overrides if "," in o.split("=", 1)[-1]}
+        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+        for key, values in (hydra_cfg.sweeper.params or {}).items():
+            if key not in given:  # the command line wins over the preset's sweep, as in Hydra
+                swept[key] = _sweep_values(values)
+        jobs = [dict(zip(swept, combo)) for combo in itertools.product(*swept.values())] or [{}]
+        for job in jobs:
+            job_overrides = [o for o in plain if not o.startswith("hydra")] + [f"{k}={v}" for k, v in job.items()]
+            cfg = compose(config_name="config", overrides=job_overrides)
+            check_loop_settings(cfg.train)
+            validate_config(cfg, world)

@@ -186,6 +186,18 @@ def test_a_run_of_another_model_is_flagged(tmp_path, capsys):
     assert "[model]: trained llama_tiny, not the table's llama_130m" in out
 
 
+def test_a_run_without_an_evaluation_yet_is_listed(tmp_path, capsys):
+    """A run that has not evaluated yet (just started, or stopped before its first evaluation) is a
+    row saying so, not a silent gap."""
+    fake_run(tmp_path, "done", "table2", "llama_60m", {"name": "adamw"}, {200000: 23.00})
+    fake_run(tmp_path, "new", "table2", "llama_60m", {"name": "frugal", "density": 0.25}, {}, finished=False)
+    assert make_tables.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| FRUGAL, rho=0.25 | no eval yet | 23.59 |  |" in out
+    rows = [r for r in _csv(capsys, tmp_path) if r["run"].endswith("new")]
+    assert len(rows) == 1 and rows[0]["ours"] == "" and rows[0]["column"] == "60M"
+
+
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory):
     """The README's rho x T example as a real multirun at toy scale: 4 jobs of train.py."""
