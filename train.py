@@ -131,8 +131,11 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
-        scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,  # bad values: HyperparameterError
-                                           **OmegaConf.to_container(cfg.schedule, resolve=True))
+        try:
+            scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
+                                               **OmegaConf.to_container(cfg.schedule, resolve=True))
+        except frugal.HyperparameterError as err:  # say which config group the bad value is in
+            raise ConfigError(f"schedule: {err}") from err
         dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
@@ -143,7 +146,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer, scheduler=scheduler, dm=dm,
                 rank=rank, world=world, seed=tc.seed,
                 new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]),
-                shapes_may_differ=any(k.startswith(("model.", "optimizer.")) for k in plan["changes"]))
+                shapes_may_differ=any(not k.startswith("train.") for k in plan["changes"]))  # model, optimizer, data
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
             say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.

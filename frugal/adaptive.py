@@ -149,7 +149,7 @@ def _check_gap(gap) -> None:
 
 # ---- the optimizer's clock: plain numbers in its first param group --------------------------------
 def density_at(settings: Mapping, start: int) -> float:
-    """The density of the window starting at step ``start`` under ``hp``'s density keys."""
+    """The density of the window starting at step ``start`` under ``settings``' density keys."""
     if settings["density_schedule"] == "constant":
         return settings["density"]
     return scheduled_density(start, start=settings["density"], end=settings["density_end"],
@@ -176,7 +176,7 @@ def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callabl
                   commit: bool) -> tuple[WindowClock, list[dict]]:
     """The clock kept in ``holder`` moved to ``step``, and the events of the move.
 
-    ``hp`` holds the clock's settings (``update_gap``, ``update_gap_growth``, ``plateau_*``,
+    ``settings`` holds the clock's settings (``update_gap``, ``update_gap_growth``, ``plateau_*``,
     ``max_update_gap``, the density keys); ``blocks(start)`` counts a window's state-full blocks.
     ``commit``: store the clock, let the plateau controller choose each new window's gap, report
     ``update_gap`` and ``density`` events. Without it nothing is decided or stored (the window and its

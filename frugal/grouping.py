@@ -263,7 +263,7 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     and a model in which no projectable weight is found.
     """
     groups = _groups(module_roles(model, target_modules), state_free_modules)
-    if not any(g["projectable"] for g in groups):
+    if not any(group["projectable"] for group in groups):
         raise ValueError(f"No projectable weights found in {type(model).__name__}. {_REMEDY}")
     return groups
 
@@ -342,7 +342,7 @@ def _params_list(params) -> list:
 def _split_groups(groups: list[dict], what: str) -> list[dict]:
     """Split groups without FRUGAL keys (plain or named tensors) into projectable blocks and the
     rest, keeping each group's own settings (e.g. HF Trainer's weight_decay) on its parts."""
-    items = [(gi, item) for gi, g in enumerate(groups) for item in _params_list(g["params"])]
+    items = [(gi, item) for gi, group in enumerate(groups) for item in _params_list(group["params"])]
     named = bool(items) and all(isinstance(item, tuple) for _, item in items)
     tensors = [item[1] if named else item for _, item in items]
     if named:
@@ -355,7 +355,7 @@ def _split_groups(groups: list[dict], what: str) -> list[dict]:
     out: list[dict] = []
     for gi, group in enumerate(groups):
         settings = {k: v for k, v in group.items() if k != "params"}
-        own = [(item, t) for (g, item), t in zip(items, tensors) if g == gi]
+        own = [(item, t) for (owner, item), t in zip(items, tensors) if owner == gi]
         rest = [item for item, t in own if id(t) not in picked]
         by_block: dict[tuple[int, bool], list] = {}
         for item, t in own:
@@ -400,7 +400,7 @@ def resolve_params(params) -> list[dict] | object:
     """
     if isinstance(params, nn.Module):
         groups = _groups(module_roles(params))
-        if not any(g["projectable"] for g in groups):
+        if not any(group["projectable"] for group in groups):
             _no_projectable_warning(type(params).__name__)
         return groups
     if isinstance(params, (torch.Tensor, set)):
@@ -408,10 +408,10 @@ def resolve_params(params) -> list[dict] | object:
     items = list(params)
     if not items:
         return items
-    if all(isinstance(g, dict) for g in items):
-        if any(key in g for g in items for key in FRUGAL_GROUP_KEYS):
-            deliberate = all("projectable" in g or g.get("always_state_free") for g in items)
-            if not deliberate and not any(g.get("projectable") for g in items):
+    if all(isinstance(item, dict) for item in items):
+        if any(key in group for group in items for key in FRUGAL_GROUP_KEYS):
+            deliberate = all("projectable" in group or group.get("always_state_free") for group in items)
+            if not deliberate and not any(group.get("projectable") for group in items):
                 _no_projectable_warning("the given param groups")
             return items
         groups, what = items, "param groups"
@@ -419,6 +419,6 @@ def resolve_params(params) -> list[dict] | object:
         named = all(isinstance(x, tuple) for x in items)
         groups, what = [{"params": items}], "named parameters" if named else "plain tensors"
     groups = _split_groups(groups, what)
-    if not any(g.get("projectable") for g in groups):
+    if not any(group.get("projectable") for group in groups):
         _no_projectable_warning(what)
     return groups

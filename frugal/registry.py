@@ -193,7 +193,7 @@ def _build_adamw(model: nn.Module, settings: dict) -> torch.optim.Optimizer:
 
 
 def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[dict], dict]:
-    """(param groups, FRUGAL keyword arguments) for FRUGAL-based entry `name` with resolved `hp`."""
+    """(param groups, FRUGAL keyword arguments) for FRUGAL-based entry `name` with resolved `settings`."""
     settings = dict(settings)
     grouping = {k: settings.pop(k, v) for k, v in GROUPING_DEFAULTS.items()}
     entry = _ENTRIES[name]

@@ -28,7 +28,7 @@ def _warmup_steps(length: int, warmup_fraction, warmup_steps) -> int:
     if warmup_steps is not None:
         steps = _integer("warmup_steps", warmup_steps, 0)
         if steps > length:
-            raise HyperparameterError(f"Invalid warmup_steps: {steps} (longer than the cycle of {length} steps)")
+            raise HyperparameterError(f"warmup_steps={steps} is invalid: longer than the cycle of {length} steps")
         return steps
     return int(round(_number("warmup_fraction", warmup_fraction, 0.0, 1.0) * length))
 

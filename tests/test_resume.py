@@ -177,3 +177,37 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     written = ckpt.save(root, 100, {"trainer": {"step": 100}}, keep=2)
     assert os.path.isdir(written) and ckpt.latest(root) == written
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(root)] == [ckpt.step_dir_name(s) for s in (100, 1000)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_of_an_earlier_version_keeps_loading(tmp_path):
+    """Sharded (torch.distributed.checkpoint) optimizer states of earlier versions hold FRUGAL's step
+    counter in the first param group only; loading one gives every group the count."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    import frugal
+    from train_utils import sharded_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        return model, frugal.FRUGAL(model, density=0.5, update_gap=2)
+
+    model, opt = build()
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    optim_sd = get_optimizer_state_dict(model, opt)
+    for group in optim_sd["param_groups"][1:]:
+        del group["step"]
+    dcp.save({"model": get_model_state_dict(model), "optim": optim_sd},
+             checkpoint_id=os.path.join(tmp_path, sharded_checkpoint.SHARDED_DIR))
+    twin, twin_opt = build()
+    sharded_checkpoint.load(str(tmp_path), model=twin, optimizer=twin_opt, step=3, rank=0, same_world_size=True)
+    assert [g["step"] for g in twin_opt.param_groups] == [3] * len(opt.param_groups)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))

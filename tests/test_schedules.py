@@ -61,11 +61,11 @@ def test_scheduler_drives_optimizer_and_state_dict():
 
 @pytest.mark.parametrize("name, total, kwargs, match", [
     ("linear", 10, {}, r"'linear'.*constant.*cosine.*cosine_restarts"),
-    ("cosine", 0, {}, r"total_steps: 0"),
-    ("cosine_restarts", 10, {"cycle_length": 0}, r"cycle_length: 0"),
+    ("cosine", 0, {}, r"total_steps=0 is invalid"),
+    ("cosine_restarts", 10, {"cycle_length": 0}, r"cycle_length=0 is invalid"),
     ("cosine", 10, {"warmup_fraction": 1.5}, r"warmup_fraction: 1.5"),
     ("cosine", 10, {"min_lr_ratio": -0.1}, r"min_lr_ratio: -0.1"),
-    ("constant", 10, {"warmup_steps": 11}, r"warmup_steps: 11"),
+    ("constant", 10, {"warmup_steps": 11}, r"warmup_steps=11 is invalid"),
     ("constant", 10, {"cycle_length": 5}, r"cycle_length.*warmup_fraction"),
 ])
 def test_bad_input(name, total, kwargs, match):

@@ -69,12 +69,13 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
     # An optimizer without state (signSGD, SGD) and without gradients gets one step at lr 0 from
     # get_optimizer_state_dict (torch initialises "lazy" state that way). The weights do not move,
     # but the step counter (and the opt-in window clock) would: keep checkpointing from changing a run.
-    first = optimizer.param_groups[0]
-    kept = {k: copy.deepcopy(first[k]) for k in ("step", "clock") if k in first}
+    # The step counter is in every group (FRUGAL), the clock in the first.
+    kept = [{k: copy.deepcopy(g[k]) for k in ("step", "clock") if k in g} for g in optimizer.param_groups]
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    if any(first.get(k) != v for k, v in kept.items()):
-        first.update(kept)
-        optim_sd["param_groups"][0].update(copy.deepcopy(kept))
+    if any(g.get(k) != v for g, saved in zip(optimizer.param_groups, kept) for k, v in saved.items()):
+        for group, group_sd, saved in zip(optimizer.param_groups, optim_sd["param_groups"], kept):
+            group.update(saved)
+            group_sd.update(copy.deepcopy(saved))
         if hasattr(optimizer, "pop_events"):
             optimizer.pop_events()  # nothing happened: drop what the lr-0 step reported
     per_rank = {k: optim_sd["state"].pop(k) for k in _per_rank_keys(optim_sd) if k in optim_sd["state"]}
@@ -166,6 +167,10 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     if hasattr(optimizer, "materialize_state"):  # FRUGAL: which tensors hold state depends on the window
         optimizer.materialize_state(step)
     model_sd, optim_sd, fresh = _state_dicts(model, optimizer)
+    # Checkpoints of earlier versions keep FRUGAL's step counter in the first group only: load that
+    # one, and FRUGAL.load_state_dict gives every group the same count.
+    for group_sd in optim_sd["param_groups"][1:]:
+        group_sd.pop("step", None)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR))
     set_model_state_dict(model, model_sd)
     if hyperparameters is not None:
