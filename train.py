@@ -164,17 +164,18 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         last_eval = report.last_eval_at(kept, step)
         flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
         peak = peak_flops(device, tc.peak_flops)
-        report.log_start(metrics, say, step=step, model=raw_model, optimizer=optimizer, opt_cfg=opt_cfg,
-                         changes=plan["changes"], fresh_state=fresh_state, world=world,
-                         saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
-                         settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
-                                   "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
-                                   "accumulation": accum, "resumed_from": plan["ckpt_dir"],
-                                   "flops_per_position": flops, "peak_flops": peak,
-                                   "activation_checkpointing": activation_checkpointing_on(raw_model),
-                                   "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
-                                   "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
-                                   "compiled": compiled, "tf32": tf32, **memory})
+        start_row = report.log_start(
+            metrics, say, step=step, model=raw_model, optimizer=optimizer, opt_cfg=opt_cfg,
+            changes=plan["changes"], fresh_state=fresh_state, world=world,
+            saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
+            settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
+                      "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
+                      "accumulation": accum, "resumed_from": plan["ckpt_dir"],
+                      "flops_per_position": flops, "peak_flops": peak,
+                      "activation_checkpointing": activation_checkpointing_on(raw_model),
+                      "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
+                      "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
+                      "compiled": compiled, "tf32": tf32, **memory})
 
         # ---- the loop
         train_iter = training_batches(dm)
@@ -241,7 +242,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         report.finish(metrics, say, step=step, tokens=tokens, last_eval=last_eval, raw_model=raw_model,
                       optimizer=optimizer, dm=dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
                       started=started, model_name=cfg.model.name, option=optimizer_option(cfg), run_dir=run_dir,
-                      name=name)
+                      name=name, adamw_bytes=start_row["adamw_state_bytes"])
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()

@@ -152,22 +152,6 @@ def ranks_in_sync(model) -> tuple[bool | None, float]:
     return len(set(sums)) == 1, checksum
 
 
-def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir: str, plot: bool) -> str:
-    """The console's last lines, from the run's `end` row."""
-    mib, state, adamw = 2.0 ** 20, end["optimizer_state_bytes"], end["adamw_state_bytes"]
-    lines = [f"\n{model_name} + {optimizer_name}: {end['step']} steps, {end['tokens']:,} tokens, "
-             f"{end['seconds']:.0f} s in this run",
-             f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
-    if end.get("loss_floor") is not None:
-        floor = end["loss_floor"]
-        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
-    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
-    if end.get("ranks_in_sync") is False:
-        lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
-    lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
-    return "\n".join(lines)
-
-
 class NonFiniteError(FloatingPointError):
     """A non-finite loss, gradient or state: the run stops before using it (the message names the
     step and the last checkpoint, which never holds non-finite values)."""

@@ -10,7 +10,7 @@ import os
 import time
 
 import frugal
-from train_utils.loop import end_of_run_summary, evaluate, ranks_in_sync
+from train_utils.loop import evaluate, ranks_in_sync
 from train_utils.measure import optimizer_state_bytes
 from train_utils.metrics import plot_losses
 
@@ -34,17 +34,18 @@ def density_message(report: dict) -> str | None:
 
 
 def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, settings: dict, changes: dict,
-              fresh_state: int, saved_world: int | None, world: int) -> None:
+              fresh_state: int, saved_world: int | None, world: int) -> dict:
     """The start row (what this run is: sizes, the optimizer's realised density, the memory
     estimates, the loop's settings in `settings`) and the console's notes on a resume: settings
-    changed on purpose, optimizer state that starts fresh, another process count."""
+    changed on purpose, optimizer state that starts fresh, another process count. Returns the row."""
     density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
-    metrics.log({"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
-                 "state_full_fraction": state_full_fraction(optimizer),
-                 **({f"density_{k}": v for k, v in density.items()} if density else {}),
-                 # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows is measured.
-                 "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(model, **opt_cfg),
-                 "adamw_state_bytes": frugal.estimate_state_bytes(model, "adamw"), **settings})
+    row = {"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
+           "state_full_fraction": state_full_fraction(optimizer),
+           **({f"density_{k}": v for k, v in density.items()} if density else {}),
+           # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows is measured.
+           "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(model, **opt_cfg),
+           "adamw_state_bytes": frugal.estimate_state_bytes(model, "adamw"), **settings}
+    metrics.log(row)
     if density and density_message(density):
         say(density_message(density))
     if changes:
@@ -62,6 +63,7 @@ def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, setti
         say(f"continuing on {world} processes (the checkpoint was written by {saved_world}): weights, "
             f"optimizer state and schedule are exact, the data stream continues from its global position; "
             f"per-rank dropout streams and float summation order differ (train_utils/resume.py)")
+    return row
 
 
 def last_eval_at(rows: list[dict], step: int) -> dict | None:
@@ -77,7 +79,7 @@ def stopped_message(signame: str, step: int, ckpt_root: str, run_dir: str) -> st
 
 def finish(metrics, say, *, step: int, tokens: int, last_eval: dict | None, raw_model, optimizer, dm, tc,
            accelerator, loss_fn, sharded: bool, started: float, model_name: str, option: str, run_dir: str,
-           name: str) -> dict:
+           name: str, adamw_bytes: int) -> dict:
     """The end of a run: the final evaluation (unless an earlier attempt logged it), the end row,
     the loss plot and the console's summary. Returns the end row."""
     if last_eval is None or last_eval["step"] != step:
@@ -89,14 +91,30 @@ def finish(metrics, say, *, step: int, tokens: int, last_eval: dict | None, raw_
            "tokens": tokens, "loss_floor": dm.loss_floor,
            "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
            **({"optimizer_state_bytes_rank0": frugal.state_bytes(optimizer)} if sharded else {}),
-           "adamw_state_bytes": frugal.estimate_state_bytes(raw_model, "adamw"),
-           "seconds": time.perf_counter() - started, "ranks_in_sync": in_sync, "weights_checksum": checksum}
+           "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
+           "ranks_in_sync": in_sync, "weights_checksum": checksum}
     metrics.log(end)
     metrics.close()  # wandb prints its own lines at finish; the summary below comes last
     if accelerator.is_main_process and tc.plot:
         plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
     say(end_of_run_summary(end, model_name, option, run_dir, tc.plot))
     return end
+
+
+def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir: str, plot: bool) -> str:
+    """The console's last lines, from the run's `end` row."""
+    mib, state, adamw = 2.0 ** 20, end["optimizer_state_bytes"], end["adamw_state_bytes"]
+    lines = [f"\n{model_name} + {optimizer_name}: {end['step']} steps, {end['tokens']:,} tokens, "
+             f"{end['seconds']:.0f} s in this run",
+             f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
+    if end.get("loss_floor") is not None:
+        floor = end["loss_floor"]
+        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
+    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
+    if end.get("ranks_in_sync") is False:
+        lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
+    lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
+    return "\n".join(lines)
 
 
 def nonfinite_message(loss: float, grad_norm: float, step: int, last_checkpoint: str | None) -> str:
