@@ -91,14 +91,55 @@ def load_run(run: Path) -> dict:
     last_eval = max(evals.values(), key=lambda r: r["step"]) if evals else None
     final = end if end is not None and "val_ppl" in end else last_eval
     state = [r["optimizer_state_bytes"] for r in rows if isinstance(r.get("optimizer_state_bytes"), (int, float))]
+    start = next((r for r in rows if r.get("event") == "start"), None)
     return {
         "dir": str(run), "cfg": cfg, "conf": conf, "evals": evals, "finished": end is not None,
         "final_ppl": final["val_ppl"] if final else None, "final_step": final["step"] if final else None,
         "state_bytes": max(state) if state else None,
         "table": (cfg.get("paper") or {}).get("table"), "choices": choices, "overrides": overrides,
         "option": choices.get("optimizer") or (cfg.get("optimizer") or {}).get("name"),
-        "model": (cfg.get("model") or {}).get("name"),
+        "model": (cfg.get("model") or {}).get("name"), "start": start,
+        "eval_mode": eval_mode(cfg, list(evals.values())),
     }
+
+
+def eval_mode(cfg: dict, evals: list[dict]) -> str:
+    """How the run's perplexities were computed: the `val_mode` its evaluation rows name, else its
+    config's `eval.mode`; runs from before the setting existed evaluated token-weighted ("tokens")."""
+    modes = {str(r["val_mode"]) for r in evals if r.get("val_mode")}
+    if modes:
+        return ", ".join(sorted(modes))
+    return str((cfg.get("eval") or {}).get("mode") or "tokens")
+
+
+def readout_lr(run: dict, step: int | None) -> float | None:
+    """The learning rate at `step` as a share of the peak, from the run's schedule (Table 3 reads
+    its cells where the schedule put them); None when the config does not resolve here."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if step is None:
+        return None
+    try:
+        sched = OmegaConf.to_container(run["conf"].schedule, resolve=True)
+        total = int(OmegaConf.select(run["conf"], "train.steps", throw_on_missing=True))
+    except (OmegaConfBaseException, TypeError, ValueError, AttributeError):
+        return None
+    from frugal.schedules import build_lambda
+
+    try:
+        return float(build_lambda(sched.pop("name"), total, **sched)(step))
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def model_memory_gb(run: dict) -> float | None:
+    """Weights + optimizer state in GB (1e9 bytes): parameters (from the start row) x the bytes of the
+    weights' precision (bf16: 2, else fp32's 4) + the measured optimizer state (Table 3's column)."""
+    start, state = run.get("start") or {}, run.get("state_bytes")
+    if not isinstance(start.get("params"), (int, float)) or state is None:
+        return None
+    precision = ((run["cfg"].get("train") or {}).get("precision"))
+    return (start["params"] * (2 if precision == "bf16" else 4) + state) / 1e9
 
 
 def effective_value(run: dict, key: str) -> str:
@@ -187,7 +228,8 @@ def build(runs: list[dict]) -> list[dict]:
         spec = SPECS.get(table, {"row": lambda c: method(c.get("optimizer", {})), "columns": ("model",), "paper": {}})
         trs, paper, memory = by_table[table], spec["paper"], spec.get("memory", {})
         swept = swept_keys(trs)
-        base = {r["dir"]: spec["row"](r["cfg"]) for r in trs}
+        base = {r["dir"]: spec["row"](r["cfg"], r["start"]) if table in SPECS else spec["row"](r["cfg"])
+                for r in trs}
         cells = {r["dir"]: cells_of(r, spec) for r in trs}
         label = row_labels(trs, base, cells, swept)
         filled = set()
@@ -203,6 +245,11 @@ def build(runs: list[dict]) -> list[dict]:
                     paper_state_gib=memory.get(base[r["dir"]], {}).get(col),
                     estimate_state_gib=_gib(_run_estimate(r)) if spec.get("estimate") else None,
                     model=r["model"], table_model=spec.get("model"), model_differs=differs, run=r["dir"],
+                    density_requested=_start_value(r, "density_requested"),
+                    density_realised=_start_value(r, "density_realised"), eval_mode=r["eval_mode"],
+                    lr_at_readout=readout_lr(r, step) if spec.get("readout_lr") else None,
+                    memory_gb=model_memory_gb(r) if spec.get("model_memory_gb") else None,
+                    paper_memory_gb=spec.get("model_memory_gb", {}).get(base[r["dir"]]),
                     swept={k: effective_value(r, k) for k in swept}))
         for row, by_col in paper.items():
             for col, p in by_col.items():
@@ -210,8 +257,14 @@ def build(runs: list[dict]) -> list[dict]:
                     records.append(dict(table=table, row=row, method=row, column=col, ours=None, paper=p,
                                         paper_state_gib=memory.get(row, {}).get(col),
                                         estimate_state_gib=_gib(_paper_estimate(spec, row, col)),
+                                        paper_memory_gb=spec.get("model_memory_gb", {}).get(row),
                                         table_model=spec.get("model"), swept={}))
     return _in_paper_order(records)
+
+
+def _start_value(run: dict, key: str):
+    value = (run.get("start") or {}).get(key)
+    return value if isinstance(value, (int, float)) else None
 
 
 def _in_paper_order(records: list[dict]) -> list[dict]:
@@ -297,6 +350,8 @@ def markdown(records: list[dict]) -> str:
                 head += [f"{c} state GiB ours", f"{c} state GiB paper"]
             if has_est:
                 head += [f"{c} state GiB ours", f"{c} state GiB estimate"]
+        extras = _row_extras(table, recs)
+        head += list(extras)
         out.write(f"### {title}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
         for row in rows:
             line = [row]
@@ -322,13 +377,45 @@ def markdown(records: list[dict]) -> str:
                     line += [_gib_text(r.get("state_gib")), _f(r["paper_state_gib"])]
                 if has_est:
                     line += [_gib_text(r.get("state_gib")), _gib_text(r.get("estimate_state_gib"))]
+            line += [value(row) for value in extras.values()]
             out.write("| " + " | ".join(line) + " |\n")
         others = sorted({r["model"] for r in recs if r.get("model_differs")})
         if others:
             out.write(f"\n[model]: trained {', '.join(others)}, not the table's {recs[0]['table_model']}; "
                       f"not comparable to the paper's number (no difference computed).\n")
+        if any(r.get("run") for r in recs):
+            out.write("\nrealised rho: the state-full share of the projectable weights in the run's first window "
+                      "(its start row); eval: tokens = token-weighted mean loss (ours), authors = mean of "
+                      "per-batch mean losses on the seed-42 shuffled validation set (the paper's code).\n")
         out.write("\n")
     return out.getvalue()
+
+
+def _joined(values) -> str:
+    return ", ".join(dict.fromkeys(v for v in values if v))
+
+
+def _row_extras(table: str, recs: list[dict]) -> dict:
+    """{column title: row label -> text} printed once per row after the cells: what every run of the
+    row realised (density), how it was evaluated, and Table 3's read-out point and memory column."""
+    spec = SPECS.get(table, {})
+    by_row: dict[str, list[dict]] = defaultdict(list)
+    for r in recs:
+        by_row[r["row"]].append(r)
+    runs = lambda row: [r for r in by_row[row] if r.get("run")]  # noqa: E731
+    extras = {
+        "realised rho": lambda row: _joined(f"{r['density_realised']:.4g}" for r in runs(row)
+                                            if r.get("density_realised") is not None),
+        "eval": lambda row: _joined(r.get("eval_mode") for r in runs(row)),
+    }
+    if spec.get("readout_lr"):
+        extras["lr/peak at read-out"] = lambda row: _joined(
+            f"{r['lr_at_readout']:.2f} (step {r['step']})" for r in runs(row) if r.get("lr_at_readout") is not None)
+    if spec.get("model_memory_gb"):
+        extras["memory GB ours"] = lambda row: _joined(_f(r.get("memory_gb"), 1) for r in runs(row))
+        extras["memory GB paper"] = lambda row: _f(next((r.get("paper_memory_gb") for r in by_row[row]
+                                                         if r.get("paper_memory_gb") is not None), None), 1)
+    return extras
 
 
 def _gib_text(x):
@@ -336,7 +423,9 @@ def _gib_text(x):
 
 
 CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
-              "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs", "run"]
+              "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs",
+              "density_requested", "density_realised", "eval_mode", "lr_at_readout", "memory_gb", "paper_memory_gb",
+              "run"]
 
 
 def to_csv(records: list[dict]) -> str:

@@ -84,14 +84,19 @@ def test_csv_long_format(table2_runs, capsys):
 
 
 def test_step_columns_and_sweep_rows(tmp_path, capsys):
+    """Table 1's "SVD, No" row is GaLore (its 200k value is Table 2's GaLore): a GaLore run fills it; a
+    FRUGAL run without a state-free update (state reset, scale 1) is no row of the paper and says so."""
     fake_run(tmp_path, "svd", "table1_projection", "llama_130m",
-             {"name": "frugal", "projection": "svd", "state_free": "none"}, {4000: 40.0, 40000: 25.0, 200000: 21.0})
+             {"name": "galore", "projection": "svd", "state_free": "none"}, {4000: 40.0, 40000: 25.0, 200000: 21.0})
+    fake_run(tmp_path, "frugal_svd", "table1_projection", "llama_130m",
+             {"name": "frugal", "projection": "svd", "state_free": "none"}, {4000: 41.0, 40000: 26.0, 200000: 22.0})
     for t, ppl in [(10, 18.9), (200, 18.5)]:
         fake_run(tmp_path, f"T{t}", "table15_update_gap", "llama_130m",
                  {"name": "frugal", "density": 0.25, "update_gap": t}, {200000: ppl})
     make_tables.main([str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| SVD, no state-free | 40.00 | 39.75 | +0.25 | 25.00 | 24.38 | +0.62 | 21.00 | 21.11 | -0.11 |" in out
+    assert "| SVD, no state-free (GaLore) | 40.00 | 39.75 | +0.25 | 25.00 | 24.38 | +0.62 | 21.00 | 21.11 | -0.11 |" in out
+    assert "| SVD, no state-free (FRUGAL): not a row of the paper | 41.00 |  |  | 26.00 |  |  | 22.00 |  |  |" in out
     assert "| T=10 | 18.90 | 18.82 | +0.08 |" in out
     assert "| T=200 | 18.50 | 18.60 | -0.10 |" in out
 
