@@ -154,7 +154,12 @@ class FRUGAL(Optimizer):
     ``reset_state`` decides what the state-full rule sees after a change of subspace (fresh,
     re-projected or stale state: see ``frugal.state_management``). An unchanged projection leaves the
     state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
-    stays state-full keeps its state and only entering blocks start fresh.
+    stays state-full keeps its state and only entering blocks start fresh. ``reset_state=
+    "reset_all"`` is the appendix pseudocode (``block_step``) and the authors' code instead: every
+    state-full block restarts at every window boundary, staying ones too. The two agree unless
+    windows overlap (random order, density > 0.5). The default stays ``reset``: it is what the main
+    text describes, it keeps density 1 equal to AdamW, and it does not throw away the moments of a
+    subspace that did not change; the presets that reproduce the paper's tables set ``reset_all``.
 
     Concurrent methods (module docstring): ``state_full="adafactor_momentum"`` and
     ``state_free="one_sided_adafactor"`` (AdaMeM), ``state_free="fira"`` with the norm-growth
@@ -370,6 +375,8 @@ class FRUGAL(Optimizer):
                 if role == FREE:
                     self.state.pop(p, None)
                 elif role == FULL:
+                    if layout.block_of[gi][pi] is not None:
+                        state_management.restart_block(self.state[p], rule, group, window)
                     rule.init_state(self.state[p], p)
                 elif group["projection"] in proj.COORDINATE:
                     state_management.coordinates(self.state[p], rule, local(p), group, window,
@@ -554,6 +561,9 @@ class FRUGAL(Optimizer):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
                     self.state.pop(p, None)  # a state-free tensor owns no state
+                elif role == FULL and layout.block_of[gi][pi] is not None:
+                    state_management.restart_block(self.state[p], STATE_FULL[group["state_full"]], group,
+                                                   self._window(group, step, clock))
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")
