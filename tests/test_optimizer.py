@@ -689,3 +689,41 @@ def test_reset_all_restarts_staying_blocks_and_subspaces_at_density_one():
                      reset_state="reset_all")
         run_steps(opt, params, 3)  # steps 0, 1 | 2: the boundary restarted the count
         assert [opt.state[p]["step"].item() for p in params] == [1.0, 1.0, 3.0], projection
+
+
+# ---- block selection as the authors' code made it (block_granularity="tensor") --------------------
+def authors_windows(model, density, windows):
+    """The authors' rule, transcribed: blocks are the single Linear weights inside the transformer
+    layers in ``named_modules()`` order, k = Python's ``round(density * n)``, and the paper's
+    default order ``descending`` walks that list from its end, k tensors per window, cyclically."""
+    tensors = [m.weight for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    n, k = len(tensors), round(density * len(tensors))
+    walk = tensors[::-1]
+    return n, k, [{id(walk[(w * k + j) % n]) for j in range(k)} for w in range(windows)]
+
+
+@pytest.mark.parametrize("density,count", [(1 / 16, 5), (1 / 8, 10), (1 / 4, 21), (1 / 3, 28), (1 / 2, 42)])
+def test_tensor_granularity_selects_the_authors_blocks_on_llama_130m(density, count):
+    from omegaconf import OmegaConf
+    import models
+    from pathlib import Path
+
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "llama_130m.yaml")
+    with torch.device("meta"):
+        model = models.build_model(cfg)
+    gap, windows = 200, 20  # 20 windows: the walk wraps around the 84 tensors at every density
+    n, k, expected = authors_windows(model, density, windows)
+    assert (n, k) == (84, count)
+    opt = FRUGAL(model, density=density, update_gap=gap, block_granularity="tensor")
+    projectable = [p for g in opt.param_groups if g["projectable"] for p in g["params"]]
+    assert len(projectable) == 84
+    for w in range(windows):
+        for g in opt.param_groups:
+            g["step"] = w * gap + 7  # a step inside window w
+        assert {id(projectable[i]) for i in opt.active_blocks()} == expected[w], w
+        report = opt.density_report()
+        assert report["realised"] == count / 84 and report["blocks"] == [count, 84]
+        assert report["requested"] == pytest.approx(density) and report["unit"] == 1 / 84
+    # the layer rule rounds half up: 1/8 of 84 as layers-style rounding would be 11, not the authors' 10
+    assert P.block_count(84, 1 / 8) == 11 and P.block_count(84, 1 / 8, "tensor") == 10
