@@ -21,7 +21,7 @@ from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 
 
 
-RESET_MODES = ("reset", "reproject", "keep", "transport")
+RESET_MODES = ("reset", "reset_all", "reproject", "keep", "transport")
 GRANULARITIES = ("layer", "tensor")
 
 # Keys whose value is one of a fixed set of names.

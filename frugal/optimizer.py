@@ -154,7 +154,12 @@ class FRUGAL(Optimizer):
     ``reset_state`` decides what the state-full rule sees after a change of subspace (fresh,
     re-projected or stale state: see ``frugal.state_management``). An unchanged projection leaves the
     state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
-    stays state-full keeps its state and only entering blocks start fresh.
+    stays state-full keeps its state and only entering blocks start fresh. ``reset_state=
+    "reset_all"`` is the appendix pseudocode (``block_step``) and the authors' code instead: every
+    state-full block restarts at every window boundary, staying ones too. The two agree unless
+    windows overlap (random order, density > 0.5). The default stays ``reset``: it is what the main
+    text describes, it keeps density 1 equal to AdamW, and it does not throw away the moments of a
+    subspace that did not change; the presets that reproduce the paper's tables set ``reset_all``.
 
     Concurrent methods (module docstring): ``state_full="adafactor_momentum"`` and
     ``state_free="one_sided_adafactor"`` (AdaMeM), ``state_free="fira"`` with the norm-growth
@@ -316,7 +321,8 @@ class FRUGAL(Optimizer):
         blocks = None
         if layout.blocks is not None:
             n = len(layout.blocks)
-            blocks = lambda start: proj.block_count(n, density_at(layout.block_settings, start))  # noqa: E731
+            granularity = layout.block_settings["block_granularity"]
+            blocks = lambda start: proj.block_count(n, density_at(layout.block_settings, start), granularity)  # noqa: E731
         clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
         self._events += events
         return clock
@@ -370,6 +376,8 @@ class FRUGAL(Optimizer):
                 if role == FREE:
                     self.state.pop(p, None)
                 elif role == FULL:
+                    if layout.block_of[gi][pi] is not None:
+                        state_management.restart_block(self.state[p], rule, group, window)
                     rule.init_state(self.state[p], p)
                 elif group["projection"] in proj.COORDINATE:
                     state_management.coordinates(self.state[p], rule, local(p), group, window,
@@ -446,7 +454,8 @@ class FRUGAL(Optimizer):
             shared = layout.block_settings
             density = shared["density"] if clock is None else density_at(shared, clock.start)
             chosen = proj.select_blocks(shared["block_order"], len(layout.blocks), density, window, shared["seed"],
-                                        offset=None if clock is None else clock.offset)
+                                        offset=None if clock is None else clock.offset,
+                                        granularity=shared["block_granularity"])
             layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
         return layout.active[1]
 
@@ -504,13 +513,32 @@ class FRUGAL(Optimizer):
         return full / total if total else 0.0
 
     def density_report(self) -> dict:
-        """``requested`` density, ``realised`` state-full share of projectable elements (next
-        step's window) and ``unit``, the share one selection unit moves (one of L equal blocks:
-        1/L; column/row/randk/rank: one column/row/element/rank of every tensor). Blockwise
-        selection rounds to whole blocks, so warn when |realised - requested| > unit / 2."""
+        """The density asked for and the one realised in the next step's window:
+
+        - ``requested``: the ``density`` setting (averaged over projectable elements);
+        - ``realised``: the density as the paper defines it for this projection. Block projection
+          (every projectable group): k / L, the share of state-full blocks (Appendix D: "the ratio
+          of the number of active blocks to the total number of blocks"); so with
+          ``block_granularity="tensor"`` on LLaMA-130M, density 1/16 realises 5/84 exactly. Other
+          projections: the state-full share of projectable elements;
+        - ``unit``: the share one selection unit moves (one block: 1/L; column/row/randk/rank: one
+          column/row/element/rank of every tensor); rounding to whole units is expected, more
+          than half a unit off is worth a warning;
+        - ``state_full_share``: the state-full share of projectable elements
+          (``state_full_fraction()``; for blocks of unequal size it differs from ``realised``);
+        - ``blocks``: ``[k, L]`` for block projection, else None.
+        """
         total, full, units, asked = self._census()
-        return {"requested": asked, "realised": full / total if total else 0.0,
-                "unit": units / total if total else 0.0}
+        share = full / total if total else 0.0
+        report = {"requested": asked, "realised": share, "unit": units / total if total else 0.0,
+                  "state_full_share": share, "blocks": None}
+        layout = self._get_layout()
+        blockwise = all(g["projection"] == "block" for g in self.param_groups
+                        if g["projectable"] and not g["always_state_free"])
+        if layout.blocks and blockwise:
+            k, n = len(self.active_blocks()), len(layout.blocks)
+            report.update(realised=k / n, unit=1 / n, blocks=[k, n])
+        return report
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -554,6 +582,9 @@ class FRUGAL(Optimizer):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
                     self.state.pop(p, None)  # a state-free tensor owns no state
+                elif role == FULL and layout.block_of[gi][pi] is not None:
+                    state_management.restart_block(self.state[p], STATE_FULL[group["state_full"]], group,
+                                                   self._window(group, step, clock))
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")

@@ -91,14 +91,30 @@ def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return values[first <= first.kthvalue(k).values]
 
 
-def block_count(num_blocks: int, density: float) -> int:
-    """k = round-half-up(density * L) state-full blocks of L."""
-    return min(num_blocks, round_half_up(density * num_blocks))
+def block_count(num_blocks: int, density: float, granularity: str = "layer") -> int:
+    """How many of the L blocks are state-full.
+
+    ``layer``: k = round-half-up(density * L) (the paper, Appendix D: "we take round(rho * L)
+    layers"; half-up so that e.g. 1/8 of 12 layers is 2, as people read the paper's round).
+    ``tensor``: k = Python's ``round(density * L)`` over the L single weight tensors, banker's
+    rounding included, because that is the count of the authors' code, whose blocks are single
+    tensors (for LLaMA-130M's 84 tensors: 1/16 -> 5, 1/8 -> round(10.5) = 10, 1/4 -> 21, 1/3 -> 28,
+    1/2 -> 42; the paper's Table 16 densities are these counts).
+    """
+    k = round(density * num_blocks) if granularity == "tensor" else round_half_up(density * num_blocks)
+    return min(num_blocks, k)
 
 
 def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int,
-                  offset: int | None = None) -> list[int]:
-    """Positions (0..L-1) of the state-full blocks in ``window``; k = round-half-up(density * L).
+                  offset: int | None = None, granularity: str = "layer") -> list[int]:
+    """Positions (0..L-1) of the state-full blocks in ``window``; k = ``block_count``.
+
+    Positions are the blocks in module order: layers, or with granularity ``tensor`` the weight
+    tensors in ``named_modules()`` order (q, k, v, o, gate, up, down of layer 0, then layer 1, ...:
+    the order of the authors' list of tensors). The paper's default order is ``descending`` (its
+    scripts; Table 14 compares random, ascending and descending): the walk starts at the last
+    block, the one nearest the output, and takes the next k blocks down at every window, wrapping
+    around cyclically.
 
     ascending: window w holds {(w*k + j) mod L : j < k}; descending: the same counted from the
     top (position L-1 down); mirror: the same walk over the sequence 0, L-1, 1, L-2, ... so that
@@ -110,7 +126,7 @@ def select_blocks(order: str, num_blocks: int, density: float, window: int, seed
     if order not in BLOCK_ORDERS:
         raise ValueError(f"Unknown block_order {order!r}; valid choices: {', '.join(BLOCK_ORDERS)}")
     L = num_blocks
-    k = block_count(L, density)
+    k = block_count(L, density, granularity)
     if k == 0 or L == 0:
         return []
     if order == "random":

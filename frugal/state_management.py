@@ -6,7 +6,13 @@ Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the 
 
 - ``reset`` (default): entering coordinates start from zero state (Appendix C: "reset the state
   before a new round"); for coordinate projections a new window draws a new coordinate set, so the
-  whole reduced state restarts, including the bias-correction count.
+  whole reduced state restarts, including the bias-correction count. A block that stays state-full
+  keeps its state, and so does a subspace of every coordinate (density 1 is AdamW).
+- ``reset_all``: the appendix pseudocode (``block_step`` and ``svd_or_randk_step``, "Simplified
+  algorithms pseudocode") and the authors' code: the state of *every* state-full block or subspace
+  restarts at every window boundary, including blocks that stay selected (``restart_block``).
+  It differs from ``reset`` only where windows overlap (random block order, or density > 0.5) and
+  at density 1.
 - ``reproject``: Appendix C's re-projection. Exact for coordinate bases (the moments of coordinates
   that stay selected move to their new position, entering ones start at zero, the step count is
   kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
@@ -57,7 +63,7 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
                                   ident, device=p.device, shard=shard)
     dim = proj.coordinate_dim(projection, p.shape, transposed)
     mode = group["reset_state"] if "window" in state else "reset"
-    if "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
+    if mode != "reset_all" and "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
             and idx.numel() == state["index"].numel():
         mode = "keep"  # all (or nothing) stays selected: an unchanged projection keeps its state
     if mode == "keep" and "index" in state and state["index"].numel() != idx.numel():
@@ -65,7 +71,7 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
     if mode == "reproject":
         for name in rule.state_names:
             state[name] = _move_coordinates(state[name], state["index"], idx, 0 if dim is None else dim)
-    elif mode == "reset":
+    elif mode in ("reset", "reset_all"):
         drop_full_state(state, rule)  # before the new state is allocated: peak = resting state + one tensor
     state["index"], state["window"] = idx, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
@@ -84,6 +90,17 @@ def _move_coordinates(old: Tensor, old_idx: Tensor, new_idx: Tensor, dim: int) -
     stays = old_idx[pos] == new_idx
     new.index_copy_(dim, stays.nonzero().flatten(), old.index_select(dim, pos[stays]))
     return new
+
+
+def restart_block(state: dict, rule: StateFullRule, group: dict, window: int) -> None:
+    """A state-full block (a whole tensor of a block projection) in ``window``. Under
+    ``reset_all`` its state restarts whenever ``window`` is not the window it was made in (the
+    pseudocode's ``block_step``: every selected block gets zero moments at each boundary), and
+    the window is kept in ``state["window"]``; otherwise nothing happens (``reset``: a staying
+    block keeps its state; what enters starts fresh because leaving dropped it)."""
+    if group["reset_state"] == "reset_all" and state.get("window") != window:
+        drop_full_state(state, rule)
+        state["window"] = window
 
 
 def drop_full_state(state: dict, rule: StateFullRule) -> None:
@@ -117,7 +134,7 @@ def matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dic
             _reproject(state, rule, q_old, q, side)
         elif mode == "transport":
             _transport(state, q_old, q, side, group["betas"])
-        elif mode == "reset":
+        elif mode in ("reset", "reset_all"):
             drop_full_state(state, rule)
         state["proj"], state["window"] = q, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
