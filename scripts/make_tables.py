@@ -247,6 +247,7 @@ def build(runs: list[dict]) -> list[dict]:
                     model=r["model"], table_model=spec.get("model"), model_differs=differs, run=r["dir"],
                     density_requested=_start_value(r, "density_requested"),
                     density_realised=_start_value(r, "density_realised"), eval_mode=r["eval_mode"],
+                    density_blocks=_blocks(r),
                     lr_at_readout=readout_lr(r, step) if spec.get("readout_lr") else None,
                     memory_gb=model_memory_gb(r) if spec.get("model_memory_gb") else None,
                     paper_memory_gb=spec.get("model_memory_gb", {}).get(base[r["dir"]]),
@@ -260,6 +261,12 @@ def build(runs: list[dict]) -> list[dict]:
                                         paper_memory_gb=spec.get("model_memory_gb", {}).get(row),
                                         table_model=spec.get("model"), swept={}))
     return _in_paper_order(records)
+
+
+def _blocks(run: dict) -> str | None:
+    """"k/L" state-full blocks of L, for a blockwise run whose start row says (density_blocks)."""
+    blocks = (run.get("start") or {}).get("density_blocks")
+    return f"{blocks[0]}/{blocks[1]}" if isinstance(blocks, (list, tuple)) and len(blocks) == 2 else None
 
 
 def _start_value(run: dict, key: str):
@@ -384,8 +391,9 @@ def markdown(records: list[dict]) -> str:
             out.write(f"\n[model]: trained {', '.join(others)}, not the table's {recs[0]['table_model']}; "
                       f"not comparable to the paper's number (no difference computed).\n")
         if any(r.get("run") for r in recs):
-            out.write("\nrealised rho: the state-full share of the projectable weights in the run's first window "
-                      "(its start row); eval: tokens = token-weighted mean loss (ours), authors = mean of "
+            out.write("\nrealised rho: the density the run realised, from its start row (the optimizer's "
+                      "density report: state-full blocks k/L for blockwise runs, as the paper defines rho; the "
+                      "state-full share of the projectable weights otherwise); eval: tokens = token-weighted mean loss (ours), authors = mean of "
                       "per-batch mean losses on the seed-42 shuffled validation set (the paper's code).\n")
         out.write("\n")
     return out.getvalue()
@@ -404,8 +412,9 @@ def _row_extras(table: str, recs: list[dict]) -> dict:
         by_row[r["row"]].append(r)
     runs = lambda row: [r for r in by_row[row] if r.get("run")]  # noqa: E731
     extras = {
-        "realised rho": lambda row: _joined(f"{r['density_realised']:.4g}" for r in runs(row)
-                                            if r.get("density_realised") is not None),
+        "realised rho": lambda row: _joined(
+            f"{r['density_realised']:.4g}" + (f" ({r['density_blocks']})" if r.get("density_blocks") else "")
+            for r in runs(row) if r.get("density_realised") is not None),
         "eval": lambda row: _joined(r.get("eval_mode") for r in runs(row)),
     }
     if spec.get("readout_lr"):
@@ -424,7 +433,7 @@ def _gib_text(x):
 
 CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
               "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs",
-              "density_requested", "density_realised", "eval_mode", "lr_at_readout", "memory_gb", "paper_memory_gb",
+              "density_requested", "density_realised", "density_blocks", "eval_mode", "lr_at_readout", "memory_gb", "paper_memory_gb",
               "run"]
 
 
