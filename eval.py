@@ -1,7 +1,8 @@
 """Validation loss and perplexity of a checkpoint.
 
     python eval.py checkpoint=<checkpoint dir or run dir> [data=<option>] [data.path=...]
-                   [train.eval_tokens=N] [train.micro_batch_size=N] [train.precision=fp32] [out=<file>]
+                   [train.eval_tokens=N] [train.micro_batch_size=N] [train.precision=fp32] [eval.mode=authors]
+                   [out=<file>]
 
 Arguments have the training command line's key=value form, but the base config is the one saved
 with the checkpoint (its resolved config.yaml), not configs/config.yaml: the model is rebuilt exactly
@@ -11,7 +12,9 @@ means its latest checkpoint.
 
 Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
 <checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
-and with the same code as train.py's evaluations, so the two agree. Runs under torchrun too (the
+and with the same code as train.py's evaluations, so the two agree. `eval.mode=authors` evaluates as
+the paper's code did instead (C4 only: the validation split shuffled with seed 42, the mean of
+per-batch mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers. Runs under torchrun too (the
 ranks split the validation set). A checkpoint of a sharded run (train.parallelism=fsdp) is read
 whole into each process, on any number of processes. Exit codes: 0 done; 2 bad arguments, or a missing or damaged
 checkpoint (verified against its manifest; a run directory falls back to its newest intact one).
@@ -44,6 +47,8 @@ _ABSENT = object()
 def load_config(ckpt_dir: str, overrides: list[str]):
     """The checkpoint's resolved config with `overrides` applied (see the module docstring)."""
     cfg = OmegaConf.load(os.path.join(ckpt_dir, "config.yaml"))
+    if OmegaConf.select(cfg, "eval.mode", default=None) is None:  # a checkpoint from before eval.mode existed
+        cfg = OmegaConf.merge(cfg, {"eval": {"mode": "tokens"}})
     groups = [o for o in overrides if o.partition("=")[0] in SWAPPABLE_GROUPS]
     if groups:  # let Hydra compose the option (its defaults lists, its error listing the choices)
         try:
@@ -85,7 +90,7 @@ def main(argv: list[str]) -> dict:
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=accelerator.process_index,
                              world_size=accelerator.num_processes, seed=tc.seed,
                              model_vocab_size=cfg.model.vocab_size,
-                             max_positions=cfg.model.max_position_embeddings)
+                             max_positions=cfg.model.max_position_embeddings, eval_mode=cfg.eval.mode)
     except data.DataConfigError as err:
         raise ConfigError(str(err)) from err
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
@@ -99,6 +104,7 @@ def main(argv: list[str]) -> dict:
     result = evaluate(model, dm, tc.eval_tokens, tc.precision, accelerator)
     result.update(step=int(ckpt.load(ckpt_dir, "trainer")["step"]), checkpoint=os.path.abspath(ckpt_dir),
                   model=cfg.model.name, data=cfg.data.name, precision=tc.precision, eval_tokens=tc.eval_tokens,
+                  eval_mode=cfg.eval.mode,
                   loss_floor=dm.loss_floor)
     if accelerator.is_main_process:
         text = json.dumps(result)

@@ -112,7 +112,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         seed_everything(tc.seed)
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
                              seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
-                             max_positions=cfg.model.max_position_embeddings)
+                             max_positions=cfg.model.max_position_embeddings,
+                             eval_mode=OmegaConf.select(cfg, "eval.mode", default="tokens"))
         opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
         compiled = compile_wanted(tc.compile, device)
         memory = (memory_check.agreed_check(cfg, opt_cfg, dm.vocab_size, world, device, compiled, accelerator)

@@ -107,7 +107,7 @@ def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None)
 
 def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, world_size: int = 1,
                seed: int = 0, model_vocab_size: int | None = None,
-               max_positions: int | None = None) -> DataModule:
+               max_positions: int | None = None, eval_mode: str = "tokens") -> DataModule:
     """Build this rank's DataModule from one ``configs/data/*.yaml`` node.
 
     ``model_vocab_size``: the model's embedding size; token ids are guaranteed below it (T5 sentinel
@@ -115,7 +115,8 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
     (``DataModule.vocab_size``: the synthetic language, ``data.vocab_from=tokenizer``).
     ``max_positions``: the model's position limit; a longer ``seq_len`` is refused here rather than
     as an index error mid-run. ``seed`` drives the training order (file order, windows,
-    permutations); validation never depends on it.
+    permutations); validation never depends on it. ``eval_mode``: eval.mode, which validation set
+    and averaging evaluations use (data/stream.py, EVAL_MODES).
     """
     _source_name(cfg)
     seq_len = int(_get(cfg, "seq_len"))
@@ -129,4 +130,5 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
                       packing=bool(_get(cfg, "packing")),
                       truncation=str(_get(cfg, "truncation")),
                       readers=_get(cfg, "readers"), num_workers=_get(cfg, "num_workers"),
-                      pin_memory=_get(cfg, "pin_memory"), rank=rank, world_size=world_size, seed=seed)
+                      pin_memory=_get(cfg, "pin_memory"), rank=rank, world_size=world_size, seed=seed,
+                      eval_mode=eval_mode)

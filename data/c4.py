@@ -164,10 +164,15 @@ class C4Source(Source):
             for k, ids in enumerate(encode_batch(self.tok, self.info, texts[i:i + CHUNK], max_tokens), start=i):
                 yield window * self.window + k, ids
 
-    def val_docs(self, max_tokens):
-        # The validation split in its natural (file, line) order: the same documents on every run.
+    shuffles_validation = True  # eval.mode=authors: val_docs(shuffle_seed=42)
+
+    def val_docs(self, max_tokens, shuffle_seed: int | None = None):
+        # The validation split in its natural (file, line) order: the same documents on every run; with
+        # shuffle_seed, datasets' own streaming shuffle of it (shard order + a 1000-document buffer,
+        # its defaults), as the paper's code called it: .shuffle(seed=42) (eval.mode=authors).
+        val = self._val if shuffle_seed is None else self._val.shuffle(seed=shuffle_seed)
         try:
-            for batch in self._val.iter(batch_size=CHUNK):
+            for batch in val.iter(batch_size=CHUNK):
                 yield from encode_batch(self.tok, self.info, batch["text"], max_tokens)
         except ConnectionError as exc:  # a Hub stream that drops mid-way
             raise _hub_error(exc) from exc

@@ -42,6 +42,14 @@ __all__ = ["DataModule", "merge_states", "DEFAULT_READERS", "STOP_SIGNALS"]
 # and C4's 1024 training files split into whole files (16 per reader). One process serving all 64
 # costs ~4-6 MB per C4 reader (docs/data_pipeline.md).
 DEFAULT_READERS = 64
+# eval.mode (configs/config.yaml): how the validation loss is formed. tokens: the token-weighted mean over
+# the fixed validation set (ours). authors: as the paper's code, which follows GaLore's evaluate_model
+# (PAPER_NOTES.md, "Evaluation"; the ref code's torchrun_main.py): the C4 validation split streamed
+# through datasets' .shuffle(seed=42), batches of the micro-batch size taken until more than
+# eval_tokens non-pad tokens were seen, perplexity = exp(mean of the per-batch mean losses) (divided by
+# the number of batches, not GaLore's n + 1).
+EVAL_MODES = ("tokens", "authors")
+AUTHORS_VAL_SEED = 42
 STATE_FORMAT = 2
 # SLURM's scancel and preemption signal the whole process group: DataLoader workers must survive
 # them and let the main process decide (checkpoint, exit 75).
@@ -164,7 +172,15 @@ class DataModule:
 
     def __init__(self, source: Source, *, micro_batch_size: int, seq_len: int, packing: bool = False,
                  truncation: str = "reference", readers: int = DEFAULT_READERS, num_workers: int = 0,
-                 pin_memory="auto", rank: int = 0, world_size: int = 1, seed: int = 0):
+                 pin_memory="auto", rank: int = 0, world_size: int = 1, seed: int = 0, eval_mode: str = "tokens"):
+        if eval_mode not in EVAL_MODES:
+            raise DataConfigError(f"eval.mode={eval_mode!r} is invalid; valid choices: {', '.join(EVAL_MODES)}")
+        if eval_mode == "authors" and not getattr(source, "shuffles_validation", False):
+            raise DataConfigError(
+                f"eval.mode=authors evaluates as the paper's code did, on C4's validation split shuffled with "
+                f"seed {AUTHORS_VAL_SEED}; data.name={getattr(source, 'name', '?')!r} has no such split: use data=c4 "
+                "or eval.mode=tokens")
+        self.eval_mode = eval_mode
         self.micro_batch_size = _int_setting("train.micro_batch_size", micro_batch_size, 1)
         self.seq_len = _int_setting("data.seq_len", seq_len, 2)
         self.readers = _int_setting("data.readers", readers, 1)
@@ -183,7 +199,7 @@ class DataModule:
         self._consumed = 0  # micro-batches this rank has handed out
         self._positions = [[0, 0, 0, 0] for _ in range(self.readers)]
         self._events: list[dict] = []
-        self._val: tuple[int, list] | None = None  # (eval_tokens, rows of all ranks)
+        self._val: tuple[tuple, list] | None = None  # ((eval_tokens, eval_mode), rows of all ranks)
         self._warned_short = False
 
     def _readers_message(self, slots: int) -> str:
@@ -319,18 +335,27 @@ class DataModule:
 
     # --------------------------------------------------------------------------------- validation
     def _val_rows(self, eval_tokens: int) -> list:
-        """The whole validation set (every rank's rows): the first validation documents, in the
-        split's fixed order, whose scored tokens (all but each row's first) reach ``eval_tokens``."""
+        """The whole validation set (every rank's rows). eval.mode=tokens: the first validation
+        documents, in the split's fixed order, whose scored tokens (all but each row's first) reach
+        ``eval_tokens``. eval.mode=authors: the split shuffled with seed 42, whole global batches
+        (micro-batch x world size rows) while at most ``eval_tokens`` non-pad tokens came before
+        (the authors' loop stops once it has seen more than that)."""
         eval_tokens = int(eval_tokens)
-        if self._val is None or self._val[0] != eval_tokens:
-            docs = ((None, ids, None) for ids in self.source.val_docs(self.fmt.text_tokens))
-            rows, total = [], 0
+        key = (eval_tokens, self.eval_mode)
+        if self._val is None or self._val[0] != key:
+            authors = self.eval_mode == "authors"
+            texts = (self.source.val_docs(self.fmt.text_tokens, shuffle_seed=AUTHORS_VAL_SEED) if authors
+                     else self.source.val_docs(self.fmt.text_tokens))
+            docs = ((None, ids, None) for ids in texts)
+            rows, total, group = [], 0, self.micro_batch_size * self.world_size
             for row, n, _ in doc_rows(docs, self.fmt, self.source.pad_id, pad_last=True):
-                rows.append((row.astype(np.int32), n))
-                total += max(n - 1, 0)
-                if total >= eval_tokens:
+                if authors and len(rows) % group == 0 and total > eval_tokens:
                     break
-            self._val = (eval_tokens, rows)  # keep one set only: 10M tokens is ~40 MB as int32
+                rows.append((row.astype(np.int32), n))
+                total += n if authors else max(n - 1, 0)
+                if not authors and total >= eval_tokens:
+                    break
+            self._val = (key, rows)  # keep one set only: 10M tokens is ~40 MB as int32
         return self._val[1]
 
     def check_validation(self, eval_tokens: int, strict: bool) -> int:
@@ -339,7 +364,8 @@ class DataModule:
         Raises DataConfigError when the set is empty, or when ``strict`` and it holds fewer than
         ``eval_tokens`` scored tokens; otherwise a short set is a warning.
         """
-        total = sum(max(n - 1, 0) for _, n in self._val_rows(eval_tokens))
+        # The authors' loop counts non-pad input tokens; ours the scored ones (all but each row's first).
+        total = sum(n if self.eval_mode == "authors" else max(n - 1, 0) for _, n in self._val_rows(eval_tokens))
         where = f"the {self.source.name} validation split" + (
             f" ({self.source.describe_validation()})" if hasattr(self.source, "describe_validation") else "")
         if total == 0:

@@ -99,7 +99,7 @@ def load_run(run: Path) -> dict:
         "table": (cfg.get("paper") or {}).get("table"), "choices": choices, "overrides": overrides,
         "option": choices.get("optimizer") or (cfg.get("optimizer") or {}).get("name"),
         "model": (cfg.get("model") or {}).get("name"), "start": start,
-        "eval_mode": eval_mode(cfg, list(evals.values())),
+        "eval_mode": eval_mode(cfg, [r for r in rows if "val_ppl" in r]),
     }
 
 

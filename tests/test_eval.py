@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import eval as evaluate_ckpt
 from _train_helpers import one_thread, rows, run_cli, run_inprocess  # noqa: F401
@@ -62,3 +63,112 @@ def test_eval_command_line(trained):
     assert result["val_loss"] == pytest.approx(end["val_loss"], abs=1e-6)
     missing = run_cli([sys.executable, "eval.py", "checkpoint=/nonexistent/run"])
     assert missing.returncode == 2 and "error: checkpoint='/nonexistent/run'" in missing.stderr
+
+
+# ---- eval.mode=authors: the paper's code's evaluation ---------------------------------------------
+SEQ, MICRO, TARGET = 64, 4, 1500
+
+
+def _tiny_model(seed=0):
+    import torch
+    from omegaconf import OmegaConf
+
+    import models
+
+    torch.manual_seed(seed)
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "llama_tiny.yaml"))
+    cfg.merge_with({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2})
+    return models.build_model(cfg, vocab_size=1000)
+
+
+def _c4(c4_dir, tok_dir, mode, micro=MICRO):
+    import data
+
+    cfg = {"name": "c4", "path": str(c4_dir), "tokenizer": str(tok_dir), "seq_len": SEQ, "packing": False,
+           "num_workers": 0, "readers": 1}
+    return data.build_data(cfg, micro_batch_size=micro, model_vocab_size=1000, max_positions=SEQ, eval_mode=mode)
+
+
+def test_authors_mode_is_the_papers_evaluation(c4_dir, t5_tokenizer_dir):
+    """eval.mode=authors against a transcription of the paper's evaluation loop (GaLore's
+    evaluate_model as the FRUGAL code runs it, dividing by the number of batches): the validation
+    split through datasets' .shuffle(seed=42), the HF tokenizer call, batches while at most TARGET
+    non-pad tokens came before, the mean of the HF models' own per-batch losses."""
+    import datasets
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from train_utils.loop import evaluate
+
+    model = _tiny_model()
+    dm = _c4(c4_dir, t5_tokenizer_dir, "authors")
+    got = evaluate(model, dm, TARGET, "fp32", Accelerator(cpu=True))
+    assert got["val_mode"] == "authors"
+
+    files = sorted(str(p) for p in (c4_dir / "en").glob("c4-validation.*.json.gz"))
+    val = datasets.load_dataset("json", data_files={"validation": files}, split="validation", streaming=True)
+    tok = AutoTokenizer.from_pretrained(str(t5_tokenizer_dir))
+    texts, losses, seen = [d["text"] for d in val.shuffle(seed=42)], [], 0
+    with torch.no_grad():
+        for i in range(0, len(texts), MICRO):
+            if seen > TARGET:
+                break
+            batch = tok(texts[i:i + MICRO], max_length=SEQ, truncation=True, padding="max_length", return_tensors="pt")
+            labels = batch["input_ids"].clone()
+            labels[labels == tok.pad_token_id] = -100
+            losses.append(model(**batch, labels=labels).loss.double().item())
+            seen += int((batch["input_ids"] != tok.pad_token_id).sum())
+    expected = sum(losses) / len(losses)
+    assert seen > TARGET and len(losses) < len(texts) / MICRO  # the stop rule was exercised
+    assert got["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert got["val_ppl"] == pytest.approx(torch.tensor(expected).exp().item(), rel=1e-6)
+
+    # The default differs: token-weighted, on the split's natural order.
+    tokens = evaluate(model, _c4(c4_dir, t5_tokenizer_dir, "tokens"), TARGET, "fp32", Accelerator(cpu=True))
+    assert tokens["val_mode"] == "tokens" and tokens["val_loss"] != pytest.approx(got["val_loss"], rel=1e-6)
+
+
+def test_authors_mode_splits_over_ranks_as_one_set(c4_dir, t5_tokenizer_dir):
+    """Two ranks (micro-batch 2) share the one process's set (micro-batch 4: the same global batch of 4
+    rows): together they hold its rows, and the all-reduced result is the mean over both ranks'
+    batches of each batch's own mean loss."""
+    import torch
+
+    import data
+    from train_utils.loop import evaluate
+
+    class TwoRanks:  # the all-reduce of two ranks scored one after the other: the sum of their tensors
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.parts = []
+
+        def reduce(self, t, reduction):
+            self.parts.append(t.clone())
+            return sum(self.parts) if len(self.parts) == 2 else t
+
+    model, acc = _tiny_model(), TwoRanks()
+    one = _c4(c4_dir, t5_tokenizer_dir, "authors")
+    batch_means, rows = [], []
+    for rank in range(2):
+        cfg = {"name": "c4", "path": str(c4_dir), "tokenizer": str(t5_tokenizer_dir), "seq_len": SEQ,
+               "packing": False, "num_workers": 0, "readers": 2}
+        dm = data.build_data(cfg, micro_batch_size=2, rank=rank, world_size=2, model_vocab_size=1000,
+                             max_positions=SEQ, eval_mode="authors")
+        result = evaluate(model, dm, TARGET, "fp32", acc)
+        for b in dm.val_batches(TARGET):
+            rows += [tuple(r.tolist()) for r in b["input_ids"]]
+            with torch.no_grad():
+                batch_means.append(model(input_ids=b["input_ids"], labels=b["labels"]).loss.double().item())
+    whole = [tuple(r.tolist()) for b in one.val_batches(TARGET) for r in b["input_ids"]]
+    assert sorted(rows) == sorted(whole) and len(batch_means) == 2 * len(one.val_batches(TARGET))
+    assert result["val_loss"] == pytest.approx(sum(batch_means) / len(batch_means), rel=1e-6)
+
+
+def test_eval_mode_bad_input(c4_dir, t5_tokenizer_dir):
+    import data
+
+    with pytest.raises(data.DataConfigError, match="eval.mode='nope' is invalid; valid choices: tokens, authors"):
+        _c4(c4_dir, t5_tokenizer_dir, "nope")
+    with pytest.raises(data.DataConfigError, match="eval.mode=authors .* data.name='synthetic' .* use data=c4"):
+        data.build_data({"name": "synthetic", "seq_len": 32, "readers": 1}, micro_batch_size=2, eval_mode="authors")

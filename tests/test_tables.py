@@ -342,3 +342,16 @@ def test_table3_prints_read_out_point_and_memory(tmp_path, capsys):
     assert line.endswith(f"| 0.37 (step 100000) | {12 * params / 1e9:.1f} | 4.2 |"), line
     (paper_only,) = [x for x in out.splitlines() if x.startswith("| 175M Mixed Precision")]
     assert paper_only.endswith("|  |  | 2.0 |") and "17.43" in paper_only
+
+
+def test_each_number_says_which_evaluation_produced_it(tmp_path, capsys):
+    fake_run(tmp_path, "a", "table2", "llama_60m", {"name": "adamw"}, {200000: 23.00})
+    run = fake_run(tmp_path, "b", "table2", "llama_60m", {"name": "frugal", "density": 0.25}, {200000: 23.5})
+    text = (run / "metrics.jsonl").read_text().replace('"val_tokens": 100}', '"val_tokens": 100, "val_mode": "authors"}')
+    (run / "metrics.jsonl").write_text(text)
+    rows = {Path(r["run"]).name: r for r in _csv(capsys, tmp_path) if r["ours"]}
+    assert rows["a"]["eval_mode"] == "tokens" and rows["b"]["eval_mode"] == "authors"
+    assert make_tables.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("| FRUGAL, rho=0.25 |")]
+    assert line.startswith("| FRUGAL, rho=0.25 | 23.50 | 23.59 | -0.09 |") and line.endswith("| authors |")

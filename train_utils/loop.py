@@ -75,16 +75,23 @@ def _padded_to_max(batches: list[dict], device: torch.device) -> list[dict]:
 
 @torch.no_grad()
 def evaluate(model, dm, eval_tokens: int, precision: str, accelerator, loss_fn=None) -> dict:
-    """Token-weighted loss on the fixed validation set; each rank scores its share, sums are all-reduced.
+    """The validation loss, as `dm.eval_mode` (eval.mode) says; each rank scores its share of the
+    fixed validation set and the sums are all-reduced.
+
+    tokens (default): token-weighted, the sum of every scored token's loss over the number of them.
+    authors: the paper's code (data/stream.py, EVAL_MODES): the mean of per-batch mean losses, each
+    batch's mean being the HF models' own loss (mean over its non-pad targets), over all ranks' batches.
     No padding mask is needed: pads are at the end of a sequence and attention is causal.
     `loss_fn`: token_loss_sum, or its compiled twin (compile_model)."""
     from train_utils.distributed import is_sharded
 
     loss_fn = loss_fn or token_loss_sum
+    mode = getattr(dm, "eval_mode", "tokens")
     was_training = model.training
     model.eval()
     device = accelerator.device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of token losses, tokens]
+    # [sum of token losses, tokens, sum of per-batch mean losses, batches]
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     batches = dm.val_batches(eval_tokens)
     if is_sharded(model):
         batches = _padded_to_max(batches, device)
@@ -92,12 +99,16 @@ def evaluate(model, dm, eval_tokens: int, precision: str, accelerator, loss_fn=N
         ids, labels = to_device(batch, device)
         with autocast(precision, device):
             logits = model(input_ids=ids, use_cache=False).logits
-        sums[0] += loss_fn(logits, labels).double()
-        sums[1] += count_targets(labels)
+        loss, count = loss_fn(logits, labels).double(), count_targets(labels)
+        sums[0] += loss
+        sums[1] += count
+        sums[2] += loss / count.clamp(min=1)  # a filler batch of FSDP2 (no targets) adds nothing
+        sums[3] += (count > 0).double()
     sums = accelerator.reduce(sums, reduction="sum")
     model.train(was_training)
-    loss, tokens = sums.tolist()
-    return {"val_loss": loss / tokens, "val_ppl": math.exp(min(loss / tokens, 700.0)), "val_tokens": int(tokens)}
+    loss_sum, tokens, mean_sum, n_batches = sums.tolist()
+    loss = mean_sum / n_batches if mode == "authors" else loss_sum / tokens
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(tokens), "val_mode": mode}
 
 
 def seed_everything(seed: int) -> None:
