@@ -172,3 +172,17 @@ def test_eval_mode_bad_input(c4_dir, t5_tokenizer_dir):
         _c4(c4_dir, t5_tokenizer_dir, "nope")
     with pytest.raises(data.DataConfigError, match="eval.mode=authors .* data.name='synthetic' .* use data=c4"):
         data.build_data({"name": "synthetic", "seq_len": 32, "readers": 1}, micro_batch_size=2, eval_mode="authors")
+
+
+def test_train_and_eval_py_take_eval_mode(c4_dir, t5_tokenizer_dir, tmp_path):
+    """eval.mode=authors reaches train.py's evaluations (their rows name the mode) and eval.py, which
+    scores the checkpoint as its run did unless eval.mode= says otherwise."""
+    c4 = ["data=c4", f"data.path={c4_dir}", f"data.tokenizer={t5_tokenizer_dir}", "data.num_workers=0",
+          "data.seq_len=64", "train.eval_tokens=1500", "train.steps=2"]
+    assert run_inprocess(tmp_path, *c4, "eval.mode=authors") == 0
+    evals = [r for r in rows(tmp_path) if "val_mode" in r]
+    assert evals and {r["val_mode"] for r in evals} == {"authors"}
+    again = evaluate_ckpt.main([f"checkpoint={tmp_path}", f"out={tmp_path / 'a.json'}"])
+    assert again["eval_mode"] == "authors" and again["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
+    tokens = evaluate_ckpt.main([f"checkpoint={tmp_path}", "eval.mode=tokens", f"out={tmp_path / 't.json'}"])
+    assert tokens["val_mode"] == "tokens" and tokens["val_loss"] != pytest.approx(again["val_loss"], abs=1e-6)
