@@ -136,7 +136,7 @@ def check_combination(group: Mapping[str, Any]) -> None:
     basis and AdamW's moments. Raises HyperparameterError naming the keys and what would work."""
     projection, full, free = group["projection"], group["state_full"], group["state_free"]
     projectable = group.get("projectable", True) and not group.get("always_state_free", False)
-    if STATE_FREE[free].contextual is not None:
+    if STATE_FREE[free].reads_split:
         if group.get("always_state_free", False):
             raise HyperparameterError(
                 f"state_free {free!r} updates the residual of a split tensor, but this group is always "
@@ -172,4 +172,4 @@ def check_combination(group: Mapping[str, Any]) -> None:
 
 
 def _plain(rules) -> list[str]:
-    return [name for name, rule in rules.items() if rule.contextual is None]
+    return [name for name, rule in rules.items() if not rule.reads_split]

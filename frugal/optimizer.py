@@ -33,10 +33,9 @@ Concurrent Methods"; registry entries ``fira``, ``ldadam``, ``adamem``) plug int
 - AdaMeM: a state-full rule with its own state layout (``adafactor_momentum``: Adafactor's factors,
   ``rules.StateFullRule.shapes``) in phase 3, and a *contextual* state-free rule
   (``one_sided_adafactor``) in phase 4 that keeps a statistic per tensor.
-- Fira: the contextual rule ``fira`` reads the state-full update. For it phase 3 runs the
-  state-full rule with learning rate 1 on a zero target, which then holds ``-psi`` exactly (no
-  division by a learning rate that is 0 during warm-up); phase 4 reads it, and phase 5 adds
-  ``lr * projectable_lr_scale`` times its lift.
+- Fira: the rule ``fira`` takes a split tensor's whole step in phase 4
+  (``rules.StateFreeRule.split_step``: the ``fira`` package's step, ``frugal.fira``); phases 3 and 5
+  skip the tensor (its ``target`` is None).
 - LDAdam: ``projection="power"`` (a basis tracked by block power iteration), ``reset_state=
   "transport"`` (the moments moved into the new basis) and ``error_feedback=True``: in phase 2 the
   gradient is added to the error buffer (``p.grad`` is never written), the split reads that sum,
@@ -64,7 +63,7 @@ from . import grouping, state_management
 from .adaptive import WindowClock, advance_clock, density_at, observe_clock
 from .hparams import HyperparameterError, check_combination, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
-from .rules import STATE_FREE, STATE_FULL, FreeContext
+from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
@@ -90,8 +89,7 @@ class Work:
     target: Tensor | None = None  # what the state-full rule updates in place
     full_grad: Tensor | None = None  # the gradient the state-full rule sees
     free_grad: Tensor | None = None  # the gradient the state-free rule sees
-    additive: bool = False  # target collects an update that phase 5 adds (times write_scale)
-    write_scale: float = 1.0
+    additive: bool = False  # target collects an update that phase 5 adds
 
 
 class FullKey(NamedTuple):
@@ -243,7 +241,7 @@ class FRUGAL(Optimizer):
                     raise HyperparameterError(
                         f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
                         "valid choices for other shapes: block, randk")
-                if is_dtensor(p) and STATE_FREE[group["state_free"]].contextual is not None:
+                if is_dtensor(p) and STATE_FREE[group["state_free"]].reads_split:
                     raise HyperparameterError(
                         f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
                         f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
@@ -634,12 +632,10 @@ class FRUGAL(Optimizer):
             w.full_grad = proj.project(grad, projection, transposed, w.subspace)
             if group["error_feedback"]:
                 state_management.feedback_end(w.state, group, p, w.full_grad, w.subspace, moved)
-            w.target = torch.zeros_like(w.full_grad)  # collects the state-full update
-            w.additive = True
+            w.target, w.additive = torch.zeros_like(w.full_grad), True  # collects the state-full update
             w.free_grad = w.grad
-            if group["state_free"] != "none":
-                w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
-                                                       w.subspace)
+            if free.direction is not None or free.contextual is not None:  # the rule reads the residual
+                w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed, w.subspace)
         else:
             w.subspace = state_management.coordinates(w.state, rule, p, group, w.window, w.ident,
                                                       shard_key(w.param, group))
@@ -649,12 +645,9 @@ class FRUGAL(Optimizer):
             if free.contextual is not None:  # it reads the residual itself (norms, statistics)
                 w.free_grad = proj.write_coordinates_(w.grad.clone(), projection, transposed, w.subspace,
                                                       torch.zeros_like(w.full_grad))
-            if free.reads_update:
-                w.target, w.additive = torch.zeros_like(w.full_grad), True
-            else:
-                w.target = proj.project(p, projection, transposed, w.subspace)
-        if free.reads_update:  # phase 3 runs at lr 1 so that target = -psi; phase 5 scales it
-            w.write_scale = group["lr"] * group["projectable_lr_scale"]
+            w.target = proj.project(p, projection, transposed, w.subspace)
+        if free.split_step is not None:  # the rule takes the whole step in phase 4 (Fira)
+            w.target, w.free_grad = None, None
         if free.init_state is not None:
             self._init_free_state(w.state, p, group)
 
@@ -662,13 +655,11 @@ class FRUGAL(Optimizer):
         """Phase 3: the state-full rule on every target, one call per bucket of equal settings."""
         buckets: dict[FullKey, tuple] = {}
         for w in works:
-            if w.role == FREE:
+            if w.target is None:  # state-free, or a rule that takes the whole step (phase 4)
                 continue
             group = w.group
             lr, wd = group["lr"], group["weight_decay"]
             lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
-            if w.role == SPLIT and STATE_FREE[group["state_free"]].reads_update:
-                lr_full = 1.0  # the target (zeros) then holds -psi exactly (module docstring)
             # Decoupled decay (lr * wd) happens inside the rule when the target holds weights;
             # an additive target collects only the update (phase 4 decays the weights).
             holds_weights = w.role == FULL or not w.additive
@@ -700,6 +691,9 @@ class FRUGAL(Optimizer):
             group = w.group
             p = w.local
             rule = STATE_FREE[group["state_free"]]
+            if rule.split_step is not None:
+                self._split_step(w, rule)
+                continue
             if rule.contextual is not None:
                 self._contextual_update(w, rule)
                 continue
@@ -718,20 +712,28 @@ class FRUGAL(Optimizer):
         group, p = w.group, w.local
         dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
         residual = w.free_grad.t() if transposed else w.free_grad
-        update = torch.neg(w.target) if rule.reads_update else None  # the target holds -psi
-        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, update, dim, group))
+        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, dim, group))
         if group["weight_decay"]:
             p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.sub_(d.t() if transposed else d, alpha=group["lr"] * group["state_free_lr_scale"])
 
     @staticmethod
+    def _split_step(w: Work, rule) -> None:
+        """A rule that takes a split tensor's whole step (Fira): state-full part, residual, decay."""
+        group, p = w.group, w.local
+        projection, transposed = group["projection"], group["transposed"]
+        dim, flip = proj.reduced_dim(projection, p.shape, transposed)
+        lift = lambda x: proj.project_back(x, p.shape, projection, transposed, w.subspace)  # noqa: E731
+        rule.split_step(p, w.state, SplitContext(w.grad, w.full_grad, lift, dim, flip,
+                                                 STATE_FULL[group["state_full"]], group))
+
+    @staticmethod
     def _write_back(w: Work) -> None:
         """Phase 5, and the end of the batch's temporaries."""
-        if w.role == SPLIT:
+        if w.role == SPLIT and w.target is not None:
             group, p = w.group, w.local
             if w.additive:
-                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace),
-                       alpha=w.write_scale)
+                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace))
             else:
                 proj.write_coordinates_(p, group["projection"], group["transposed"], w.subspace, w.target)
         w.target = w.full_grad = w.free_grad = w.subspace = None

@@ -22,11 +22,19 @@ defined up to sign, LAPACK, cuSOLVER and different dtypes pick different ones, a
 moments across a change of basis (GaLore's and Fira's ``keep``) reads them in the new basis, so
 without a fixed sign its trajectory would depend on the backend.
 
+Full float32: every matrix-projection computation (SVD, QR of random bases, power iteration, the
+projections and lifts, moment re-projection) runs inside ``full_fp32()``, which turns TF32 (and
+bf16) matmuls off for its duration whatever the global settings (``torch.backends.cuda.matmul.
+allow_tf32``, ``torch.set_float32_matmul_precision``, ``train.tf32``) and restores them after. The
+authors ran torch 2.1, where fp32 matmuls were full precision, and a basis or a lift computed with a
+10-bit mantissa would be another algorithm.
+
 "Logical" orientation: a GPT-2 ``Conv1D`` weight is stored ``(in, out)``; with ``transposed=True``
 it is treated as its transpose so that ``column`` means an input feature, as for ``nn.Linear``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +45,47 @@ MATRIX = ("svd", "random", "power")
 PROJECTIONS = ("block",) + COORDINATE + MATRIX
 
 _MASK64 = (1 << 64) - 1
+
+
+def _precision_flags():
+    """The settings that may lower fp32 matmul precision: (object, attribute) pairs. torch >= 2.9
+    has per-backend ``fp32_precision`` ("ieee" = full fp32; reading it works whichever API set it);
+    older torch only the global precision and cuBLAS's allow_tf32."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return ((matmul, "fp32_precision", "ieee"), (torch.backends.mkldnn.matmul, "fp32_precision", "ieee"))
+    return None
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """float32 matmuls at full precision inside (no TF32, no bf16), the global settings restored on
+    exit. Nothing is touched when they already are full precision."""
+    flags = _precision_flags()
+    if flags is not None:
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in flags]
+        if all(value == full for (_, _, value), (_, _, full) in zip(saved, flags)):
+            yield
+            return
+        for obj, name, full in flags:
+            setattr(obj, name, full)
+        try:
+            yield
+        finally:
+            for obj, name, value in saved:
+                setattr(obj, name, value)
+        return
+    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    if precision == "highest" and not tf32:
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def round_half_up(x: float) -> int:
@@ -214,13 +263,15 @@ def matrix_projection(projection, grad, transposed, density, seed, window, ident
     if projection in ("svd", "power"):
         # At least fp32 (bf16 has no SVD), as galore-torch does; fp64 stays fp64.
         work = g.to(torch.promote_types(g.dtype, torch.float32))
-        U, _, Vh = torch.linalg.svd(work, full_matrices=False)
+        with full_fp32():
+            U, _, Vh = torch.linalg.svd(work, full_matrices=False)
         q = canonical_signs(Vh[:r].t() if side == "right" else U[:, :r])
     elif projection == "random":
         s = g.shape[1] if side == "right" else g.shape[0]
         # drawn on the CPU in float64 so every device and dtype gets the same basis
         gauss = torch.randn(s, max(r, 1), generator=generator(seed, window, ident), dtype=torch.float64)
-        q = torch.linalg.qr(gauss).Q[:, :r]
+        with full_fp32():
+            q = torch.linalg.qr(gauss).Q[:, :r]
     else:
         raise ValueError(f"Unknown matrix projection {projection!r}; valid choices: {', '.join(MATRIX)}")
     return q.contiguous().to(device=grad.device, dtype=grad.dtype)
@@ -230,7 +281,8 @@ def project(grad: torch.Tensor, projection: str, transposed: bool, subspace: tor
     """The state-full (reduced) part of ``grad``; ``subspace`` is the index tensor or Q."""
     if projection in MATRIX:
         g = grad.t() if transposed else grad
-        return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
+        with full_fp32():
+            return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
     dim = coordinate_dim(projection, grad.shape, transposed)
     if dim is None:
         return grad.view(-1).index_select(0, subspace)
@@ -266,7 +318,8 @@ def project_back(reduced: torch.Tensor, shape, projection: str, transposed: bool
     """The full-shape tensor whose state-full part is ``reduced`` and whose complement is zero."""
     if projection in MATRIX:
         side = matrix_side(shape, transposed)
-        full = reduced @ subspace.t() if side == "right" else subspace @ reduced
+        with full_fp32():
+            full = reduced @ subspace.t() if side == "right" else subspace @ reduced
         return full.t() if transposed else full
     out = torch.zeros(shape, dtype=reduced.dtype, device=reduced.device)
     return write_coordinates_(out, projection, transposed, subspace, reduced)

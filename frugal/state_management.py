@@ -118,27 +118,35 @@ def matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dic
     changes from an existing one, for the error feedback."""
     projection, transposed, density = group["projection"], group["transposed"], group["density"]
     if state.get("window") != window:
-        side = proj.matrix_side(p.shape, transposed)
-        rank = proj.matrix_rank(p.shape, density)
-        q_old = state.get("proj")
-        if projection == "power" and q_old is not None and q_old.shape[1] == rank:
-            q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
-        else:
-            q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
-        mode = group["reset_state"] if "window" in state else "reset"
-        if mode == "keep" and q_old is not None and q_old.shape != q.shape:
-            mode = "reset"  # another rank (a density schedule): the old state does not fit
-        if moved is not None and q_old is not None and "exp_avg" in state:
-            moved.update(q_old=q_old, m_old=state["exp_avg"])
-        if mode == "reproject":
-            _reproject(state, rule, q_old, q, side)
-        elif mode == "transport":
-            _transport(state, q_old, q, side, group["betas"])
-        elif mode in ("reset", "reset_all"):
-            drop_full_state(state, rule)
-        state["proj"], state["window"] = q, window
+        with proj.full_fp32():  # basis, power iteration, moments moved: full fp32 (projections docstring)
+            _change_basis(state, rule, p, grad, group, window, ident, moved)
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
     return state["proj"]
+
+
+def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
+                  ident: int, moved: dict | None) -> None:
+    """A new basis for ``window`` and what the state-full rule's state becomes (``reset_state``)."""
+    projection, transposed, density = group["projection"], group["transposed"], group["density"]
+    side = proj.matrix_side(p.shape, transposed)
+    rank = proj.matrix_rank(p.shape, density)
+    q_old = state.get("proj")
+    if projection == "power" and q_old is not None and q_old.shape[1] == rank:
+        q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
+    else:
+        q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
+    mode = group["reset_state"] if "window" in state else "reset"
+    if mode == "keep" and q_old is not None and q_old.shape != q.shape:
+        mode = "reset"  # another rank (a density schedule): the old state does not fit
+    if moved is not None and q_old is not None and "exp_avg" in state:
+        moved.update(q_old=q_old, m_old=state["exp_avg"])
+    if mode == "reproject":
+        _reproject(state, rule, q_old, q, side)
+    elif mode == "transport":
+        _transport(state, q_old, q, side, group["betas"])
+    elif mode in ("reset", "reset_all"):
+        drop_full_state(state, rule)
+    state["proj"], state["window"] = q, window
 
 
 def _updates_so_far(state: dict) -> Tensor:
@@ -181,12 +189,13 @@ def feedback_end(state: dict, group: dict, p: Tensor, full_grad: Tensor, q: Tens
     transposed = group["transposed"]
     e = state["error"].t() if transposed else state["error"]
     side = proj.matrix_side(p.shape, transposed)
-    _add_lift_(e, full_grad, q, side, -1.0)
     beta1 = group["betas"][0]
-    if moved and beta1:
-        c = beta1 / (1.0 - beta1)
-        _add_lift_(e, moved["m_old"], moved["q_old"], side, c)
-        _add_lift_(e, state["exp_avg"], q, side, -c)
+    with proj.full_fp32():
+        _add_lift_(e, full_grad, q, side, -1.0)
+        if moved and beta1:
+            c = beta1 / (1.0 - beta1)
+            _add_lift_(e, moved["m_old"], moved["q_old"], side, c)
+            _add_lift_(e, state["exp_avg"], q, side, -c)
 
 
 def _add_lift_(out: Tensor, x: Tensor, q: Tensor, side: str, alpha: float) -> None:

@@ -67,7 +67,7 @@ MODEL_OF_SIZE = {size: name for name, size in SIZE.items()}
 # (so that it is not printed as a variant: AdaMeM is Adafactor with momentum by definition).
 _METHOD_NAMES = {"frugal": "FRUGAL", "galore": "GaLore", "badam": "BAdam", "fira": "Fira", "ldadam": "LDAdam",
                  "adamem": "AdaMeM"}
-_OWN_RULE = {"adamem": "adafactor_momentum"}
+_OWN_RULE = {"adamem": "adafactor_momentum", "fira": "adamw_hf"}
 
 
 def realised_density(opt: dict, start: dict | None) -> float | None:
