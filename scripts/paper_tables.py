@@ -275,7 +275,7 @@ SPECS: dict[str, dict] = {
         model="llama_130m",
         title="Table 16: density rho (LLaMA-130M, 200k)", row=_density, columns=("final", "200k"),
         paper={"1.0 (AdamW)": {"200k": 18.13}, "0.5": {"200k": 18.40}, "0.3333": {"200k": 18.50},
-               "0.33": {"200k": 18.50}, "0.25": {"200k": 18.63}, "0.125": {"200k": 18.71},
+               "0.25": {"200k": 18.63}, "0.125": {"200k": 18.71},
                "0.0625": {"200k": 18.80}, "0.0": {"200k": 18.90}, "signSGD only": {"200k": 33.22}}),
     "table17_concurrent": dict(
         title="Table 17: Fira and LDAdam, with clipping (Fira: its norm-growth limiter) and weight decay; "
