@@ -186,3 +186,16 @@ def test_train_and_eval_py_take_eval_mode(c4_dir, t5_tokenizer_dir, tmp_path):
     assert again["eval_mode"] == "authors" and again["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
     tokens = evaluate_ckpt.main([f"checkpoint={tmp_path}", "eval.mode=tokens", f"out={tmp_path / 't.json'}"])
     assert tokens["val_mode"] == "tokens" and tokens["val_loss"] != pytest.approx(again["val_loss"], abs=1e-6)
+
+
+def test_eval_mode_is_free_to_change_on_resume():
+    """eval.mode changes only how evaluations score (each row names its mode), so a resume may change
+    it, and a checkpoint written before the setting existed resumes unchanged."""
+    from omegaconf import OmegaConf
+
+    from train_utils.resume import config_changes
+
+    cfg = OmegaConf.create({"train": {"steps": 10}, "eval": {"mode": "authors"}})
+    assert config_changes("train:\n  steps: 10\n", cfg) == {}
+    assert config_changes("train:\n  steps: 10\neval:\n  mode: tokens\n", cfg) == {}
+    assert config_changes("train:\n  steps: 9\n", cfg) == {"train.steps": (9, 10)}

@@ -47,7 +47,7 @@ FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
     "train.peak_flops", "train.activation_checkpointing", "train.memory_check",
-    "data.num_workers", "data.pin_memory", "wandb",
+    "data.num_workers", "data.pin_memory", "wandb", "eval",  # eval.mode: how evaluations score (rows name it)
     "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
 )
 ABSENT = "<absent>"
