@@ -46,17 +46,12 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
             new -= lr_free * free_rule.direction(grad)
     else:
         projection, transposed = group["projection"], group["transposed"]
-        a, moved = grad, None
-        if group["error_feedback"]:  # LDAdam: the step reads g + e (kept in the buffer)
-            a, moved = state_management.feedback_begin(state, grad), {}
-        if projection in proj.MATRIX:
-            sub = state_management.matrix(state, full_rule, p, a, group, window, ident, moved)
+        if projection in proj.MATRIX:  # with error feedback (LDAdam) a = g + e
+            sub, g_full, a = state_management.split_matrix(state, full_rule, p, grad, group, window, ident)
         else:
             sub = state_management.coordinates(state, full_rule, p, group, window, ident,
                                                sharding.shard_key(param, group))
-        g_full = proj.project(a, projection, transposed, sub)
-        if group["error_feedback"]:
-            state_management.feedback_end(state, group, p, g_full, sub, moved)
+            g_full, a = proj.project(grad, projection, transposed, sub), grad
         dim, flip = proj.reduced_dim(projection, p.shape, transposed)
         if free_rule.init_state is not None:
             free_rule.init_state(state, p.t() if flip else p, dim)

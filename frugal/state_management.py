@@ -49,7 +49,8 @@ from torch import Tensor
 
 from . import projections as proj
 from . import subspace
-from .rules import StateFullRule
+from .rules import STATE_FREE, STATE_FULL, StateFullRule
+from .sharding import local, shard_key
 
 
 def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window: int, ident: int,
@@ -149,6 +150,22 @@ def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, gro
     state["proj"], state["window"] = q, window
 
 
+def split_matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
+                 ident: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A matrix projection's split of one tensor: ``(Q, R, a)``, the basis of ``window``, the reduced
+    gradient ``R = reduce(a)`` and ``a`` the gradient it reduces: ``grad`` itself, or with error
+    feedback (LDAdam) ``g + e`` held in the error buffer, which is left holding what the low-rank
+    step leaves out (``feedback_begin``, ``feedback_end``)."""
+    a, moved = grad, None
+    if group["error_feedback"]:
+        a, moved = feedback_begin(state, grad), {}
+    q = matrix(state, rule, p, a, group, window, ident, moved)
+    r = proj.project(a, group["projection"], group["transposed"], q)
+    if group["error_feedback"]:
+        feedback_end(state, group, p, r, q, moved)
+    return q, r, a
+
+
 def _updates_so_far(state: dict) -> Tensor:
     """The step count, at least 1 (a count of 0 has zero moments: any positive value reads them as zero)."""
     return state["step"].double().clamp_min(1.0)
@@ -218,3 +235,38 @@ def _reproject(state: dict, rule: StateFullRule, q_old: Tensor, q_new: Tensor, s
         if name != "exp_avg_sq":
             new.mul_(s.norm() / new.norm().clamp_min(torch.finfo(new.dtype).tiny))
         state[name] = new
+
+
+def init_free_state(state: dict, p: Tensor, group: dict) -> None:
+    """The state of a state-free rule that reads the split (Fira's norm, AdaMeM's statistic)."""
+    free = STATE_FREE[group["state_free"]]
+    if free.init_state is not None:
+        dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
+        free.init_state(state, p.t() if transposed else p, dim)
+
+
+def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: int, ident: int, block: bool) -> None:
+    """Give ``state`` the entries, zero-filled, in the shapes a checkpoint of a step in ``window``
+    holds for ``param`` (``FRUGAL.materialize_state``): ``whole``: the state-full rule's moments of the
+    whole tensor (``block``: a block, which under ``reset_all`` also records its window); otherwise
+    the split's state: a coordinate projection draws the window's coordinates again, a matrix
+    projection gets a zero basis (the checkpoint holds the real one) of the window's rank."""
+    rule = STATE_FULL[group["state_full"]]
+    p = local(param)
+    if whole:
+        if block:
+            restart_block(state, rule, group, window)
+        rule.init_state(state, param)
+        return
+    if group["projection"] in proj.COORDINATE:
+        coordinates(state, rule, p, group, window, ident, shard_key(param, group))
+    else:
+        transposed, density = group["transposed"], group["density"]
+        m, n = proj.logical_shape(p.shape, transposed)
+        side = n if proj.matrix_side(p.shape, transposed) == "right" else m
+        state["proj"] = torch.zeros(side, proj.matrix_rank(p.shape, density), dtype=p.dtype, device=p.device)
+        state["window"] = window
+        rule.init_state(state, p, proj.reduced_shape(group["projection"], p.shape, transposed, density))
+        if group["error_feedback"]:
+            state["error"] = torch.zeros_like(p)
+    init_free_state(state, param, group)

@@ -586,11 +586,12 @@ def test_density_report(projection, density, expected_unit):
     assert abs(report["realised"] - report["requested"]) <= report["unit"] / 2 + 1e-12 or projection == "block"
 
 
+@pytest.mark.parametrize("reset_state", ["reset", "reset_all"])
 @pytest.mark.parametrize("projection", PROJECTIONS)
-def test_materialize_state_matches_a_checkpoint_of_that_step(projection):
+def test_materialize_state_matches_a_checkpoint_of_that_step(projection, reset_state):
     """What torch.distributed.checkpoint needs of a fresh optimizer: the same state keys, shapes and
     dtypes as the saved one (which tensors hold state depends on the window)."""
-    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random")
+    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random", reset_state=reset_state)
     params = make_params([(6, 8), (8, 6)] * 3 + [(5,)])
     opt = FRUGAL(layered_groups(params, [2, 2, 2]), **kw)
     run_steps(opt, params, 7)
@@ -727,3 +728,17 @@ def test_tensor_granularity_selects_the_authors_blocks_on_llama_130m(density, co
         assert report["requested"] == pytest.approx(density) and report["unit"] == 1 / 84
     # the layer rule rounds half up: 1/8 of 84 as layers-style rounding would be 11, not the authors' 10
     assert P.block_count(84, 1 / 8) == 11 and P.block_count(84, 1 / 8, "tensor") == 10
+
+
+def test_block_groups_must_share_their_walk_when_added():
+    """Settings every block group shares (one walk over all blocks) are checked when a group is
+    added, before any step: at construction and by add_param_group."""
+    params = make_params([(4, 4)] * 3)
+    groups = layered_groups(params[:2], [1, 1])
+    groups[1]["density"] = 0.5
+    with pytest.raises(ValueError, match="All block-projected groups must share density: got 0.25 and 0.5"):
+        FRUGAL(groups)
+    opt = FRUGAL(layered_groups(params[:2], [1, 1]))
+    with pytest.raises(ValueError, match="must share block_order: got 'descending' and 'random'"):
+        opt.add_param_group({"params": [params[2]], "projectable": True, "block": 2, "block_order": "random"})
+    assert len(opt.param_groups) == 2  # the refused group is not kept
