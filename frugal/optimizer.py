@@ -104,6 +104,7 @@ class FullKey(NamedTuple):
     momentum: float
     device: torch.device
     dtype: torch.dtype
+    options: tuple = ()  # the values of the rule's own group keys (StateFullRule.options)
 
 
 class FreeKey(NamedTuple):
@@ -195,6 +196,8 @@ class FRUGAL(Optimizer):
                  momentum=0.9, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
                  density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
+                 nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
+                 adjust_lr_fn="match_rms_adamw",
                  sign_update="auto", stochastic_rounding=False, foreach=True):
         params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -208,7 +211,8 @@ class FRUGAL(Optimizer):
                         density_schedule=density_schedule, density_end=density_end,
                         density_steps=density_steps, update_gap_growth=update_gap_growth,
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-                        max_update_gap=max_update_gap, sign_update=sign_update,
+                        max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, sign_update=sign_update,
                         stochastic_rounding=stochastic_rounding, foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
@@ -258,7 +262,10 @@ class FRUGAL(Optimizer):
     def _check_rule_shapes(group: dict) -> None:
         """A state-full rule of matrices (Adafactor's factors) refuses, at construction, a tensor it
         would have to update whole (non-projectable, block) that is not 2-D, and FSDP2 shards."""
-        if not STATE_FULL[group["state_full"]].matrix_only or group["always_state_free"]:
+        rule = STATE_FULL[group["state_full"]]
+        if rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
+            rule.check(group)
+        if not rule.matrix_only or group["always_state_free"]:
             return
         whole = not group["projectable"] or group["projection"] == "block"
         for p in group["params"]:
@@ -644,20 +651,23 @@ class FRUGAL(Optimizer):
             wd_full = wd * lr / lr_full if holds_weights and lr_full else 0.0
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
-            key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
-                          w.target.device, w.target.dtype)
-            targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
-            targets.append(w.target)
-            grads.append(w.full_grad)
             rule = STATE_FULL[group["state_full"]]
+            key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
+                          w.target.device, w.target.dtype,
+                          tuple(tuple(v) if isinstance(v, list) else v for v in (group[k] for k in rule.options)))
+            targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
+            whole = rule.gathers and w.role == FULL  # the rule reads FSDP2 DTensors itself (Muon)
+            targets.append(w.param if whole else w.target)
+            grads.append(w.param.grad if whole else w.full_grad)
             for name in rule.state_names:
-                states[name].append(local(w.state[name]))
+                states[name].append(w.state[name] if whole else local(w.state[name]))
             if rule.counts_steps:
                 steps.append(w.state["step"])
         for key, (targets, grads, states, steps) in buckets.items():
             rule = STATE_FULL[key.rule]
             rule.foreach(targets, grads, [states[n] for n in rule.state_names], steps, lr=key.lr,
-                         betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum)
+                         betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum,
+                         **dict(zip(rule.options, key.options)))
 
     def _update_state_free(self, works: list[Work]) -> None:
         """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor);

@@ -30,14 +30,17 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     subspace window ``window``."""
     p = sharding.local(param)
     full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
-    rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"]}
+    rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"],
+                   **{k: group[k] for k in full_rule.options}}
     lr = group["lr"]
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
     new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * group["weight_decay"])
     if role == FULL:
         full_rule.init_state(state, param)
-        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs)
+        whole = {"like": param} if full_rule.gathers else {}  # Muon gathers an FSDP2 shard's matrix
+        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs,
+                                             **whole)
     elif role == FREE:
         if free_rule.direction is not None:
             new -= lr_free * free_rule.direction(grad)
