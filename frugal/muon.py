@@ -38,8 +38,8 @@ checkpoint saves and reshards it). The buffer and the Nesterov mix are element-w
 shard; only the matrix that is orthogonalised is all-gathered (in bfloat16, the dtype the iteration
 runs in, so the bytes are half those of the fp32 update), every rank runs the iteration on the whole
 matrix, and applies its own shard of the result. Only active (state-full) blocks are gathered:
-inactive blocks keep their local sign update. ``gathered_bytes()`` counts what this process
-received for it (docs/muon.md).
+inactive blocks keep their local sign update. ``gathered_bytes()`` counts the gathered matrices'
+bytes (docs/muon.md).
 """
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ _gathered = [0]
 
 
 def gathered_bytes() -> int:
-    """Bytes this process received from the all-gathers of sharded (FSDP2) matrices since the last
-    ``reset_gathered_bytes()``: (world - 1) / world of each gathered bf16 matrix."""
+    """Bytes of the whole matrices this process all-gathered from sharded (FSDP2) parameters since
+    the last ``reset_gathered_bytes()`` (bfloat16: 2 bytes per element; (world - 1) / world of it
+    crosses the network)."""
     return _gathered[0]
 
 
@@ -118,7 +119,7 @@ def _orthogonalise(u_local: Tensor, like: Tensor, coefficients, steps, eps) -> T
     part = u_local.bfloat16()
     whole = DTensor.from_local(part, mesh, placements, shape=like.shape, stride=like.stride(),
                                run_check=False).full_tensor()
-    _gathered[0] += (whole.numel() - part.numel()) * whole.element_size()
+    _gathered[0] += whole.numel() * whole.element_size()
     result = newton_schulz(whole, coefficients, steps, eps)
     replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, placements).to_local()  # a local slice: no communication

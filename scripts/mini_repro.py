@@ -77,9 +77,12 @@ EXTRAS = {
     "adamem": ("adamem", [], "AdaMeM, rho=0.25", f"{TABLE9['AdaMeM, rho=0.25']['60M']:.2f} (Table 9)"),
     "apollo": ("apollo", [], "APOLLO", "-"),
     "adam_mini": ("adam_mini", [], "Adam-mini", "-"),
+    # beyond the paper: Muon (its lr convention "match_rms_adamw" lets it run at AdamW's rate; docs/muon.md)
+    "muon": ("muon", [], "Muon", "-"),
+    "frugal_muon": ("frugal_muon", ["optimizer.density=0.25"], "FRUGAL-Muon, rho=0.25", "-"),
 }
 # Options whose subspace is refreshed every update_gap steps: the gap is scaled with the run.
-GAP_OPTIONS = ("frugal", "frugal_rho0", "galore", "badam", "fira", "adamem", "apollo")
+GAP_OPTIONS = ("frugal", "frugal_rho0", "galore", "badam", "fira", "adamem", "apollo", "frugal_muon")
 
 
 def missing_package(key: str) -> str | None:

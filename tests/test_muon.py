@@ -219,3 +219,83 @@ def test_trains_from_a_real_loss():
         loss.backward()
         opt.step()
     assert losses[-1] < losses[0] - 0.5
+
+
+# ---- FSDP2: 2 processes on gloo (tests/_fsdp_muon_worker.py) --------------------------------------
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory):
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("fsdp_muon")
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(repo, "tests", "_fsdp_muon_worker.py"), str(out), str(out / "ckpt")]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+@pytest.mark.parametrize("case", ["block_0", "block_0.25", "block_0.5", "block_1", "reference_path"])
+def test_fsdp2_muon_matches_one_process(fsdp_ranks, case):
+    for r in fsdp_ranks:
+        assert r[case]["diff"] < 1e-6, r[case]
+        assert r[case]["moved"] > 1e-2  # the runs trained
+        assert r[case]["dtensor_state"]
+        # each rank holds its shard of the buffers and moments (about half; step counters replicated)
+        assert r[case]["bytes"] <= 0.55 * r[case]["bytes_unsharded"]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.25, 0.5, 1.0])
+def test_fsdp2_gathers_only_the_active_blocks(fsdp_ranks, density):
+    """Bytes all-gathered inside step(), seen by a dispatch mode that counts every collective: the
+    bf16 matrices of the rho share of blocks, against all of them for Muon on every matrix."""
+    for r in fsdp_ranks:
+        case = r[f"block_{density:g}"]
+        assert case["gathered_per_step"] == density * case["all_matrices_bf16"], case
+        assert case["own_count_per_step"] == case["gathered_per_step"]
+        if density == 0.0:
+            assert case["collectives"] == {}  # inactive blocks: local sign updates only
+
+
+def test_fsdp2_muon_state_checkpoints_with_dcp_and_column_is_refused(fsdp_ranks):
+    for r in fsdp_ranks:
+        assert r["dcp"]["diff"] == 0.0
+        assert "valid projection for sharded parameters with state_full 'muon': block" in r["column_error"]
+
+
+def test_planner_knows_the_rule():
+    """train_utils.memory_plan: the state (one buffer per Muon element), the bf16 bytes gathered per
+    step under FSDP2 (the active blocks' matrices: rho of Muon-on-every-matrix's) and the unsharded
+    orthogonalisation temporaries in the optimizer step."""
+    from omegaconf import OmegaConf
+
+    from train_utils.memory_plan import _facts, optimizer_gather_bytes, plan_memory
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "llama_tiny.yaml"))
+    model = tiny_llama()  # only for the shapes of one block's matrices (hidden 16 here, 128 in cfg)
+    del model
+    every = optimizer_gather_bytes(cfg, {"name": "muon"}, vocab_size=512)
+    quarter = optimizer_gather_bytes(cfg, {"name": "frugal_muon", "density": 0.25}, vocab_size=512)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_block = 2 * (4 * h * h + 3 * h * i)  # bf16 q, k, v, o, gate, up, down
+    assert every == cfg.num_hidden_layers * per_block and quarter == per_block
+    assert optimizer_gather_bytes(cfg, {"name": "frugal_muon", "density": 0.0}, vocab_size=512) == 0
+    assert optimizer_gather_bytes(cfg, {"name": "frugal", "density": 0.25}, vocab_size=512) == 0
+    facts = _facts(cfg, {"name": "frugal_muon", "density": 0.25}, "bf16-mixed", 512)
+    unsharded, fsdp = facts.matrix_transient
+    m, n = i, h  # the largest matrix (gate/up/down: 352 x 128)
+    assert unsharded == 4 * m * n + 6 * m * n + 4 * n * n and fsdp == 2 * m * n + 6 * m * n + 4 * n * n
+    steps = [plan_memory(cfg, {"name": "frugal_muon", "density": 0.25}, micro_batch_size=1, seq_len=16,
+                         world_size=4, parallelism=par, vocab_size=512).phases["optimizer step"]
+             for par in ("ddp", "fsdp")]
+    frugal_steps = [plan_memory(cfg, {"name": "frugal", "density": 0.25}, micro_batch_size=1, seq_len=16,
+                                world_size=4, parallelism=par, vocab_size=512).phases["optimizer step"]
+                    for par in ("ddp", "fsdp")]
+    assert steps[0] < frugal_steps[0]  # half the block state (one buffer instead of two moments)
+    assert estimate_state_bytes(tiny_llama(), "frugal_muon") < estimate_state_bytes(tiny_llama(), "frugal")
