@@ -157,6 +157,8 @@ def ordering(stats: dict) -> list[str]:
 def report(summary: dict, methods: list[str], min_seeds: int) -> str:
     """Markdown: one row per method, one column per budget (mean val loss and seed range), the orderings
     of budgets whose methods all have ``min_seeds`` seeds, and the rank correlations between them."""
+    if not summary:
+        return "(no finished cells yet)"
     budgets = [b for b in summary if all(summary[b].get(m, {}).get("seeds", 0) >= min_seeds for m in methods)]
     partial = [b for b in summary if b not in budgets]
     cols = budgets + partial
@@ -259,7 +261,8 @@ def main(argv=None) -> int:
     print(f"model: LLaMA, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {params:,} parameters; "
           f"budgets (tokens/param -> steps): "
           + ", ".join(f"{b:g} -> {steps_for(b, params, args)}" for b in args.budgets))
-    print(report(summary, args.methods, len(args.seeds)))
+    most = max((c["seeds"] for ms in summary.values() for c in ms.values()), default=0)
+    print(report(summary, args.methods, max(len(args.seeds), most)))  # fewer seeds than elsewhere: partial
     if args.plot and summary:
         plot(summary, args.methods, args.plot,
              f"{args.corpus.name}: {params / 1e6:.2f}M-param LLaMA, lr {args.lr:g}, seeds {args.seeds}")
