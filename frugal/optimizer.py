@@ -157,6 +157,11 @@ class FRUGAL(Optimizer):
     state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
     stays state-full keeps its state and only entering blocks start fresh.
 
+    Beyond the paper, ``state_full="muon"`` (frugal/muon.py) is torch.optim.Muon's rule with its keys
+    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, ``eps``;
+    pass ``momentum=0.95``, torch's Muon default, as the registry entries ``muon``/``frugal_muon`` do),
+    on block, column and row projections.
+
     Concurrent methods (module docstring): ``state_full="adafactor_momentum"`` and
     ``state_free="one_sided_adafactor"`` (AdaMeM), ``state_free="fira"`` with the norm-growth
     limiter ``fira_gamma`` (Fira; None: off, for runs that clip gradients), ``projection="power"``
