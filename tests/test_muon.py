@@ -299,3 +299,24 @@ def test_planner_knows_the_rule():
                     for par in ("ddp", "fsdp")]
     assert steps[0] < frugal_steps[0]  # half the block state (one buffer instead of two moments)
     assert estimate_state_bytes(tiny_llama(), "frugal_muon") < estimate_state_bytes(tiny_llama(), "frugal")
+
+
+def test_gpt2_conv1d_weights_use_their_logical_shape():
+    """A GPT-2 Conv1D weight is stored (in, out): Muon's "original" scale reads it as (out, in), as for
+    the nn.Linear it stands for; at density 1 it is torch's Muon on the transposed weight."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    ours = registry.build_optimizer(model, "frugal_muon", density=1.0, adjust_lr_fn="original", lr=1e-2)
+    mlp = model.transformer.h[0].mlp.c_fc.weight  # stored (16, 64): logical (64, 16), scale sqrt(64/16) = 2
+    w0 = mlp.detach().clone()
+    model.zero_grad()
+    x = torch.randint(0, 64, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    g = mlp.grad.detach().clone()
+    ours.step()
+    ref = torch.nn.Parameter(w0.t().clone())
+    ref.grad = g.t().clone()
+    torch.optim.Muon([ref], lr=1e-2, weight_decay=0.0, momentum=0.95, eps=1e-8, adjust_lr_fn="original").step()
+    torch.testing.assert_close(mlp.detach(), ref.detach().t(), rtol=1e-5, atol=1e-6)
