@@ -7,7 +7,8 @@
 Optional rows (--extras, a comma list or "all"; off by default, each costs one more run): the concurrent
 methods of Tables 9 and 17 as FRUGAL instances (fira, ldadam, adamem) and what users pick instead
 today (apollo, adam_mini: the apollo-torch and adam-mini packages; a row whose package is not installed
-is skipped with a note naming it). They follow the same protocol: AdamW's best learning rate, the same
+is skipped with a note naming it; muon, frugal_muon: Muon alone and as FRUGAL's state-full rule,
+docs/muon.md). They follow the same protocol: AdamW's best learning rate, the same
 scaled update gap (LDAdam refreshes its basis every step by definition).
 
 What it does, with the paper's protocol at a size two CPU cores train in ~15 minutes:
