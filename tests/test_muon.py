@@ -263,6 +263,18 @@ def test_fsdp2_gathers_only_the_active_blocks(fsdp_ranks, density):
             assert case["collectives"] == {}  # inactive blocks: local sign updates only
 
 
+def test_fsdp2_gathers_on_llama_are_what_the_planner_says(fsdp_ranks):
+    from omegaconf import OmegaConf
+
+    from train_utils.memory_plan import optimizer_gather_bytes
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "llama_tiny.yaml"))
+    planned = {"muon_1": optimizer_gather_bytes(cfg, {"name": "muon"}, vocab_size=512),
+               "frugal_muon_0.25": optimizer_gather_bytes(cfg, {"name": "frugal_muon", "density": 0.25}, vocab_size=512)}
+    for r in fsdp_ranks:
+        assert r["llama_tiny"] == planned and planned["frugal_muon_0.25"] * 4 == planned["muon_1"] > 0
+
+
 def test_fsdp2_muon_state_checkpoints_with_dcp_and_column_is_refused(fsdp_ranks):
     for r in fsdp_ranks:
         assert r["dcp"]["diff"] == 0.0
