@@ -332,3 +332,22 @@ def test_gpt2_conv1d_weights_use_their_logical_shape():
     ref.grad = g.t().clone()
     torch.optim.Muon([ref], lr=1e-2, weight_decay=0.0, momentum=0.95, eps=1e-8, adjust_lr_fn="original").step()
     torch.testing.assert_close(mlp.detach(), ref.detach().t(), rtol=1e-5, atol=1e-6)
+
+
+def test_make_tables_places_muon_runs_with_the_memory_column(tmp_path, capsys):
+    """scripts/make_tables.py: a run of the muon_table2like preset lands in its own table, labelled
+    Muon / FRUGAL-Muon, and every row's cells show the state estimate (configs/optimizer options)."""
+    from tests.test_tables import fake_run
+
+    from scripts import make_tables
+    from scripts.paper_tables import GIB
+
+    fake_run(tmp_path, "a", "muon_table2like", "llama_60m", {"name": "frugal_muon", "density": 0.25, "state_full": "muon"},
+             {200000: 23.0}, int(0.268 * GIB))
+    assert make_tables.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Beyond the paper: Muon as FRUGAL's state-full rule" in out
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert "23.00" in rows["FRUGAL-Muon, rho=0.25"]
+    for label, gib in [("Muon", "0.34"), ("FRUGAL-Muon, rho=0.0", "0.24"), ("AdamW", "0.43"), ("FRUGAL, rho=0.25", "0.29")]:
+        assert gib in rows[label], (label, rows[label])
