@@ -59,6 +59,8 @@ def test_report_orders_methods_and_shows_the_spread():
     assert "1 tokens/param: Muon < AdamW" in text and "4 tokens/param: AdamW < Muon" in text
     assert "1 -> 4 tokens/param: -1.00" in text
     assert budget_study.spearman(["a", "b", "c"], ["a", "b", "c"]) == 1.0
+    assert "4 tokens/param, rank correlation with the paper's order of its 1 methods" in text  # AdamW only
+    assert budget_study.spearman(["b", "a", "x"], ["a", "b"]) == -1.0  # items of one side only are left out
 
 
 def test_bad_arguments_are_refused(tmp_path):
