@@ -22,7 +22,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 
-from .checks import check_integer
+from .checks import HyperparameterError, check_integer
 
 DENSITY_KINDS = ("constant", "linear", "cosine", "step")
 
@@ -170,6 +170,52 @@ def observe_clock(holder: dict, settings: Mapping, loss: float) -> None:
     clock = _load(holder, settings)
     clock.observe(loss)
     holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
+
+
+# Settings one window clock serves every projected group with (FRUGAL keeps them equal across groups).
+CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
+# Settings every block-projected group shares (one walk over all blocks), the clock reads them too.
+BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed",
+                "density_schedule", "density_end", "density_steps")
+
+
+def clocked(group: Mapping) -> bool:
+    """Whether ``group``'s windows need a clock (a density schedule or a growing gap)."""
+    return group["density_schedule"] != "constant" or group["update_gap_growth"] > 1.0
+
+
+def check_shared(groups: list[Mapping]) -> None:
+    """The settings projected groups must share: every block-projected group the block walk's
+    (``BLOCK_SHARED``); every projected group the clock's (``CLOCK_SHARED``) once one needs a clock.
+    Raises HyperparameterError naming the key and both values."""
+    split = [g for g in groups if g["projectable"] and not g["always_state_free"]]
+    blocks = [g for g in split if g["projection"] == "block"]
+    for members, keys, why in ((blocks, BLOCK_SHARED, "All block-projected groups must share"),
+                               (split if any(clocked(g) for g in split) else [], CLOCK_SHARED,
+                                "With a density schedule or a growing update gap all projected groups share "
+                                "one window clock, so they must share")):
+        for g in members[1:]:
+            for k in keys:
+                if g[k] != members[0][k]:
+                    raise HyperparameterError(f"{why} {k}: got {members[0][k]!r} and {g[k]!r}")
+
+
+def clock_settings(groups: list[Mapping]) -> dict | None:
+    """The window clock's settings (None: no group needs one, windows are ``step // update_gap``)."""
+    split = [g for g in groups if g["projectable"] and not g["always_state_free"] and clocked(g)]
+    return {k: split[0][k] for k in CLOCK_SHARED + BLOCK_SHARED} if split else None
+
+
+def effective(group: dict, clock: "WindowClock | None") -> dict:
+    """``group`` with the density of the clock's window (itself without a density schedule)."""
+    if clock is None or group["density_schedule"] == "constant":
+        return group
+    return {**group, "density": density_at(group, clock.start)}
+
+
+def window_of(group: Mapping, step: int, clock: "WindowClock | None") -> int:
+    """The subspace window of ``step``: ``step // update_gap``, or the clock's."""
+    return step // group["update_gap"] if clock is None else clock.window
 
 
 def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callable[[int], int] | None,

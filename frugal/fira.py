@@ -19,6 +19,21 @@ between steps at :math:`\gamma` (1.01 in Fira's paper):
 where :math:`\|S_{t-1}\|` is the norm *after* the previous limit (one scalar of state per matrix).
 The step is :math:`\theta \leftarrow \theta - \eta (\mathrm{lift}(\psi(R)) + S)`.
 
+What ``optimizer=fira`` runs is the ``fira`` package's step (``fira_step_``; the paper's Fira
+numbers come from that code), which differs from the equations above in four places:
+
+- the residual is ``G - alpha * lift(R)`` (``alpha`` = ``projectable_lr_scale``, GaLore's scale,
+  0.25 in Fira's scripts), so with ``alpha < 1`` it still holds ``(1 - alpha) lift(R)``;
+- :math:`\phi` and the limiter see the *uncorrected* Adam ratio ``m / (sqrt(v) + eps)``; Adam's
+  step-size factor ``sqrt(1 - beta2^t) / (1 - beta1^t)`` multiplies the whole update afterwards;
+- eps where the state-full rule puts it (``adamw_hf``, the registry's choice: on the uncorrected
+  ``sqrt(v)``, as the package's AdamW);
+- weight decay after the update (again as the state-full rule says: ``adamw_hf`` decays after).
+
+The exact-residual reading (the FRUGAL paper's appendix: residual ``G - lift(R)``, limiter on the
+applied update) is not kept as an option: no table ran it, and with ``alpha = 1`` the two agree
+on the residual.
+
 The same scaling works for FRUGAL's coordinate projections ``column`` and ``row`` (the reduced
 gradient is a set of columns or rows, and the scaling runs along the other dimension), but not for
 ``block``: a tensor there is wholly state-full or wholly state-free, so there is no projected part of
@@ -82,3 +97,44 @@ def fira_residual_update(residual: Tensor, psi: Tensor, g_red: Tensor, reduced_d
 def new_limiter_state(like: Tensor) -> Tensor:
     """The limiter's state before the first step: a 0-d tensor holding -1 ("no previous norm")."""
     return torch.full((), -1.0, dtype=like.dtype, device=like.device)
+
+
+def fira_step_(p: Tensor, state: dict, grad: Tensor, full_grad: Tensor, lift, rule, *, lr: float,
+               alpha: float, free_scale: float, weight_decay: float, gamma: float | None, reduced_dim: int,
+               transposed: bool, rule_kwargs: dict) -> None:
+    r"""One Fira step of one split tensor ``p`` (in place), as the ``fira`` package takes it.
+
+    ``grad`` is the gradient that was projected, ``full_grad`` its reduction R (in the orientation
+    of ``p``'s transpose when ``transposed``), ``lift`` maps a reduced tensor to ``p``'s shape, and
+    ``rule`` is the state-full rule whose moments live in ``state``. With ``d = rule.direction(R)``
+    (AdamW: ``c * n``, ``n = m / (sqrt(v) + eps)``, ``c = sqrt(1 - beta2^t) / (1 - beta1^t)``)::
+
+        S = limit((G - alpha lift(R)) * ||n|| / (||R|| + 1e-8))      # per index of the other side
+        p <- p - lr * (alpha * lift(d) + free_scale * c * S)
+        p <- p * (1 - lr * weight_decay)                            # after, for rules that decay after
+
+    (decay before the update for rules that decay before, such as torch's AdamW).
+    """
+    d = rule.direction(full_grad, state, **rule_kwargs)
+    c = _step_size(state, rule, rule_kwargs["betas"])
+    n = d if c is None else d / c
+    residual = grad - alpha * lift(full_grad)
+    s = scaled_residual(residual.t() if transposed else residual, norm_scaling(n, full_grad, reduced_dim))
+    if gamma is not None:
+        limit_norm_growth_(s, state["fira_norm"], gamma)
+    if c is not None:
+        s.mul_(c)
+    update = lift(d).mul_(alpha).add_(s.t() if transposed else s, alpha=free_scale)
+    if weight_decay and not rule.decays_after:
+        p.mul_(1.0 - lr * weight_decay)
+    p.sub_(update.mul_(lr))
+    if weight_decay and rule.decays_after:
+        p.mul_(1.0 - lr * weight_decay)
+
+
+def _step_size(state: dict, rule, betas):
+    """Adam's step-size factor for rules with Adam's two moments (None for the others)."""
+    if not (rule.counts_steps and "exp_avg_sq" in rule.state_names):
+        return None
+    step = state["step"].double()
+    return ((1.0 - betas[1] ** step).sqrt() / (1.0 - betas[0] ** step)).to(state["exp_avg"].dtype)

@@ -22,7 +22,7 @@ from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 
 
 
-RESET_MODES = ("reset", "reproject", "keep", "transport")
+RESET_MODES = ("reset", "reset_all", "reproject", "keep", "transport")
 GRANULARITIES = ("layer", "tensor")
 
 # Keys whose value is one of a fixed set of names.
@@ -138,7 +138,7 @@ def check_combination(group: Mapping[str, Any]) -> None:
     basis and AdamW's moments. Raises HyperparameterError naming the keys and what would work."""
     projection, full, free = group["projection"], group["state_full"], group["state_free"]
     projectable = group.get("projectable", True) and not group.get("always_state_free", False)
-    if STATE_FREE[free].contextual is not None:
+    if STATE_FREE[free].reads_split:
         if group.get("always_state_free", False):
             raise HyperparameterError(
                 f"state_free {free!r} updates the residual of a split tensor, but this group is always "
@@ -178,4 +178,4 @@ def check_combination(group: Mapping[str, Any]) -> None:
 
 
 def _plain(rules) -> list[str]:
-    return [name for name, rule in rules.items() if rule.contextual is None]
+    return [name for name, rule in rules.items() if not rule.reads_split]

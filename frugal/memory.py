@@ -154,7 +154,8 @@ def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], shared: 
         for group, p in projectable:
             by_block.setdefault(group.get("block"), []).append(p)
         units = [by_block[b] for b in sorted(by_block, key=lambda b: (b is None, b))]
-    chosen = proj.select_blocks(shared["block_order"], len(units), shared["density"], 0, shared["seed"])
+    chosen = proj.select_blocks(shared["block_order"], len(units), shared["density"], 0, shared["seed"],
+                                granularity=shared["block_granularity"])
     return [p for i in chosen for p in units[i]]
 
 

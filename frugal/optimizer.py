@@ -33,10 +33,9 @@ Concurrent Methods"; registry entries ``fira``, ``ldadam``, ``adamem``) plug int
 - AdaMeM: a state-full rule with its own state layout (``adafactor_momentum``: Adafactor's factors,
   ``rules.StateFullRule.shapes``) in phase 3, and a *contextual* state-free rule
   (``one_sided_adafactor``) in phase 4 that keeps a statistic per tensor.
-- Fira: the contextual rule ``fira`` reads the state-full update. For it phase 3 runs the
-  state-full rule with learning rate 1 on a zero target, which then holds ``-psi`` exactly (no
-  division by a learning rate that is 0 during warm-up); phase 4 reads it, and phase 5 adds
-  ``lr * projectable_lr_scale`` times its lift.
+- Fira: the rule ``fira`` takes a split tensor's whole step in phase 4
+  (``rules.StateFreeRule.split_step``: the ``fira`` package's step, ``frugal.fira``); phases 3 and 5
+  skip the tensor (its ``target`` is None).
 - LDAdam: ``projection="power"`` (a basis tracked by block power iteration), ``reset_state=
   "transport"`` (the moments moved into the new basis) and ``error_feedback=True``: in phase 2 the
   gradient is added to the error buffer (``p.grad`` is never written), the split reads that sum,
@@ -50,7 +49,6 @@ changes through ``pop_events()``.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -61,17 +59,14 @@ from torch.optim import Optimizer
 
 from . import projections as proj
 from . import grouping, state_management
-from .adaptive import WindowClock, advance_clock, density_at, observe_clock
+from .adaptive import (BLOCK_SHARED, WindowClock, advance_clock, check_shared, clock_settings, density_at, effective,
+                       observe_clock, window_of)
 from .hparams import HyperparameterError, check_combination, validate
 from .reference import FREE, FULL, SPLIT, update_tensor
-from .rules import STATE_FREE, STATE_FULL, FreeContext
+from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
-_BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed",
-                 "density_schedule", "density_end", "density_steps")
-# One clock serves every group once windows are not step // update_gap: its settings are shared.
-_CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
 
 
@@ -90,8 +85,7 @@ class Work:
     target: Tensor | None = None  # what the state-full rule updates in place
     full_grad: Tensor | None = None  # the gradient the state-full rule sees
     free_grad: Tensor | None = None  # the gradient the state-free rule sees
-    additive: bool = False  # target collects an update that phase 5 adds (times write_scale)
-    write_scale: float = 1.0
+    additive: bool = False  # target collects an update that phase 5 adds
 
 
 class FullKey(NamedTuple):
@@ -128,6 +122,47 @@ class _Layout:
     active: tuple | None = None  # (window, frozenset of active blocks), memoised
 
 
+def check_group(group: dict) -> None:
+    """What one param group's settings and tensors must satisfy together (raised when the group is
+    added, naming the value and what would work): the combination of rules (``hparams``), 2-D
+    tensors for projections that need them, whole matrices where a rule or a basis needs them (no
+    FSDP2 shards), a layer index for layer blocks, 2-D tensors for a state-full rule of matrices."""
+    check_combination(group)
+    full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
+    if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
+        full_rule.check(group)
+    split = group["projectable"] and not group["always_state_free"]
+    projection = group["projection"]
+    for p in group["params"]:
+        if full_rule.matrix_only and not group["always_state_free"] and (
+                is_dtensor(p) or ((not split or projection == "block") and p.dim() != 2)):
+            raise HyperparameterError(
+                f"state_full {group['state_full']!r} factors the second moment of a matrix; it cannot "
+                f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
+                "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
+                "does for embeddings, norms and the output layer)")
+        if not split:
+            continue
+        if projection not in ("block", "randk") and p.dim() != 2:
+            raise HyperparameterError(
+                f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
+                "valid choices for other shapes: block, randk")
+        if is_dtensor(p) and free_rule.reads_split:
+            raise HyperparameterError(
+                f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
+                f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
+                "shard; valid choices for sharded parameters: signsgd, sgd, none")
+        if projection in proj.MATRIX and is_dtensor(p):
+            raise HyperparameterError(
+                f"projection {projection!r} needs each whole weight matrix (for its basis), "
+                f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
+                "choices for sharded parameters: block, column, row, randk, randperm")
+    if split and projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
+        raise HyperparameterError(
+            "A projectable group with projection 'block' and block_granularity 'layer' needs "
+            "its layer index as group key 'block' (or use block_granularity='tensor')")
+
+
 class FRUGAL(Optimizer):
     r"""FRUGAL (Full-Rank Updates with GrAdient spLitting), Algorithm 1 of the paper.
 
@@ -147,41 +182,61 @@ class FRUGAL(Optimizer):
     SGD with momentum; StateFree is :math:`\mathrm{sign}(g_{free})` (signSGD), :math:`g_{free}`
     (SGD) or 0 (``none``: BAdam / GaLore). State-free coordinates own no state.
 
-    The density :math:`\rho` (``density``) sets the share of projectable elements that are
-    state-full: ``block`` keeps round-half-up(:math:`\rho L`) of the L blocks (transformer
-    layers, or single tensors with ``block_granularity="tensor"``) state-full; ``column``,
-    ``row``, ``randk`` keep that share of columns, rows or random coordinates; ``svd``,
-    ``random`` and ``randperm`` use rank round(:math:`\rho\min(m, n)`) on the smaller side.
-    ``reset_state`` decides what the state-full rule sees after a change of subspace (fresh,
-    re-projected or stale state: see ``frugal.state_management``). An unchanged projection leaves the
-    state unchanged (Algorithm 1 line 7 is the identity), so density 1 is AdamW: a block that
-    stays state-full keeps its state and only entering blocks start fresh.
+    Args (core):
+        params: a model, its ``named_parameters()``, plain tensors (blocks guessed from repeating
+            shapes, with a warning) or param groups (``frugal.grouping``). Group keys:
+            ``projectable`` (split this group's tensors), ``block`` (its layer index),
+            ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free``
+            (the whole tensor takes the state-free rule). Other tensors are state-full, never reset.
+        lr, betas, eps, weight_decay: as torch's AdamW (decoupled decay on every tensor).
+        density: :math:`\rho`, the state-full share of projectable elements: ``block`` keeps
+            k of the L blocks (``projections.block_count``); ``column``, ``row``, ``randk`` that
+            share of columns, rows or coordinates; ``svd``, ``random``, ``randperm``, ``power`` rank
+            round(:math:`\rho\min(m, n)`) on the smaller side.
+        update_gap: T, the steps of one subspace window.
+        projection: block, column, row, randk, randperm, svd, random, power.
+        state_full: adamw, adamw_hf (Hugging Face's form), lion, sgdm, adafactor_momentum.
+        state_free: signsgd, sgd, none (BAdam / GaLore), fira, one_sided_adafactor.
+        state_free_lr_scale, projectable_lr_scale: :math:`\gamma` and :math:`\kappa`.
+        reset_state: the state after a change of subspace (``frugal.state_management``): reset,
+            reset_all, reproject, keep (GaLore), transport (LDAdam). An unchanged projection leaves
+            the state unchanged (Algorithm 1 line 7 is the identity), so under the default ``reset``
+            a block that stays state-full keeps its state and density 1 is AdamW. ``reset_all`` is
+            the appendix pseudocode (``block_step``) and the authors' code: every state-full block
+            restarts at every window boundary, staying ones too; the two agree unless windows
+            overlap (random order, density > 0.5). The default stays ``reset``: it is what the main
+            text describes, keeps density 1 equal to AdamW, and does not throw away the moments of
+            a subspace that did not change; the presets reproducing the paper's tables set
+            ``reset_all``.
+        block_order: descending (the paper's), ascending, mirror, random.
+        block_granularity: layer (the paper's text) or tensor (the authors' code: single weights,
+            Python's ``round``).
+        momentum: sgdm's. seed: the subspace draws.
 
     Beyond the paper, ``state_full="muon"`` (frugal/muon.py) is torch.optim.Muon's rule with its keys
     ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, ``eps``;
     pass ``momentum=0.95``, torch's Muon default, as the registry entries ``muon``/``frugal_muon`` do),
     on block, column and row projections.
 
-    Concurrent methods (module docstring): ``state_full="adafactor_momentum"`` and
-    ``state_free="one_sided_adafactor"`` (AdaMeM), ``state_free="fira"`` with the norm-growth
-    limiter ``fira_gamma`` (Fira; None: off, for runs that clip gradients), ``projection="power"``
-    with ``subspace_momentum``, ``reset_state="transport"`` and ``error_feedback`` (LDAdam).
+    Args (concurrent methods, module docstring):
+        fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
+        subspace_momentum, error_feedback: LDAdam (with ``projection="power"``,
+            ``reset_state="transport"``).
 
-    Opt-in schedules (off by default): ``density_schedule`` ("constant", "linear", "cosine",
-    "step") takes the density from ``density`` to ``density_end`` over ``density_steps`` steps,
-    read at the first step of each window; ``update_gap_growth`` > 1 multiplies the update gap
-    (up to ``max_update_gap``) when the mean training loss of a window, fed by ``observe_loss``,
-    has not improved by the relative ``plateau_threshold`` for ``plateau_patience`` windows.
+    Args (schedules, opt-in, off by default):
+        density_schedule, density_end, density_steps: the density goes from ``density`` to
+            ``density_end`` over ``density_steps`` steps (constant, linear, cosine, step), read at
+            the first step of each window.
+        update_gap_growth, plateau_patience, plateau_threshold, max_update_gap: the update gap is
+            multiplied by ``update_gap_growth`` (up to ``max_update_gap``) when a window's mean
+            loss (``observe_loss``) has not improved by ``plateau_threshold`` for
+            ``plateau_patience`` windows.
 
-    Implementation keys: ``sign_update`` ("auto", "compiled", "eager"; ``frugal.kernels``) picks
-    the signSGD kernel; ``stochastic_rounding=True`` rounds bfloat16 weights stochastically
-    (unbiased) instead of to nearest, so updates below half a bf16 ulp are not lost in pure bf16
-    training (off by default: the paper's runs round to nearest); ``foreach=False`` runs the
-    single-tensor reference step (slow; for tests and debugging).
-
-    Param-group keys: ``projectable`` (split this group's tensors), ``block`` (its layer index),
-    ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free`` (update the
-    whole tensor with the state-free rule). Other tensors are state-full and never reset.
+    Args (implementation: same results, other speed or memory):
+        sign_update: auto, compiled, eager (``frugal.kernels``).
+        stochastic_rounding: round bfloat16 weights stochastically (unbiased) so updates below half
+            an ulp are not lost in pure bf16 (off: the paper's runs round to nearest).
+        foreach: False runs the single-tensor reference step (``frugal.reference``).
 
     Subspaces are pure functions of (seed, window, parameter position) drawn from private
     generators, so data-parallel ranks and resumed runs agree without communication. Every param
@@ -238,48 +293,13 @@ class FRUGAL(Optimizer):
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
         group.update(validate({k: group[k] for k in self.defaults}))
-        check_combination(group)
-        self._check_rule_shapes(group)
-        if group["projectable"] and not group["always_state_free"]:
-            projection = group["projection"]
-            for p in group["params"]:
-                if projection not in ("block", "randk") and p.dim() != 2:
-                    raise HyperparameterError(
-                        f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
-                        "valid choices for other shapes: block, randk")
-                if is_dtensor(p) and STATE_FREE[group["state_free"]].contextual is not None:
-                    raise HyperparameterError(
-                        f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
-                        f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
-                        "shard; valid choices for sharded parameters: signsgd, sgd, none")
-                if projection in proj.MATRIX and is_dtensor(p):
-                    raise HyperparameterError(
-                        f"projection {projection!r} needs each whole weight matrix (for its basis), "
-                        f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
-                        "choices for sharded parameters: block, column, row, randk, randperm")
-            if projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
-                raise HyperparameterError(
-                    "A projectable group with projection 'block' and block_granularity 'layer' needs "
-                    "its layer index as group key 'block' (or use block_granularity='tensor')")
+        try:
+            check_group(group)
+            check_shared(self.param_groups)  # one block walk and one window clock: shared settings
+        except HyperparameterError:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
         self._layout = None
-
-    @staticmethod
-    def _check_rule_shapes(group: dict) -> None:
-        """A state-full rule of matrices (Adafactor's factors) refuses, at construction, a tensor it
-        would have to update whole (non-projectable, block) that is not 2-D, and FSDP2 shards."""
-        rule = STATE_FULL[group["state_full"]]
-        if rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
-            rule.check(group)
-        if not rule.matrix_only or group["always_state_free"]:
-            return
-        whole = not group["projectable"] or group["projection"] == "block"
-        for p in group["params"]:
-            if is_dtensor(p) or (whole and p.dim() != 2):
-                raise HyperparameterError(
-                    f"state_full {group['state_full']!r} factors the second moment of a matrix; it cannot "
-                    f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
-                    "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
-                    "does for embeddings, norms and the output layer)")
 
     @property
     def step_count(self) -> int:
@@ -327,21 +347,11 @@ class FRUGAL(Optimizer):
             return None
         blocks = None
         if layout.blocks is not None:
-            n = len(layout.blocks)
-            blocks = lambda start: proj.block_count(n, density_at(layout.block_settings, start))  # noqa: E731
+            n, shared = len(layout.blocks), layout.block_settings
+            blocks = lambda start: proj.block_count(n, density_at(shared, start), shared["block_granularity"])  # noqa: E731
         clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
         self._events += events
         return clock
-
-    def _effective(self, group: dict, clock: WindowClock | None) -> dict:
-        """``group`` with the density of the clock's window (itself without a density schedule)."""
-        if clock is None or group["density_schedule"] == "constant":
-            return group
-        return {**group, "density": density_at(group, clock.start)}
-
-    @staticmethod
-    def _window(group: dict, step: int, clock: WindowClock | None) -> int:
-        return step // group["update_gap"] if clock is None else clock.window
 
     def materialize_state(self, step: int) -> None:
         """Set the step counter to ``step`` and give every tensor that holds state after ``step``
@@ -374,40 +384,14 @@ class FRUGAL(Optimizer):
         self._events = []
         active = self._active(layout, last, clock)
         for gi, group in enumerate(self.param_groups):
-            group = self._effective(group, clock)
-            rule = STATE_FULL[group["state_full"]]
-            window = self._window(group, last, clock)
+            group = effective(group, clock)
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
                     self.state.pop(p, None)
-                elif role == FULL:
-                    rule.init_state(self.state[p], p)
-                elif group["projection"] in proj.COORDINATE:
-                    state_management.coordinates(self.state[p], rule, local(p), group, window,
-                                                 layout.idents[gi][pi], shard_key(p, group))
-                    self._init_free_state(self.state[p], p, group)
-                else:  # the basis comes from the checkpoint (svd: from a gradient)
-                    state = self.state[p]
-                    shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"],
-                                               group["density"])
-                    m, n = proj.logical_shape(p.shape, group["transposed"])
-                    side = n if proj.matrix_side(p.shape, group["transposed"]) == "right" else m
-                    rank = proj.matrix_rank(p.shape, group["density"])
-                    state["proj"] = torch.zeros(side, rank, dtype=p.dtype, device=p.device)
-                    state["window"] = window
-                    rule.init_state(state, p, shape)
-                    if group["error_feedback"]:
-                        state["error"] = torch.zeros_like(p)
-                    self._init_free_state(state, p, group)
-
-    @staticmethod
-    def _init_free_state(state: dict, p: Tensor, group: dict) -> None:
-        """The state of a contextual state-free rule (Fira's norm, AdaMeM's statistic)."""
-        free = STATE_FREE[group["state_free"]]
-        if free.init_state is not None:
-            dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
-            free.init_state(state, p.t() if transposed else p, dim)
+                else:
+                    state_management.materialize(self.state[p], p, group, role == FULL, window_of(group, last, clock),
+                                                 layout.idents[gi][pi], layout.block_of[gi][pi] is not None)
 
     def _get_layout(self) -> _Layout:
         if self._layout is not None:
@@ -417,35 +401,18 @@ class FRUGAL(Optimizer):
             idents.append(list(range(n, n + len(group["params"]))))
             block_of.append([None] * len(group["params"]))
             n += len(group["params"])
-        split = [group for group in self.param_groups if group["projectable"] and not group["always_state_free"]]
         groups = [(gi, group) for gi, group in enumerate(self.param_groups)
                   if group["projectable"] and not group["always_state_free"] and group["projection"] == "block"]
-        layout = _Layout(idents, block_of, None, None)
+        layout = _Layout(idents, block_of, None, None, clock_settings(self.param_groups))
         if groups:
-            block_settings = {k: groups[0][1][k] for k in _BLOCK_SHARED}
-            for _, group in groups:
-                for k in _BLOCK_SHARED:
-                    if group[k] != block_settings[k]:
-                        raise HyperparameterError(
-                            f"All block-projected groups must share {k}: got {block_settings[k]!r} and {group[k]!r}")
+            shared = {k: groups[0][1][k] for k in BLOCK_SHARED}  # equal in every block group (add_param_group)
             count = 0
             for gi, group in groups:
                 for pi in range(len(group["params"])):
-                    block_of[gi][pi] = count if block_settings["block_granularity"] == "tensor" else group["block"]
+                    block_of[gi][pi] = count if shared["block_granularity"] == "tensor" else group["block"]
                     count += 1
             layout.blocks = sorted({b for row in block_of for b in row if b is not None})
-            layout.block_settings = block_settings
-        clocked = [group for group in split
-                   if group["density_schedule"] != "constant" or group["update_gap_growth"] > 1.0]
-        if clocked:
-            clock = {k: clocked[0][k] for k in _CLOCK_SHARED + _BLOCK_SHARED}
-            for group in split:
-                for k in _CLOCK_SHARED:
-                    if group[k] != clock[k]:
-                        raise HyperparameterError(
-                            f"With a density schedule or a growing update gap all projected groups share one "
-                            f"window clock, so they must share {k}: got {clock[k]!r} and {group[k]!r}")
-            layout.clock = clock
+            layout.block_settings = shared
         self._layout = layout
         return layout
 
@@ -453,12 +420,13 @@ class FRUGAL(Optimizer):
         """State-full blocks of the window holding ``step``."""
         if layout.blocks is None:
             return frozenset()
-        window = self._window(layout.block_settings, step, clock)
+        window = window_of(layout.block_settings, step, clock)
         if layout.active is None or layout.active[0] != window:
             shared = layout.block_settings
             density = shared["density"] if clock is None else density_at(shared, clock.start)
             chosen = proj.select_blocks(shared["block_order"], len(layout.blocks), density, window, shared["seed"],
-                                        offset=None if clock is None else clock.offset)
+                                        offset=None if clock is None else clock.offset,
+                                        granularity=shared["block_granularity"])
             layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
         return layout.active[1]
 
@@ -480,49 +448,18 @@ class FRUGAL(Optimizer):
         clock = self._clock(layout, self.step_count, commit=False)
         return None if layout.blocks is None else sorted(self._active(layout, self.step_count, clock))
 
-    def _census(self) -> tuple[int, int, int, float]:
-        """(projectable elements, state-full ones next step, one selection unit, density asked)."""
-        layout = self._get_layout()
-        clock = self._clock(layout, self.step_count, commit=False)
-        active = self._active(layout, self.step_count, clock)
-        total = full = units = asked = 0
-        block_sizes: dict = defaultdict(int)
-        for gi, group in enumerate(self.param_groups):
-            if not group["projectable"] or group["always_state_free"]:
-                continue
-            group = self._effective(group, clock)
-            for pi, p in enumerate(group["params"]):
-                n = p.numel()
-                total += n
-                asked += group["density"] * n
-                if group["projection"] == "block":
-                    block_sizes[layout.block_of[gi][pi]] += n
-                    full += n if layout.block_of[gi][pi] in active else 0
-                    continue
-                shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"], group["density"])
-                full += math.prod(shape)
-                if group["projection"] == "randk":
-                    units += 1
-                elif group["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
-                    units += shape[0] if proj.matrix_side(p.shape, group["transposed"]) == "right" else shape[1]
-                else:  # one more column (row): the elements across the other dimension
-                    units += n // p.shape[proj.coordinate_dim(group["projection"], p.shape, group["transposed"])]
-        units += max(block_sizes.values(), default=0)
-        return total, full, units, (asked / total if total else self.defaults["density"])
-
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window."""
-        total, full, _, _ = self._census()
-        return full / total if total else 0.0
+        from .summary import density_report  # late: summary builds FRUGAL optimizers
+
+        return density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:
-        """``requested`` density, ``realised`` state-full share of projectable elements (next
-        step's window) and ``unit``, the share one selection unit moves (one of L equal blocks:
-        1/L; column/row/randk/rank: one column/row/element/rank of every tensor). Blockwise
-        selection rounds to whole blocks, so warn when |realised - requested| > unit / 2."""
-        total, full, units, asked = self._census()
-        return {"requested": asked, "realised": full / total if total else 0.0,
-                "unit": units / total if total else 0.0}
+        """The density requested and the one realised in the next step's window (keys
+        ``requested``, ``realised``, ``unit``, ``state_full_share``, ``blocks``: ``frugal.summary.density_report``)."""
+        from .summary import density_report
+
+        return density_report(self)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -561,17 +498,20 @@ class FRUGAL(Optimizer):
         active = self._active(layout, step, clock)
         roles = []
         for gi, group in enumerate(self.param_groups):
-            group = self._effective(group, clock)
+            group = effective(group, clock)
             for pi, p in enumerate(group["params"]):
                 role = self._role(group, layout.block_of[gi][pi], active)
                 if role == FREE:
                     self.state.pop(p, None)  # a state-free tensor owns no state
+                elif role == FULL and layout.block_of[gi][pi] is not None:
+                    state_management.restart_block(self.state[p], STATE_FULL[group["state_full"]], group,
+                                                   window_of(group, step, clock))
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                      f"of shape {tuple(p.shape)}); valid choices: dense gradients")
                 roles.append((gi, pi, group, p, role))
         return [Work(p, local(p), local(p.grad), group, self.state[p] if role != FREE else {}, role,
-                     layout.idents[gi][pi], self._window(group, step, clock))
+                     layout.idents[gi][pi], window_of(group, step, clock))
                 for gi, pi, group, p, role in roles if p.grad is not None]
 
     @staticmethod
@@ -608,19 +548,12 @@ class FRUGAL(Optimizer):
         p, projection, transposed = w.local, group["projection"], group["transposed"]
         free = STATE_FREE[group["state_free"]]
         if projection in proj.MATRIX:
-            grad, moved = w.grad, None
-            if group["error_feedback"]:  # LDAdam: the split reads g + e (the buffer holds it)
-                grad, moved = state_management.feedback_begin(w.state, w.grad), {}
-            w.subspace = state_management.matrix(w.state, rule, p, grad, group, w.window, w.ident, moved)
-            w.full_grad = proj.project(grad, projection, transposed, w.subspace)
-            if group["error_feedback"]:
-                state_management.feedback_end(w.state, group, p, w.full_grad, w.subspace, moved)
-            w.target = torch.zeros_like(w.full_grad)  # collects the state-full update
-            w.additive = True
+            w.subspace, w.full_grad, grad = state_management.split_matrix(w.state, rule, p, w.grad, group,
+                                                                          w.window, w.ident)
+            w.target, w.additive = torch.zeros_like(w.full_grad), True  # collects the state-full update
             w.free_grad = w.grad
-            if group["state_free"] != "none":
-                w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed,
-                                                       w.subspace)
+            if free.direction is not None or free.contextual is not None:  # the rule reads the residual
+                w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed, w.subspace)
         else:
             w.subspace = state_management.coordinates(w.state, rule, p, group, w.window, w.ident,
                                                       shard_key(w.param, group))
@@ -630,26 +563,21 @@ class FRUGAL(Optimizer):
             if free.contextual is not None:  # it reads the residual itself (norms, statistics)
                 w.free_grad = proj.write_coordinates_(w.grad.clone(), projection, transposed, w.subspace,
                                                       torch.zeros_like(w.full_grad))
-            if free.reads_update:
-                w.target, w.additive = torch.zeros_like(w.full_grad), True
-            else:
-                w.target = proj.project(p, projection, transposed, w.subspace)
-        if free.reads_update:  # phase 3 runs at lr 1 so that target = -psi; phase 5 scales it
-            w.write_scale = group["lr"] * group["projectable_lr_scale"]
+            w.target = proj.project(p, projection, transposed, w.subspace)
+        if free.split_step is not None:  # the rule takes the whole step in phase 4 (Fira)
+            w.target, w.free_grad = None, None
         if free.init_state is not None:
-            self._init_free_state(w.state, p, group)
+            state_management.init_free_state(w.state, p, group)
 
     def _update_state_full(self, works: list[Work]) -> None:
         """Phase 3: the state-full rule on every target, one call per bucket of equal settings."""
         buckets: dict[FullKey, tuple] = {}
         for w in works:
-            if w.role == FREE:
+            if w.target is None:  # state-free, or a rule that takes the whole step (phase 4)
                 continue
             group = w.group
             lr, wd = group["lr"], group["weight_decay"]
             lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
-            if w.role == SPLIT and STATE_FREE[group["state_free"]].reads_update:
-                lr_full = 1.0  # the target (zeros) then holds -psi exactly (module docstring)
             # Decoupled decay (lr * wd) happens inside the rule when the target holds weights;
             # an additive target collects only the update (phase 4 decays the weights).
             holds_weights = w.role == FULL or not w.additive
@@ -684,6 +612,9 @@ class FRUGAL(Optimizer):
             group = w.group
             p = w.local
             rule = STATE_FREE[group["state_free"]]
+            if rule.split_step is not None:
+                self._split_step(w, rule)
+                continue
             if rule.contextual is not None:
                 self._contextual_update(w, rule)
                 continue
@@ -702,20 +633,28 @@ class FRUGAL(Optimizer):
         group, p = w.group, w.local
         dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
         residual = w.free_grad.t() if transposed else w.free_grad
-        update = torch.neg(w.target) if rule.reads_update else None  # the target holds -psi
-        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, update, dim, group))
+        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, dim, group))
         if group["weight_decay"]:
             p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.sub_(d.t() if transposed else d, alpha=group["lr"] * group["state_free_lr_scale"])
 
     @staticmethod
+    def _split_step(w: Work, rule) -> None:
+        """A rule that takes a split tensor's whole step (Fira): state-full part, residual, decay."""
+        group, p = w.group, w.local
+        projection, transposed = group["projection"], group["transposed"]
+        dim, flip = proj.reduced_dim(projection, p.shape, transposed)
+        lift = lambda x: proj.project_back(x, p.shape, projection, transposed, w.subspace)  # noqa: E731
+        rule.split_step(p, w.state, SplitContext(w.grad, w.full_grad, lift, dim, flip,
+                                                 STATE_FULL[group["state_full"]], group))
+
+    @staticmethod
     def _write_back(w: Work) -> None:
         """Phase 5, and the end of the batch's temporaries."""
-        if w.role == SPLIT:
+        if w.role == SPLIT and w.target is not None:
             group, p = w.group, w.local
             if w.additive:
-                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace),
-                       alpha=w.write_scale)
+                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace))
             else:
                 proj.write_coordinates_(p, group["projection"], group["transposed"], w.subspace, w.target)
         w.target = w.full_grad = w.free_grad = w.subspace = None

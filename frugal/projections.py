@@ -22,11 +22,19 @@ defined up to sign, LAPACK, cuSOLVER and different dtypes pick different ones, a
 moments across a change of basis (GaLore's and Fira's ``keep``) reads them in the new basis, so
 without a fixed sign its trajectory would depend on the backend.
 
+Full float32: every matrix-projection computation (SVD, QR of random bases, power iteration, the
+projections and lifts, moment re-projection) runs inside ``full_fp32()``, which turns TF32 (and
+bf16) matmuls off for its duration whatever the global settings (``torch.backends.cuda.matmul.
+allow_tf32``, ``torch.set_float32_matmul_precision``, ``train.tf32``) and restores them after. The
+authors ran torch 2.1, where fp32 matmuls were full precision, and a basis or a lift computed with a
+10-bit mantissa would be another algorithm.
+
 "Logical" orientation: a GPT-2 ``Conv1D`` weight is stored ``(in, out)``; with ``transposed=True``
 it is treated as its transpose so that ``column`` means an input feature, as for ``nn.Linear``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +45,47 @@ MATRIX = ("svd", "random", "power")
 PROJECTIONS = ("block",) + COORDINATE + MATRIX
 
 _MASK64 = (1 << 64) - 1
+
+
+def _precision_flags():
+    """The settings that may lower fp32 matmul precision: (object, attribute) pairs. torch >= 2.9
+    has per-backend ``fp32_precision`` ("ieee" = full fp32; reading it works whichever API set it);
+    older torch only the global precision and cuBLAS's allow_tf32."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return ((matmul, "fp32_precision", "ieee"), (torch.backends.mkldnn.matmul, "fp32_precision", "ieee"))
+    return None
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """float32 matmuls at full precision inside (no TF32, no bf16), the global settings restored on
+    exit. Nothing is touched when they already are full precision."""
+    flags = _precision_flags()
+    if flags is not None:
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in flags]
+        if all(value == full for (_, _, value), (_, _, full) in zip(saved, flags)):
+            yield
+            return
+        for obj, name, full in flags:
+            setattr(obj, name, full)
+        try:
+            yield
+        finally:
+            for obj, name, value in saved:
+                setattr(obj, name, value)
+        return
+    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    if precision == "highest" and not tf32:
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def round_half_up(x: float) -> int:
@@ -91,14 +140,30 @@ def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return values[first <= first.kthvalue(k).values]
 
 
-def block_count(num_blocks: int, density: float) -> int:
-    """k = round-half-up(density * L) state-full blocks of L."""
-    return min(num_blocks, round_half_up(density * num_blocks))
+def block_count(num_blocks: int, density: float, granularity: str = "layer") -> int:
+    """How many of the L blocks are state-full.
+
+    ``layer``: k = round-half-up(density * L) (the paper, Appendix D: "we take round(rho * L)
+    layers"; half-up so that e.g. 1/8 of 12 layers is 2, as people read the paper's round).
+    ``tensor``: k = Python's ``round(density * L)`` over the L single weight tensors, banker's
+    rounding included, because that is the count of the authors' code, whose blocks are single
+    tensors (for LLaMA-130M's 84 tensors: 1/16 -> 5, 1/8 -> round(10.5) = 10, 1/4 -> 21, 1/3 -> 28,
+    1/2 -> 42; the paper's Table 16 densities are these counts).
+    """
+    k = round(density * num_blocks) if granularity == "tensor" else round_half_up(density * num_blocks)
+    return min(num_blocks, k)
 
 
 def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int,
-                  offset: int | None = None) -> list[int]:
-    """Positions (0..L-1) of the state-full blocks in ``window``; k = round-half-up(density * L).
+                  offset: int | None = None, granularity: str = "layer") -> list[int]:
+    """Positions (0..L-1) of the state-full blocks in ``window``; k = ``block_count``.
+
+    Positions are the blocks in module order: layers, or with granularity ``tensor`` the weight
+    tensors in ``named_modules()`` order (q, k, v, o, gate, up, down of layer 0, then layer 1, ...:
+    the order of the authors' list of tensors). The paper's default order is ``descending`` (its
+    scripts; Table 14 compares random, ascending and descending): the walk starts at the last
+    block, the one nearest the output, and takes the next k blocks down at every window, wrapping
+    around cyclically.
 
     ascending: window w holds {(w*k + j) mod L : j < k}; descending: the same counted from the
     top (position L-1 down); mirror: the same walk over the sequence 0, L-1, 1, L-2, ... so that
@@ -110,7 +175,7 @@ def select_blocks(order: str, num_blocks: int, density: float, window: int, seed
     if order not in BLOCK_ORDERS:
         raise ValueError(f"Unknown block_order {order!r}; valid choices: {', '.join(BLOCK_ORDERS)}")
     L = num_blocks
-    k = block_count(L, density)
+    k = block_count(L, density, granularity)
     if k == 0 or L == 0:
         return []
     if order == "random":
@@ -198,13 +263,15 @@ def matrix_projection(projection, grad, transposed, density, seed, window, ident
     if projection in ("svd", "power"):
         # At least fp32 (bf16 has no SVD), as galore-torch does; fp64 stays fp64.
         work = g.to(torch.promote_types(g.dtype, torch.float32))
-        U, _, Vh = torch.linalg.svd(work, full_matrices=False)
+        with full_fp32():
+            U, _, Vh = torch.linalg.svd(work, full_matrices=False)
         q = canonical_signs(Vh[:r].t() if side == "right" else U[:, :r])
     elif projection == "random":
         s = g.shape[1] if side == "right" else g.shape[0]
         # drawn on the CPU in float64 so every device and dtype gets the same basis
         gauss = torch.randn(s, max(r, 1), generator=generator(seed, window, ident), dtype=torch.float64)
-        q = torch.linalg.qr(gauss).Q[:, :r]
+        with full_fp32():
+            q = torch.linalg.qr(gauss).Q[:, :r]
     else:
         raise ValueError(f"Unknown matrix projection {projection!r}; valid choices: {', '.join(MATRIX)}")
     return q.contiguous().to(device=grad.device, dtype=grad.dtype)
@@ -214,7 +281,8 @@ def project(grad: torch.Tensor, projection: str, transposed: bool, subspace: tor
     """The state-full (reduced) part of ``grad``; ``subspace`` is the index tensor or Q."""
     if projection in MATRIX:
         g = grad.t() if transposed else grad
-        return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
+        with full_fp32():
+            return g @ subspace if matrix_side(grad.shape, transposed) == "right" else subspace.t() @ g
     dim = coordinate_dim(projection, grad.shape, transposed)
     if dim is None:
         return grad.view(-1).index_select(0, subspace)
@@ -250,7 +318,8 @@ def project_back(reduced: torch.Tensor, shape, projection: str, transposed: bool
     """The full-shape tensor whose state-full part is ``reduced`` and whose complement is zero."""
     if projection in MATRIX:
         side = matrix_side(shape, transposed)
-        full = reduced @ subspace.t() if side == "right" else subspace @ reduced
+        with full_fp32():
+            full = reduced @ subspace.t() if side == "right" else subspace @ reduced
         return full.t() if transposed else full
     out = torch.zeros(shape, dtype=reduced.dtype, device=reduced.device)
     return write_coordinates_(out, projection, transposed, subspace, reduced)

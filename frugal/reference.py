@@ -19,7 +19,7 @@ from torch import Tensor
 from . import projections as proj
 from . import sharding, state_management
 from .kernels import stochastic_round_
-from .rules import STATE_FREE, STATE_FULL, FreeContext
+from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 
 FULL, FREE, SPLIT = "state-full", "state-free", "split"
 
@@ -35,40 +35,41 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     lr = group["lr"]
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
-    new = p.to(torch.promote_types(p.dtype, torch.float32)) * (1.0 - lr * group["weight_decay"])
+    new = p.to(torch.promote_types(p.dtype, torch.float32))
+    decay = 1.0 - lr * group["weight_decay"]
     if role == FULL:
         full_rule.init_state(state, param)
         whole = {"like": param} if full_rule.gathers else {}  # Muon gathers an FSDP2 shard's matrix
-        new -= lr_full * full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs,
-                                             **whole)
+        d = full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs, **whole)
+        new = (new - lr_full * d) * decay if full_rule.decays_after else new * decay - lr_full * d
     elif role == FREE:
+        new *= decay
         if free_rule.direction is not None:
             new -= lr_free * free_rule.direction(grad)
     else:
         projection, transposed = group["projection"], group["transposed"]
-        a, moved = grad, None
-        if group["error_feedback"]:  # LDAdam: the step reads g + e (kept in the buffer)
-            a, moved = state_management.feedback_begin(state, grad), {}
-        if projection in proj.MATRIX:
-            sub = state_management.matrix(state, full_rule, p, a, group, window, ident, moved)
+        if projection in proj.MATRIX:  # with error feedback (LDAdam) a = g + e
+            sub, g_full, a = state_management.split_matrix(state, full_rule, p, grad, group, window, ident)
         else:
             sub = state_management.coordinates(state, full_rule, p, group, window, ident,
                                                sharding.shard_key(param, group))
-        g_full = proj.project(a, projection, transposed, sub)
-        if group["error_feedback"]:
-            state_management.feedback_end(state, group, p, g_full, sub, moved)
-        d_full = full_rule.direction(g_full, state, **rule_kwargs)
-        new -= lr_full * proj.project_back(d_full, p.shape, projection, transposed, sub)
-        if free_rule.contextual is not None:  # Fira, AdaMeM: the rule reads the split
-            dim, flip = proj.reduced_dim(projection, p.shape, transposed)
-            g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
-            residual = g_free.t() if flip else g_free
+            g_full, a = proj.project(grad, projection, transposed, sub), grad
+        dim, flip = proj.reduced_dim(projection, p.shape, transposed)
+        if free_rule.init_state is not None:
             free_rule.init_state(state, p.t() if flip else p, dim)
-            d = free_rule.contextual(residual, state, FreeContext(g_full, d_full, dim, group))
-            new -= lr_free * (d.t() if flip else d)
-        elif free_rule.direction is not None:
-            g_free = a - proj.project_back(g_full, p.shape, projection, transposed, sub)
-            new -= lr_free * free_rule.direction(g_free)
+        lift = lambda x: proj.project_back(x, p.shape, projection, transposed, sub)  # noqa: E731
+        if free_rule.split_step is not None:  # Fira: the rule takes the whole step
+            free_rule.split_step(new, state, SplitContext(a, g_full, lift, dim, flip, full_rule, group))
+        else:
+            new *= decay
+            d_full = full_rule.direction(g_full, state, **rule_kwargs)
+            new -= lr_full * lift(d_full)
+            if free_rule.contextual is not None:  # AdaMeM: the rule reads the split
+                g_free = a - lift(g_full)
+                d = free_rule.contextual(g_free.t() if flip else g_free, state, FreeContext(g_full, dim, group))
+                new -= lr_free * (d.t() if flip else d)
+            elif free_rule.direction is not None:
+                new -= lr_free * free_rule.direction(a - lift(g_full))
     if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
         # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike
         seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))

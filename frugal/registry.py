@@ -14,7 +14,8 @@ Most entries are presets of FRUGAL, because the paper's baselines are points of 
                otherwise foreach.
     fira       Fira (Chen et al. 2024): SVD projection with AdamW, the residual updated with Fira's
                norm-based scaling and norm-growth limiter (fira_gamma), moments kept across
-               projection changes, update scale 0.25.
+               projection changes, update scale 0.25; the `fira` package's step (its AdamW,
+               state_full "adamw_hf", eps 1e-6; frugal/fira.py lists what that means).
     ldadam     LDAdam (Robert et al. 2025): a basis refreshed every step by one block power
                iteration (projection "power", update_gap 1), AdamW's moments transported into it,
                the rest of the gradient carried to the next step in an error-feedback buffer (kept in
@@ -97,9 +98,11 @@ _ENTRIES: dict[str, _Entry] = {
     "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
     # The concurrent methods of the paper's Appendix "Comparison with Concurrent Methods", as the
     # FRUGAL instances it describes (docs/concurrent_methods.md).
+    # Fira as the `fira` package runs it (the paper's Fira numbers come from that code): its AdamW
+    # (Hugging Face's form, eps 1e-6 its default) on every tensor, residual G - alpha * lift(R).
     "fira": _Entry("frugal", "Fira: SVD + AdamW, residual with norm-based scaling and the norm-growth limiter",
-                   {"projection": "svd", "state_free": "fira", "reset_state": "keep",
-                    "projectable_lr_scale": 0.25, "update_gap": 200}),
+                   {"projection": "svd", "state_free": "fira", "reset_state": "keep", "state_full": "adamw_hf",
+                    "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200}),
     "ldadam": _Entry("frugal", "LDAdam: power-iteration basis every step, moment transport, error feedback",
                      {"projection": "power", "update_gap": 1, "reset_state": "transport", "state_free": "none",
                       "error_feedback": True, "subspace_momentum": 0.908, "betas": (0.908, 0.99)}),
@@ -218,7 +221,7 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
             if group.get("always_state_free"):
                 # A module moved to the state-free set (state_free_modules) has no split for Fira's or
                 # AdaMeM's rule to read: it takes FRUGAL's signSGD.
-                if STATE_FREE[free].contextual is not None:
+                if STATE_FREE[free].reads_split:
                     group["state_free"] = "signsgd"
             elif not group.get("projectable"):
                 group.update(entry.rest)

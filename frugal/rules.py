@@ -24,14 +24,20 @@ Rules of the concurrent methods the FRUGAL paper reads as FRUGAL instances (its 
   second moment, state ``exp_avg`` plus a row and a column vector (``StateFullRule.shapes``), for
   2-D tensors only; per tensor (outer products), not foreach.
 - ``fira`` (Fira's state-free rule): the residual scaled per row/column by the norm ratio of the
-  state-full update and the reduced gradient, then the norm-growth limiter (``frugal.fira``).
+  state-full update and the reduced gradient, then the norm-growth limiter (``frugal.fira``); it
+  takes the split tensor's whole step, as the ``fira`` package does (``StateFreeRule.split_step``).
+- ``adamw_hf``: AdamW in Hugging Face's form (the ``fira`` package's): eps on the uncorrected
+  ``sqrt(v)``, weight decay after the update.
 - ``one_sided_adafactor`` (AdaMeM's state-free rule): the residual divided by the root of a running
   mean of its squares along the side the projection did not reduce (``frugal.factored``).
 
-The two state-free rules are *contextual*: they read the split (the reduced gradient, and for
-Fira the state-full update) and keep a little state of their own (Fira's previous norm, one
-scalar per matrix; AdaMeM's statistic, one vector per matrix), so they run per tensor on split
-tensors only, through ``StateFreeRule.contextual(residual, state, ctx)``.
+The two state-free rules read the split (the reduced gradient, and for Fira the state-full
+update) and keep a little state of their own (Fira's previous norm, one scalar per matrix;
+AdaMeM's statistic, one vector per matrix), so they run per tensor on split tensors only:
+AdaMeM's through ``StateFreeRule.contextual(residual, state, ctx)`` (a direction for the
+residual), Fira's through ``StateFreeRule.split_step(param, state, ctx)`` (the whole step: its
+limiter acts before Adam's step-size factor and its decay after the update, which no split into
+phases can express).
 """
 from __future__ import annotations
 
@@ -87,6 +93,38 @@ def _adamw_math(g, m, v, step, beta1, beta2, eps):
 def adamw_direction(grad, state, *, betas, eps, momentum=0.0):
     state["step"] += 1
     return _adamw_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
+
+
+def adam_step_size(step, betas):
+    """``sqrt(1 - beta2^t) / (1 - beta1^t)``, Adam's two bias corrections as one step-size factor
+    (a 0-d float64 tensor from the tensor count ``step``: no host sync)."""
+    step = step.double()
+    return (1.0 - betas[1] ** step).sqrt() / (1.0 - betas[0] ** step)
+
+
+def _adamw_hf_math(g, m, v, step, beta1, beta2, eps):
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    return (m / (v.sqrt().add_(eps))).mul_(adam_step_size(step, (beta1, beta2)))
+
+
+def adamw_hf_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
+    """AdamW as Hugging Face's ``transformers.AdamW`` has it (and the ``fira`` package, which
+    copies it): ``t -= lr * sqrt(bc2)/bc1 * m / (sqrt(v) + eps)``, eps added to the *uncorrected*
+    ``sqrt(v)``; then ``t *= 1 - lr*wd``, the decay *after* the update. One tensor at a time."""
+    if not targets:
+        return
+    exp_avgs, exp_avg_sqs = states
+    torch._foreach_add_(steps, 1.0)
+    for t, g, m, v, s in zip(targets, grads, exp_avgs, exp_avg_sqs, steps):
+        t.sub_(_adamw_hf_math(g, m, v, s, betas[0], betas[1], eps).mul_(lr))
+        if weight_decay:
+            t.mul_(1.0 - lr * weight_decay)
+
+
+def adamw_hf_direction(grad, state, *, betas, eps, momentum=0.0):
+    state["step"] += 1
+    return _adamw_hf_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
 
 
 def lion_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
@@ -166,6 +204,7 @@ class StateFullRule:
     counts_steps: bool
     shapes: Callable | None = None  # target shape -> {state name: shape}; None: all the target's
     matrix_only: bool = False  # needs 2-D targets (Adafactor's factors)
+    decays_after: bool = False  # weight decay after the update (Hugging Face's AdamW), not before
     options: tuple[str, ...] = ()  # group keys passed to the rule as keywords (Muon's)
     gathers: bool = False  # takes whole FSDP2 DTensors (not local shards) and gathers what it needs
     check: Callable | None = None  # group -> None, raises HyperparameterError for what it cannot update
@@ -193,6 +232,7 @@ class StateFullRule:
 
 STATE_FULL = {
     "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True),
+    "adamw_hf": StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True, decays_after=True),
     "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False),
     "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False),
     "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
@@ -229,17 +269,29 @@ class FreeContext(NamedTuple):
     the orientation of the reduced gradient (a GPT-2 ``Conv1D`` weight under a matrix projection:
     its transpose)."""
     full_grad: Tensor  # the reduced gradient R
-    full_update: Tensor | None  # the state-full direction psi(R) (reduced), for rules that read it
     reduced_dim: int  # the dimension of R (and of the residual) that the projection reduced
     group: dict  # the tensor's hyperparameters
 
 
-def fira_direction(residual: Tensor, state: dict, ctx: FreeContext) -> Tensor:
-    """Fira's residual update S (norm-based scaling, then the norm-growth limiter unless
-    ``fira_gamma`` is None); ``state["fira_norm"]`` is the limiter's previous norm."""
-    gamma = ctx.group["fira_gamma"]
-    return _fira.fira_residual_update(residual, ctx.full_update, ctx.full_grad, ctx.reduced_dim,
-                                      state["fira_norm"] if gamma is not None else None, gamma)
+class SplitContext(NamedTuple):
+    """What a rule that takes a split tensor's whole step (``StateFreeRule.split_step``) reads."""
+    grad: Tensor  # the gradient that was projected (stored orientation)
+    full_grad: Tensor  # the reduced gradient R
+    lift: Callable[[Tensor], Tensor]  # a reduced tensor to the full (stored) shape: P^{-1}
+    reduced_dim: int  # the dimension of R that the projection reduced
+    transposed: bool  # R is in the orientation of the stored tensor's transpose
+    rule: "StateFullRule"  # the group's state-full rule (its moments are in ``state``)
+    group: dict
+
+
+def fira_split_step(p: Tensor, state: dict, ctx: SplitContext) -> None:
+    """Fira's whole step of one split tensor, as the ``fira`` package computes it (``frugal.fira``)."""
+    g = ctx.group
+    _fira.fira_step_(p, state, ctx.grad, ctx.full_grad, ctx.lift, ctx.rule, lr=g["lr"],
+                     alpha=g["projectable_lr_scale"], free_scale=g["state_free_lr_scale"],
+                     weight_decay=g["weight_decay"], gamma=g["fira_gamma"], reduced_dim=ctx.reduced_dim,
+                     transposed=ctx.transposed, rule_kwargs={"betas": tuple(g["betas"]), "eps": g["eps"],
+                                                             "momentum": g["momentum"]})
 
 
 def _fira_state(state: dict, like: Tensor, reduced_dim: int) -> None:
@@ -267,18 +319,26 @@ def _one_sided_state(state: dict, like: Tensor, reduced_dim: int) -> None:
 class StateFreeRule:
     foreach: Callable | None
     direction: Callable[[Tensor], Tensor] | None  # None: no update besides weight decay
-    # Contextual rules (Fira, AdaMeM): (residual, state, FreeContext) -> direction, per split tensor,
-    # with their own state created by init_state(state, residual, reduced_dim).
+    # Rules that read the split run per split tensor, with their own state created by
+    # init_state(state, residual-shaped tensor, reduced_dim). Either
+    # contextual (AdaMeM): (residual, state, FreeContext) -> the direction of the residual, or
+    # split_step (Fira): (param, state, SplitContext) -> None, the tensor's whole step (state-full
+    # part and weight decay included): the optimizer then runs no other phase on that tensor.
     contextual: Callable | None = None
     init_state: Callable | None = None
-    reads_update: bool = False  # needs FreeContext.full_update (the state-full direction)
+    split_step: Callable | None = None
+
+    @property
+    def reads_split(self) -> bool:
+        """It needs a split tensor (a reduced gradient with a reduced dimension): not block, not randk."""
+        return self.contextual is not None or self.split_step is not None
 
 
 STATE_FREE = {
     "signsgd": StateFreeRule(signsgd_, torch.sign),
     "sgd": StateFreeRule(sgd_, lambda g: g),
     "none": StateFreeRule(none_, None),
-    "fira": StateFreeRule(None, None, fira_direction, _fira_state, reads_update=True),
+    "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step),
     "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state),
 }
 # Projections a contextual rule can run on: a reduced gradient with a reduced dimension, so that a

@@ -6,7 +6,13 @@ Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the 
 
 - ``reset`` (default): entering coordinates start from zero state (Appendix C: "reset the state
   before a new round"); for coordinate projections a new window draws a new coordinate set, so the
-  whole reduced state restarts, including the bias-correction count.
+  whole reduced state restarts, including the bias-correction count. A block that stays state-full
+  keeps its state, and so does a subspace of every coordinate (density 1 is AdamW).
+- ``reset_all``: the appendix pseudocode (``block_step`` and ``svd_or_randk_step``, "Simplified
+  algorithms pseudocode") and the authors' code: the state of *every* state-full block or subspace
+  restarts at every window boundary, including blocks that stay selected (``restart_block``).
+  It differs from ``reset`` only where windows overlap (random block order, or density > 0.5) and
+  at density 1.
 - ``reproject``: Appendix C's re-projection. Exact for coordinate bases (the moments of coordinates
   that stay selected move to their new position, entering ones start at zero, the step count is
   kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
@@ -43,7 +49,8 @@ from torch import Tensor
 
 from . import projections as proj
 from . import subspace
-from .rules import StateFullRule
+from .rules import STATE_FREE, STATE_FULL, StateFullRule
+from .sharding import local, shard_key
 
 
 def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window: int, ident: int,
@@ -57,7 +64,7 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
                                   ident, device=p.device, shard=shard)
     dim = proj.coordinate_dim(projection, p.shape, transposed)
     mode = group["reset_state"] if "window" in state else "reset"
-    if "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
+    if mode != "reset_all" and "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
             and idx.numel() == state["index"].numel():
         mode = "keep"  # all (or nothing) stays selected: an unchanged projection keeps its state
     if mode == "keep" and "index" in state and state["index"].numel() != idx.numel():
@@ -65,7 +72,7 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
     if mode == "reproject":
         for name in rule.state_names:
             state[name] = _move_coordinates(state[name], state["index"], idx, 0 if dim is None else dim)
-    elif mode == "reset":
+    elif mode in ("reset", "reset_all"):
         drop_full_state(state, rule)  # before the new state is allocated: peak = resting state + one tensor
     state["index"], state["window"] = idx, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
@@ -86,6 +93,17 @@ def _move_coordinates(old: Tensor, old_idx: Tensor, new_idx: Tensor, dim: int) -
     return new
 
 
+def restart_block(state: dict, rule: StateFullRule, group: dict, window: int) -> None:
+    """A state-full block (a whole tensor of a block projection) in ``window``. Under
+    ``reset_all`` its state restarts whenever ``window`` is not the window it was made in (the
+    pseudocode's ``block_step``: every selected block gets zero moments at each boundary), and
+    the window is kept in ``state["window"]``; otherwise nothing happens (``reset``: a staying
+    block keeps its state; what enters starts fresh because leaving dropped it)."""
+    if group["reset_state"] == "reset_all" and state.get("window") != window:
+        drop_full_state(state, rule)
+        state["window"] = window
+
+
 def drop_full_state(state: dict, rule: StateFullRule) -> None:
     """Forget the state-full rule's state (moments, step count, subspace); keep the rest."""
     for name in (*rule.state_names, "step", "index", "proj", "window"):
@@ -101,27 +119,51 @@ def matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dic
     changes from an existing one, for the error feedback."""
     projection, transposed, density = group["projection"], group["transposed"], group["density"]
     if state.get("window") != window:
-        side = proj.matrix_side(p.shape, transposed)
-        rank = proj.matrix_rank(p.shape, density)
-        q_old = state.get("proj")
-        if projection == "power" and q_old is not None and q_old.shape[1] == rank:
-            q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
-        else:
-            q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
-        mode = group["reset_state"] if "window" in state else "reset"
-        if mode == "keep" and q_old is not None and q_old.shape != q.shape:
-            mode = "reset"  # another rank (a density schedule): the old state does not fit
-        if moved is not None and q_old is not None and "exp_avg" in state:
-            moved.update(q_old=q_old, m_old=state["exp_avg"])
-        if mode == "reproject":
-            _reproject(state, rule, q_old, q, side)
-        elif mode == "transport":
-            _transport(state, q_old, q, side, group["betas"])
-        elif mode == "reset":
-            drop_full_state(state, rule)
-        state["proj"], state["window"] = q, window
+        with proj.full_fp32():  # basis, power iteration, moments moved: full fp32 (projections docstring)
+            _change_basis(state, rule, p, grad, group, window, ident, moved)
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
     return state["proj"]
+
+
+def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
+                  ident: int, moved: dict | None) -> None:
+    """A new basis for ``window`` and what the state-full rule's state becomes (``reset_state``)."""
+    projection, transposed, density = group["projection"], group["transposed"], group["density"]
+    side = proj.matrix_side(p.shape, transposed)
+    rank = proj.matrix_rank(p.shape, density)
+    q_old = state.get("proj")
+    if projection == "power" and q_old is not None and q_old.shape[1] == rank:
+        q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
+    else:
+        q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
+    mode = group["reset_state"] if "window" in state else "reset"
+    if mode == "keep" and q_old is not None and q_old.shape != q.shape:
+        mode = "reset"  # another rank (a density schedule): the old state does not fit
+    if moved is not None and q_old is not None and "exp_avg" in state:
+        moved.update(q_old=q_old, m_old=state["exp_avg"])
+    if mode == "reproject":
+        _reproject(state, rule, q_old, q, side)
+    elif mode == "transport":
+        _transport(state, q_old, q, side, group["betas"])
+    elif mode in ("reset", "reset_all"):
+        drop_full_state(state, rule)
+    state["proj"], state["window"] = q, window
+
+
+def split_matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
+                 ident: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A matrix projection's split of one tensor: ``(Q, R, a)``, the basis of ``window``, the reduced
+    gradient ``R = reduce(a)`` and ``a`` the gradient it reduces: ``grad`` itself, or with error
+    feedback (LDAdam) ``g + e`` held in the error buffer, which is left holding what the low-rank
+    step leaves out (``feedback_begin``, ``feedback_end``)."""
+    a, moved = grad, None
+    if group["error_feedback"]:
+        a, moved = feedback_begin(state, grad), {}
+    q = matrix(state, rule, p, a, group, window, ident, moved)
+    r = proj.project(a, group["projection"], group["transposed"], q)
+    if group["error_feedback"]:
+        feedback_end(state, group, p, r, q, moved)
+    return q, r, a
 
 
 def _updates_so_far(state: dict) -> Tensor:
@@ -164,12 +206,13 @@ def feedback_end(state: dict, group: dict, p: Tensor, full_grad: Tensor, q: Tens
     transposed = group["transposed"]
     e = state["error"].t() if transposed else state["error"]
     side = proj.matrix_side(p.shape, transposed)
-    _add_lift_(e, full_grad, q, side, -1.0)
     beta1 = group["betas"][0]
-    if moved and beta1:
-        c = beta1 / (1.0 - beta1)
-        _add_lift_(e, moved["m_old"], moved["q_old"], side, c)
-        _add_lift_(e, state["exp_avg"], q, side, -c)
+    with proj.full_fp32():
+        _add_lift_(e, full_grad, q, side, -1.0)
+        if moved and beta1:
+            c = beta1 / (1.0 - beta1)
+            _add_lift_(e, moved["m_old"], moved["q_old"], side, c)
+            _add_lift_(e, state["exp_avg"], q, side, -c)
 
 
 def _add_lift_(out: Tensor, x: Tensor, q: Tensor, side: str, alpha: float) -> None:
@@ -192,3 +235,38 @@ def _reproject(state: dict, rule: StateFullRule, q_old: Tensor, q_new: Tensor, s
         if name != "exp_avg_sq":
             new.mul_(s.norm() / new.norm().clamp_min(torch.finfo(new.dtype).tiny))
         state[name] = new
+
+
+def init_free_state(state: dict, p: Tensor, group: dict) -> None:
+    """The state of a state-free rule that reads the split (Fira's norm, AdaMeM's statistic)."""
+    free = STATE_FREE[group["state_free"]]
+    if free.init_state is not None:
+        dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
+        free.init_state(state, p.t() if transposed else p, dim)
+
+
+def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: int, ident: int, block: bool) -> None:
+    """Give ``state`` the entries, zero-filled, in the shapes a checkpoint of a step in ``window``
+    holds for ``param`` (``FRUGAL.materialize_state``): ``whole``: the state-full rule's moments of the
+    whole tensor (``block``: a block, which under ``reset_all`` also records its window); otherwise
+    the split's state: a coordinate projection draws the window's coordinates again, a matrix
+    projection gets a zero basis (the checkpoint holds the real one) of the window's rank."""
+    rule = STATE_FULL[group["state_full"]]
+    p = local(param)
+    if whole:
+        if block:
+            restart_block(state, rule, group, window)
+        rule.init_state(state, param)
+        return
+    if group["projection"] in proj.COORDINATE:
+        coordinates(state, rule, p, group, window, ident, shard_key(param, group))
+    else:
+        transposed, density = group["transposed"], group["density"]
+        m, n = proj.logical_shape(p.shape, transposed)
+        side = n if proj.matrix_side(p.shape, transposed) == "right" else m
+        state["proj"] = torch.zeros(side, proj.matrix_rank(p.shape, density), dtype=p.dtype, device=p.device)
+        state["window"] = window
+        rule.init_state(state, p, proj.reduced_shape(group["projection"], p.shape, transposed, density))
+        if group["error_feedback"]:
+            state["error"] = torch.zeros_like(p)
+    init_free_state(state, param, group)

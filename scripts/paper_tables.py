@@ -69,7 +69,7 @@ MUON_TABLE_OPTIMIZERS = {"AdamW": "adamw", "Muon": "muon", "FRUGAL-Muon, rho=0.2
 # (so that it is not printed as a variant: AdaMeM is Adafactor with momentum by definition).
 _METHOD_NAMES = {"frugal": "FRUGAL", "galore": "GaLore", "badam": "BAdam", "fira": "Fira", "ldadam": "LDAdam",
                  "adamem": "AdaMeM", "frugal_muon": "FRUGAL-Muon"}
-_OWN_RULE = {"adamem": "adafactor_momentum", "frugal_muon": "muon"}
+_OWN_RULE = {"adamem": "adafactor_momentum", "fira": "adamw_hf", "frugal_muon": "muon"}
 
 
 def method(opt: dict) -> str:

@@ -196,6 +196,5 @@ def test_bad_schedule_settings_are_named():
         FRUGAL(groups(params), update_gap_growth=0.5)
     mixed = groups(params)
     mixed[0]["update_gap"] = 5
-    opt = FRUGAL(mixed, projection="column", update_gap_growth=2.0)
     with pytest.raises(HyperparameterError, match="share update_gap: got 5 and 200"):
-        step(opt, params, 0)
+        FRUGAL(mixed, projection="column", update_gap_growth=2.0)  # at construction, not at the first step

@@ -318,7 +318,7 @@ def test_selection_ignores_global_rng(projection):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("projection,reset_state,state_full", [
-    ("block", "reset", "adamw"), ("column", "reproject", "adamw"), ("randk", "reset", "lion"),
+    ("block", "reset", "adamw"), ("block", "reset_all", "adamw"), ("column", "reproject", "adamw"), ("randk", "reset", "lion"),
     ("svd", "keep", "adamw"), ("random", "reproject", "sgdm"), ("randperm", "reset", "adamw")])
 def test_state_dict_round_trip_is_bit_exact_across_switches(dtype, projection, reset_state, state_full):
     kw = dict(lr=1e-2, density=0.5, update_gap=3, projection=projection, reset_state=reset_state,
@@ -586,11 +586,12 @@ def test_density_report(projection, density, expected_unit):
     assert abs(report["realised"] - report["requested"]) <= report["unit"] / 2 + 1e-12 or projection == "block"
 
 
+@pytest.mark.parametrize("reset_state", ["reset", "reset_all"])
 @pytest.mark.parametrize("projection", PROJECTIONS)
-def test_materialize_state_matches_a_checkpoint_of_that_step(projection):
+def test_materialize_state_matches_a_checkpoint_of_that_step(projection, reset_state):
     """What torch.distributed.checkpoint needs of a fresh optimizer: the same state keys, shapes and
     dtypes as the saved one (which tensors hold state depends on the window)."""
-    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random")
+    kw = dict(density=0.5, update_gap=3, projection=projection, block_order="random", reset_state=reset_state)
     params = make_params([(6, 8), (8, 6)] * 3 + [(5,)])
     opt = FRUGAL(layered_groups(params, [2, 2, 2]), **kw)
     run_steps(opt, params, 7)
@@ -609,3 +610,135 @@ def test_materialize_state_matches_a_checkpoint_of_that_step(projection):
                     assert torch.equal(v, w)  # the window's coordinates, drawn again
             else:
                 assert v == w
+
+
+# ---- reset_state="reset_all": the appendix pseudocode's block_step --------------------------------
+def pseudocode_block_step_run(w0, grads, *, blocks, indices_of, update_gap, lr, betas, eps):
+    """The appendix's ``block_step`` (Simplified algorithms pseudocode), in float64, one tensor per
+    block, plus tensors that are not blocks (AdamW, never reset). At every step % update_gap == 0
+    ``indices_full = update_indices(...)``; each selected block gets ``exp_avg = exp_avg_sq = 0``
+    (its Adam count restarts with them: bias correction since the state was made), every other
+    block's state is cleared; then selected blocks take an Adam step, the others a signSGD step."""
+    b1, b2 = betas
+    w = [x.clone() for x in w0]
+    state = [dict(t=0, m=torch.zeros_like(x), v=torch.zeros_like(x)) for x in w]
+    full = [i >= blocks for i in range(len(w))]  # non-block tensors: always state-full
+    out = []
+    for step, gs in enumerate(grads):
+        if step % update_gap == 0:
+            chosen = indices_of(step // update_gap)
+            for i in range(blocks):
+                full[i] = i in chosen
+                state[i] = dict(t=0, m=torch.zeros_like(w[i]), v=torch.zeros_like(w[i]))  # reset / clear
+        for i, g in enumerate(gs):
+            if full[i]:
+                s = state[i]
+                s["t"] += 1
+                s["m"] = b1 * s["m"] + (1 - b1) * g
+                s["v"] = b2 * s["v"] + (1 - b2) * g * g
+                denom = (s["v"].sqrt() / math.sqrt(1 - b2 ** s["t"])) + eps
+                w[i] = w[i] - lr / (1 - b1 ** s["t"]) * s["m"] / denom
+            else:
+                w[i] = w[i] - lr * torch.sign(g)
+        out.append([x.clone() for x in w])
+    return out
+
+
+def test_reset_all_is_the_pseudocode_block_step_with_overlapping_windows():
+    """Random block order at density 3/4 (3 of 4 blocks): consecutive windows share blocks, so a
+    staying block restarts its state under reset_all (the pseudocode) and keeps it under reset."""
+    blocks, density, gap, lr, seed, steps = 4, 0.75, 3, 1e-2, 11, 15
+    shapes = [(5, 4), (4, 5), (5, 4), (4, 5), (6,), (3, 4)]
+    w0 = make_params(shapes, dtype=torch.float64)
+    grads = [grads_for(w0, t) for t in range(steps)]
+
+    def indices_of(window):  # update_indices: the blocks FRUGAL's random walk draws (input, not tested here)
+        return set(P.select_blocks("random", blocks, density, window, seed))
+
+    windows = [indices_of(w) for w in range(steps // gap)]
+    assert any(a & b for a, b in zip(windows, windows[1:]))  # overlapping windows: staying blocks exist
+    ref = pseudocode_block_step_run([p.detach() for p in w0], grads, blocks=blocks, indices_of=indices_of,
+                                    update_gap=gap, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    runs = {}
+    for reset_state in ("reset_all", "reset"):
+        params = clone(w0)
+        groups = [{"params": [params[i]], "projectable": True, "block": i} for i in range(blocks)]
+        groups.append({"params": params[blocks:]})
+        opt = FRUGAL(groups, lr=lr, density=density, update_gap=gap, block_order="random", seed=seed,
+                     reset_state=reset_state)
+        traj = []
+        for t in range(steps):
+            assert set(opt.active_blocks()) == windows[t // gap]
+            set_grads(params, grads[t])
+            opt.step()
+            traj.append([p.detach().clone() for p in params])
+        runs[reset_state] = traj
+    for got, want in zip(runs["reset_all"], ref):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    # the library default keeps a staying block's state: another trajectory (so this test can fail)
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs["reset"][-1], ref[-1]))
+    assert diff > 1e-4
+
+
+def test_reset_all_restarts_staying_blocks_and_subspaces_at_density_one():
+    """Density 1 under reset_all is not AdamW: every window boundary restarts the moments (the
+    pseudocode), while the default keeps them (density 1 is AdamW)."""
+    for projection in ("block", "column"):
+        params = make_params([(4, 4)] * 2 + [(3,)])
+        opt = FRUGAL(layered_groups(params, [1, 1]), density=1.0, update_gap=2, projection=projection,
+                     reset_state="reset_all")
+        run_steps(opt, params, 3)  # steps 0, 1 | 2: the boundary restarted the count
+        assert [opt.state[p]["step"].item() for p in params] == [1.0, 1.0, 3.0], projection
+
+
+# ---- block selection as the authors' code made it (block_granularity="tensor") --------------------
+def authors_windows(model, density, windows):
+    """The authors' rule, transcribed: blocks are the single Linear weights inside the transformer
+    layers in ``named_modules()`` order, k = Python's ``round(density * n)``, and the paper's
+    default order ``descending`` walks that list from its end, k tensors per window, cyclically."""
+    tensors = [m.weight for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    n, k = len(tensors), round(density * len(tensors))
+    walk = tensors[::-1]
+    return n, k, [{id(walk[(w * k + j) % n]) for j in range(k)} for w in range(windows)]
+
+
+@pytest.mark.parametrize("density,count", [(1 / 16, 5), (1 / 8, 10), (1 / 4, 21), (1 / 3, 28), (1 / 2, 42)])
+def test_tensor_granularity_selects_the_authors_blocks_on_llama_130m(density, count):
+    from omegaconf import OmegaConf
+    import models
+    from pathlib import Path
+
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "llama_130m.yaml")
+    with torch.device("meta"):
+        model = models.build_model(cfg)
+    gap, windows = 200, 20  # 20 windows: the walk wraps around the 84 tensors at every density
+    n, k, expected = authors_windows(model, density, windows)
+    assert (n, k) == (84, count)
+    opt = FRUGAL(model, density=density, update_gap=gap, block_granularity="tensor")
+    projectable = [p for g in opt.param_groups if g["projectable"] for p in g["params"]]
+    assert len(projectable) == 84
+    for w in range(windows):
+        for g in opt.param_groups:
+            g["step"] = w * gap + 7  # a step inside window w
+        assert {id(projectable[i]) for i in opt.active_blocks()} == expected[w], w
+        report = opt.density_report()
+        assert report["realised"] == count / 84 and report["blocks"] == [count, 84]
+        assert report["requested"] == pytest.approx(density) and report["unit"] == 1 / 84
+    # the layer rule rounds half up: 1/8 of 84 as layers-style rounding would be 11, not the authors' 10
+    assert P.block_count(84, 1 / 8) == 11 and P.block_count(84, 1 / 8, "tensor") == 10
+
+
+def test_block_groups_must_share_their_walk_when_added():
+    """Settings every block group shares (one walk over all blocks) are checked when a group is
+    added, before any step: at construction and by add_param_group."""
+    params = make_params([(4, 4)] * 3)
+    groups = layered_groups(params[:2], [1, 1])
+    groups[1]["density"] = 0.5
+    with pytest.raises(ValueError, match="All block-projected groups must share density: got 0.25 and 0.5"):
+        FRUGAL(groups)
+    opt = FRUGAL(layered_groups(params[:2], [1, 1]))
+    with pytest.raises(ValueError, match="must share block_order: got 'descending' and 'random'"):
+        opt.add_param_group({"params": [params[2]], "projectable": True, "block": 2, "block_order": "random"})
+    assert len(opt.param_groups) == 2  # the refused group is not kept

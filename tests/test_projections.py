@@ -60,3 +60,69 @@ def test_randk_indices_live_in_the_state_and_are_counted():
     st = opt.state[params[0]]
     assert st["index"].dtype == torch.int32 and st["index"].numel() == 150
     assert state_bytes(opt) == 2 * 150 * 4 + 4 + 150 * 4  # moments, step counter, indices
+
+
+# ---- projection arithmetic in full fp32, whatever the global TF32 / matmul-precision flags -------
+_MATMULS = {"mm", "addmm", "bmm", "matmul", "_linalg_svd", "linalg_qr", "linalg_householder_product", "geqrf"}
+
+
+class _PrecisionSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, for every matmul-like op, the fp32 matmul precision in force when it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _MATMULS:
+            self.seen.append((name, torch.backends.cuda.matmul.fp32_precision,
+                              torch.backends.mkldnn.matmul.fp32_precision))
+        return func(*args, **(kwargs or {}))
+
+
+def _steps(spy, **kw):
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(12, 8, generator=g)), torch.nn.Parameter(torch.randn(8, 12, generator=g))]
+    opt = FRUGAL([{"params": params, "projectable": True, "block": 0}], lr=1e-2, density=0.25, update_gap=2, **kw)
+    for t in range(5):  # windows 0, 1, 2: bases changed twice
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        with spy:
+            opt.step()
+    return [p.detach().clone() for p in params]
+
+
+METHODS = [dict(projection="svd", state_free="none", reset_state="keep"),
+           dict(projection="random", reset_state="reproject"),
+           dict(projection="svd", state_free="fira", state_full="adamw_hf"),
+           dict(projection="power", state_free="none", reset_state="transport", error_feedback=True)]
+
+
+@pytest.mark.parametrize("kw", METHODS, ids=["galore", "random", "fira", "ldadam"])
+def test_projection_math_runs_in_full_fp32_under_global_tf32(kw, monkeypatch):
+    """With ``torch.set_float32_matmul_precision('medium')`` (cuBLAS TF32, oneDNN bf16: what
+    train.tf32 and the presets turn on) every SVD, QR and matmul of the optimizer runs with the
+    precision 'ieee' in force, the global setting is back afterwards, and the numbers equal a run
+    at 'highest'. Without the guard the spy sees the lowered precision (the test can fail)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        reference = _steps(_PrecisionSpy(), **kw)
+        torch.set_float32_matmul_precision("medium")
+        spy = _PrecisionSpy()
+        got = _steps(spy, **kw)
+        assert len(spy.seen) > 10 and any(name == "_linalg_svd" or name == "linalg_qr" for name, *_ in spy.seen)
+        assert {(cuda, cpu) for _, cuda, cpu in spy.seen} == {("ieee", "ieee")}
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision) == \
+            ("tf32", "bf16")  # restored
+        assert torch.get_float32_matmul_precision() == "medium"
+        for a, b in zip(got, reference):
+            assert torch.equal(a, b)
+        import contextlib
+        monkeypatch.setattr(P, "full_fp32", contextlib.nullcontext)
+        unguarded = _PrecisionSpy()
+        _steps(unguarded, **kw)
+        assert ("tf32", "bf16") in {(cuda, cpu) for _, cuda, cpu in unguarded.seen}
+    finally:
+        torch.set_float32_matmul_precision(before)
