@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
+from . import muon
 from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
@@ -34,10 +35,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "block_granularity": GRANULARITIES,
     "sign_update": SIGN_UPDATES,
     "density_schedule": DENSITY_KINDS,
+    "adjust_lr_fn": muon.ADJUST_LR_FNS,
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
-BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback")
+BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback", "nesterov")
 
 # Numeric keys: (low, high, high_open); None = unbounded on that side.
 _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -100,7 +102,7 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     Returns a new dict: numbers as float/int, betas as a tuple. Raises HyperparameterError naming
     the key, the value and the valid range or choices.
     """
-    out = dict(hparams)
+    out = muon.check_options(hparams)  # ns_steps, ns_coefficients (Muon's: frugal/muon.py)
     for key, choices in CHOICES.items():
         if key in out and out[key] not in choices:
             raise HyperparameterError(f"Invalid {key}: {out[key]!r}; valid choices: {', '.join(choices)}")
@@ -159,6 +161,10 @@ def check_combination(group: Mapping[str, Any]) -> None:
             f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
             f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
             f"({', '.join(proj.MATRIX)}) and state_full 'adamw' (its two moments)")
+    if full == "muon" and projectable and projection not in muon.PROJECTIONS:
+        raise HyperparameterError(
+            f"state_full 'muon' orthogonalises a matrix, but projection {projection!r} has no reduced matrix to "
+            f"orthogonalise; valid projections with state_full 'muon': {', '.join(muon.PROJECTIONS)}")
     if group["density_schedule"] != "constant" and group["density_steps"] is None:
         raise HyperparameterError(
             f"density_schedule {group['density_schedule']!r} needs density_steps (the steps over which the "

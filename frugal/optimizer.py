@@ -98,6 +98,7 @@ class FullKey(NamedTuple):
     momentum: float
     device: torch.device
     dtype: torch.dtype
+    options: tuple = ()  # the values of the rule's own group keys (StateFullRule.options)
 
 
 class FreeKey(NamedTuple):
@@ -128,6 +129,8 @@ def check_group(group: dict) -> None:
     FSDP2 shards), a layer index for layer blocks, 2-D tensors for a state-full rule of matrices."""
     check_combination(group)
     full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
+    if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
+        full_rule.check(group)
     split = group["projectable"] and not group["always_state_free"]
     projection = group["projection"]
     for p in group["params"]:
@@ -210,6 +213,11 @@ class FRUGAL(Optimizer):
             Python's ``round``).
         momentum: sgdm's. seed: the subspace draws.
 
+    Beyond the paper, ``state_full="muon"`` (frugal/muon.py) is torch.optim.Muon's rule with its keys
+    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, ``eps``;
+    pass ``momentum=0.95``, torch's Muon default, as the registry entries ``muon``/``frugal_muon`` do),
+    on block, column and row projections.
+
     Args (concurrent methods, module docstring):
         fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
         subspace_momentum, error_feedback: LDAdam (with ``projection="power"``,
@@ -248,6 +256,8 @@ class FRUGAL(Optimizer):
                  momentum=0.9, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
                  density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
+                 nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
+                 adjust_lr_fn="match_rms_adamw",
                  sign_update="auto", stochastic_rounding=False, foreach=True):
         params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -261,7 +271,8 @@ class FRUGAL(Optimizer):
                         density_schedule=density_schedule, density_end=density_end,
                         density_steps=density_steps, update_gap_growth=update_gap_growth,
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-                        max_update_gap=max_update_gap, sign_update=sign_update,
+                        max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, sign_update=sign_update,
                         stochastic_rounding=stochastic_rounding, foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
@@ -573,20 +584,23 @@ class FRUGAL(Optimizer):
             wd_full = wd * lr / lr_full if holds_weights and lr_full else 0.0
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
-            key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
-                          w.target.device, w.target.dtype)
-            targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
-            targets.append(w.target)
-            grads.append(w.full_grad)
             rule = STATE_FULL[group["state_full"]]
+            key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
+                          w.target.device, w.target.dtype,
+                          tuple(tuple(v) if isinstance(v, list) else v for v in (group[k] for k in rule.options)))
+            targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
+            whole = rule.gathers and w.role == FULL  # the rule reads FSDP2 DTensors itself (Muon)
+            targets.append(w.param if whole else w.target)
+            grads.append(w.param.grad if whole else w.full_grad)
             for name in rule.state_names:
-                states[name].append(local(w.state[name]))
+                states[name].append(w.state[name] if whole else local(w.state[name]))
             if rule.counts_steps:
                 steps.append(w.state["step"])
         for key, (targets, grads, states, steps) in buckets.items():
             rule = STATE_FULL[key.rule]
             rule.foreach(targets, grads, [states[n] for n in rule.state_names], steps, lr=key.lr,
-                         betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum)
+                         betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum,
+                         **dict(zip(rule.options, key.options)))
 
     def _update_state_free(self, works: list[Work]) -> None:
         """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor);

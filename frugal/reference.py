@@ -30,7 +30,8 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     subspace window ``window``."""
     p = sharding.local(param)
     full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
-    rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"]}
+    rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"],
+                   **{k: group[k] for k in full_rule.options}}
     lr = group["lr"]
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
@@ -38,7 +39,8 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     decay = 1.0 - lr * group["weight_decay"]
     if role == FULL:
         full_rule.init_state(state, param)
-        d = full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs)
+        whole = {"like": param} if full_rule.gathers else {}  # Muon gathers an FSDP2 shard's matrix
+        d = full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs, **whole)
         new = (new - lr_full * d) * decay if full_rule.decays_after else new * decay - lr_full * d
     elif role == FREE:
         new *= decay

@@ -23,6 +23,11 @@ Most entries are presets of FRUGAL, because the paper's baselines are points of 
     adamem     AdaMeM (Vyas et al. 2024) as the FRUGAL paper reads it: SVD projection, Adafactor
                with momentum on the projected part, one-sided Adafactor on the residual;
                embeddings, norms and the output layer AdamW (as in every FRUGAL entry).
+    muon       Muon (torch.optim.Muon's rule, frugal/muon.py) on every Linear weight of the transformer
+               blocks (block projection at density 1), AdamW on embeddings, norms and output layer:
+               the usual Muon setup; momentum 0.95, Nesterov, adjust_lr_fn "match_rms_adamw".
+    frugal_muon  FRUGAL with Muon as the state-full rule: density 0.25 of the blocks Muon, the rest
+               signSGD, embeddings, norms and output layer AdamW (one buffer per Muon element).
     apollo     APOLLO, from the apollo-torch package (frugal/external.py).
     adam_mini  Adam-mini, from the adam-mini package (frugal/external.py).
 
@@ -105,6 +110,15 @@ _ENTRIES: dict[str, _Entry] = {
                      {"projection": "svd", "state_full": "adafactor_momentum",
                       "state_free": "one_sided_adafactor", "update_gap": 200},
                      rest={"state_full": "adamw"}),
+    # Muon as the state-full rule (frugal/muon.py). The non-projectable tensors (embeddings, norms,
+    # output layer) keep AdamW, as Muon's authors and torch's docs prescribe.
+    "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
+                   {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
+                   ("betas", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn",
+                    "state_free_modules", "target_modules") + IMPLEMENTATION_KEYS,
+                   rest={"state_full": "adamw"}),
+    "frugal_muon": _Entry("frugal", "FRUGAL with Muon as the state-full rule (block projection)",
+                          {"state_full": "muon", "momentum": 0.95}, rest={"state_full": "adamw"}),
     "apollo": _Entry("external", external.DOCS["apollo"]),
     "adam_mini": _Entry("external", external.DOCS["adam_mini"]),
 }

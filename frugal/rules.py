@@ -1,4 +1,4 @@
-"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``) and state-free (``signsgd``, ``sgd``, ``none``).
+"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``, ``muon``: frugal/muon.py) and state-free (``signsgd``, ``sgd``, ``none``).
 
 Every rule has two forms over the same math:
 
@@ -49,6 +49,7 @@ from torch import Tensor
 
 from . import factored, kernels
 from . import fira as _fira
+from . import muon as _muon
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -204,6 +205,9 @@ class StateFullRule:
     shapes: Callable | None = None  # target shape -> {state name: shape}; None: all the target's
     matrix_only: bool = False  # needs 2-D targets (Adafactor's factors)
     decays_after: bool = False  # weight decay after the update (Hugging Face's AdamW), not before
+    options: tuple[str, ...] = ()  # group keys passed to the rule as keywords (Muon's)
+    gathers: bool = False  # takes whole FSDP2 DTensors (not local shards) and gathers what it needs
+    check: Callable | None = None  # group -> None, raises HyperparameterError for what it cannot update
 
     def init_state(self, state: dict, like: Tensor, shape=None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
@@ -233,6 +237,9 @@ STATE_FULL = {
     "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False),
     "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
                                         ("exp_avg", "row", "col"), True, _factored_shapes, True),
+    # Muon (frugal/muon.py): one momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz.
+    "muon": StateFullRule(_muon.muon_, _muon.muon_direction, ("momentum_buffer",), False,
+                          options=_muon.OPTIONS, gathers=True, check=_muon.check_group),
 }
 
 

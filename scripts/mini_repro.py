@@ -7,7 +7,8 @@
 Optional rows (--extras, a comma list or "all"; off by default, each costs one more run): the concurrent
 methods of Tables 9 and 17 as FRUGAL instances (fira, ldadam, adamem) and what users pick instead
 today (apollo, adam_mini: the apollo-torch and adam-mini packages; a row whose package is not installed
-is skipped with a note naming it). They follow the same protocol: AdamW's best learning rate, the same
+is skipped with a note naming it; muon, frugal_muon: Muon alone and as FRUGAL's state-full rule,
+docs/muon.md). They follow the same protocol: AdamW's best learning rate, the same
 scaled update gap (LDAdam refreshes its basis every step by definition).
 
 What it does, with the paper's protocol at a size two CPU cores train in ~15 minutes:
@@ -77,9 +78,12 @@ EXTRAS = {
     "adamem": ("adamem", [], "AdaMeM, rho=0.25", f"{TABLE9['AdaMeM, rho=0.25']['60M']:.2f} (Table 9)"),
     "apollo": ("apollo", [], "APOLLO", "-"),
     "adam_mini": ("adam_mini", [], "Adam-mini", "-"),
+    # beyond the paper: Muon (its lr convention "match_rms_adamw" lets it run at AdamW's rate; docs/muon.md)
+    "muon": ("muon", [], "Muon", "-"),
+    "frugal_muon": ("frugal_muon", ["optimizer.density=0.25"], "FRUGAL-Muon, rho=0.25", "-"),
 }
 # Options whose subspace is refreshed every update_gap steps: the gap is scaled with the run.
-GAP_OPTIONS = ("frugal", "frugal_rho0", "galore", "badam", "fira", "adamem", "apollo")
+GAP_OPTIONS = ("frugal", "frugal_rho0", "galore", "badam", "fira", "adamem", "apollo", "frugal_muon")
 
 
 def missing_package(key: str) -> str | None:

@@ -62,12 +62,14 @@ TABLE9_OPTIMIZERS = {"AdamW": "adamw", "AdaMeM, rho=0.25": "adamem", "FRUGAL, rh
 TABLE17_OPTIMIZERS = {"AdamW": "adamw", "Fira, rho=0.25": "fira", "LDAdam, rho=0.25": "ldadam",
                       "FRUGAL, rho=0.25": "frugal"}
 MODEL_OF_SIZE = {size: name for name, size in SIZE.items()}
+MUON_TABLE_OPTIMIZERS = {"AdamW": "adamw", "Muon": "muon", "FRUGAL-Muon, rho=0.25": "frugal_muon",
+                         "FRUGAL-Muon, rho=0.0": "frugal_muon_rho0", "FRUGAL, rho=0.25": "frugal"}
 
 # Registry entries named after a method, and the state-full rule that is part of the method itself
 # (so that it is not printed as a variant: AdaMeM is Adafactor with momentum by definition).
 _METHOD_NAMES = {"frugal": "FRUGAL", "galore": "GaLore", "badam": "BAdam", "fira": "Fira", "ldadam": "LDAdam",
-                 "adamem": "AdaMeM"}
-_OWN_RULE = {"adamem": "adafactor_momentum", "fira": "adamw_hf"}
+                 "adamem": "AdaMeM", "frugal_muon": "FRUGAL-Muon"}
+_OWN_RULE = {"adamem": "adafactor_momentum", "fira": "adamw_hf", "frugal_muon": "muon"}
 
 
 def realised_density(opt: dict, start: dict | None) -> float | None:
@@ -99,7 +101,7 @@ def method(opt: dict, start: dict | None = None) -> str:
     `start`: the run's start row, whose realised density wins over a requested one it missed."""
     name = opt.get("name", "?")
     simple = {"adamw": "AdamW", "signsgd": "signSGD", "sgd": "SGD", "lion": "Lion", "sgdm": "SGDM",
-              "apollo": "APOLLO", "adam_mini": "Adam-mini"}
+              "apollo": "APOLLO", "adam_mini": "Adam-mini", "muon": "Muon"}
     if name in simple:
         return simple[name]
     base = _METHOD_NAMES.get(name, name)
@@ -291,6 +293,13 @@ SPECS: dict[str, dict] = {
               "of the paper's tables use); the paper prints no numbers for the 0.01 runs",
         row=lambda c, s=None: f"{method(c['optimizer'], s)}, lr={c['optimizer'].get('lr'):g}", columns=("model",),
         paper={"GaLore, rho=0.25, lr=0.001": {k: v for k, v in TABLE2["GaLore, rho=0.25"].items()}}),
+            # Beyond the paper (configs/experiment/muon_table2like.yaml, docs/muon.md): no paper numbers, the
+    # rows listed so that the memory estimate of every cell shows before any run.
+    "muon_table2like": dict(
+        title="Beyond the paper: Muon as FRUGAL's state-full rule, Table 2's setting (no paper numbers)",
+        row=lambda c, s=None: method(c["optimizer"], s), columns=("model",),
+        paper={row: {size: None for size in ("60M", "130M", "350M")} for row in MUON_TABLE_OPTIMIZERS},
+        estimate=MUON_TABLE_OPTIMIZERS),
 }
 
 

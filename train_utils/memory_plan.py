@@ -15,7 +15,8 @@ the derivations and the validation against measured peaks):
   the unsharded bf16 gradients of the block in backward and two fp32 reduce-scatter inputs in flight.
 - optimizer state: ``frugal.estimate_state_bytes`` (the layout the optimizer really holds) plus the
   transient inside the step (a block switch: one block above the steady state; gathered coordinates
-  or projected gradients of column/randk/svd projections; Lion's out-of-place update direction).
+  or projected gradients of column/randk/svd projections; Lion's out-of-place update direction; Muon's
+  orthogonalisation of one whole matrix at a time, not sharded by FSDP: `_muon_step`).
 - working weights: the bf16 copies bf16 autocast makes of every matmul weight (cached from their first
   use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
   root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
@@ -47,8 +48,8 @@ from torch import nn
 
 from frugal.checks import check_integer
 
-__all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "DEVICES", "PARALLELISMS",
-           "PRECISIONS", "GIB"]
+__all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "optimizer_gather_bytes", "DEVICES",
+           "PARALLELISMS", "PRECISIONS", "GIB"]
 
 GIB = 2**30
 PARALLELISMS = ("ddp", "fsdp")
@@ -90,6 +91,10 @@ class _Facts:
     dropout: tuple[float, float, float]  # embeddings, attention, residual (GPT-2; 0 for LLaMA)
     optimizer_state: int
     optimizer_transient: int
+    # Muon (state_full="muon"): the whole-matrix orthogonalisation of one matrix at a time, which FSDP
+    # does not shard (every rank gathers the matrix), and the bf16 bytes gathered per step under FSDP.
+    matrix_transient: tuple[int, int] = (0, 0)  # (unsharded, FSDP)
+    gathered_per_step: int = 0
 
 
 def _weight_numel(module: nn.Module) -> list[int]:
@@ -203,6 +208,46 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     return max([whole] + [batch_bytes(g, params) for g, params in batches])
 
 
+def _muon_step(model: nn.Module, name: str, hp: dict) -> tuple[tuple[int, int], int]:
+    """What a state-full rule that orthogonalises whole matrices (Muon, frugal/muon.py) adds to the
+    step: ((peak temporaries unsharded, under FSDP), bf16 bytes all-gathered per step under FSDP).
+
+    One matrix at a time (m x n, s = min(m, n)): the Nesterov mix (fp32, the parameter's size; under
+    FSDP the local shard), the bf16 input, its normalised copy and the next iterate (3 x 2mn), the
+    Gram matrix and the polynomial of it (2 x 2s^2); under FSDP also the gathered bf16 matrix (2mn),
+    full size on every rank. Only the state-full matrices are orthogonalised, so what is gathered
+    per step is 2 bytes per element of the active blocks (plus Muon on non-projectable matrices)."""
+    import frugal
+    from frugal import projections as proj
+    from frugal.rules import STATE_FULL
+
+    optimizer = frugal.build_optimizer(model, name, **hp)
+    if not isinstance(optimizer, frugal.FRUGAL):
+        return (0, 0), 0
+    active = set(optimizer.active_blocks() or [])
+    elem = next(iter(model.parameters())).element_size()
+    peak, peak_fsdp, gathered = 0, 0, 0
+    for g in optimizer.param_groups:
+        if not STATE_FULL[g["state_full"]].gathers or g["always_state_free"]:
+            continue
+        block = g["projectable"] and g["projection"] == "block"
+        if block and g["block"] not in active:
+            continue
+        for p in g["params"]:
+            whole = not g["projectable"] or block  # else column/row: the reduced matrix (never sharded)
+            m, n = p.shape if whole else proj.reduced_shape(g["projection"], p.shape, g["transposed"], g["density"])
+            ns = 3 * 2 * m * n + 2 * 2 * min(m, n) ** 2
+            peak, peak_fsdp = max(peak, elem * m * n + ns), max(peak_fsdp, 2 * m * n + ns)
+            gathered += 2 * m * n if whole else 0
+    return (peak, peak_fsdp), gathered
+
+
+def optimizer_gather_bytes(model_cfg, optimizer_cfg: Mapping[str, Any], vocab_size: int | None = None) -> int:
+    """bf16 bytes every rank all-gathers inside one optimizer step under FSDP2 (0 unless the state-full
+    rule orthogonalises whole matrices: Muon gathers the state-full blocks' matrices, docs/muon.md)."""
+    return _facts(model_cfg, optimizer_cfg, "bf16-mixed", vocab_size).gathered_per_step
+
+
 def _estimate(model: nn.Module, name: str, hp: dict) -> int:
     """`frugal.estimate_state_bytes` in the layout the optimizer holds (GaLore's code layout for svd,
     not Appendix D's count): this is device memory."""
@@ -241,6 +286,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
     params = list(model.parameters())
     estimate = _estimate(model, name, opt)
     transient = _optimizer_transient(model, name, opt)
+    matrix_transient, gathered = _muon_step(model, name, opt)
     return _Facts(
         family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
@@ -249,7 +295,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
         head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
         optimizer_state=estimate,
-        optimizer_transient=transient,
+        optimizer_transient=transient, matrix_transient=matrix_transient, gathered_per_step=gathered,
     )
 
 
@@ -498,7 +544,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                                        logits_loss=head_bwd)
         phases["block recompute"] = dict(working_weights=working["layer"], comm_buffers=comm,
                                          activations=inputs + act_layer - act_input + block_bwd)
-    phases["optimizer step"] = dict(optimizer_transient=shard(f.optimizer_transient))
+    phases["optimizer step"] = dict(optimizer_transient=shard(f.optimizer_transient)
+                                    + f.matrix_transient[1 if fsdp else 0])  # Muon: whole matrices
 
     def assemble(extra: dict) -> dict:
         parts = dict.fromkeys(MemoryPlan.PARTS, 0)
