@@ -9,7 +9,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Registers the config schema and the run-directory resolvers: configs/ composes only after this import.
+# The run-directory resolvers (hydra.run.dir); configs/ composes without this import.
 import train_utils  # noqa: E402,F401
 
 # --------------------------------------------------------------------------------------------------
