@@ -1,5 +1,5 @@
 """The declared config keys (train_utils/schema.py), start-up validation (validation.py) and run naming
-(naming.py): unknown keys are refused in every section, every
+(naming.py): unknown keys are refused in every section (train.py: exit 2, with the closest key), every
 optimizer key is settable without `+`, the optimizer option files are what the registry says, configs
 compose with plain Hydra, composed configs pickle, run directories are unique per launch and shared
 by the ranks of one launch, and sweep jobs get names that say what was swept."""
@@ -125,12 +125,41 @@ def test_configs_compose_with_plain_hydra():
     assert out.stdout.split() == ["0.0", "200"]
 
 
+def _train_py(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
+    """A plain override of an undeclared key (no +), in any node: one line with the key, the node's
+    valid keys and the closest one, exit 2, before any model is built (no metrics written)."""
+    cases = {"optimizer.densty=0.3": ("optimizer.densty", "optimizer", "optimizer.density"),
+             "train.stepz=5": ("train.stepz", "train", "train.steps"),
+             "data.seqlen=5": ("data.seqlen", "data", "data.seq_len"),
+             "optimzer=adamw": ("optimzer", "the top level", "optimizer")}
+    for i, (override, (key, node, near)) in enumerate(cases.items()):
+        out = _train_py(override, "+model.hiden=3", f"hydra.run.dir={tmp_path / str(i)}")
+        assert out.returncode == 2, (override, out.stderr[-2000:])
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last
+        assert "model.hiden is not a config key" in last  # a forced key too, in the same line
+        assert "+" + override not in out.stderr and "schema" not in out.stderr
+        assert not (tmp_path / str(i) / "metrics.jsonl").exists()
+
+
+def test_train_py_help_lists_no_internal_groups():
+    out = _train_py("--help")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer: " in out.stdout and "schema" not in out.stdout
+
+
 def test_a_preset_setting_an_undeclared_key_is_refused_at_start_up(tmp_path):
     configs = tmp_path / "configs"
     shutil.copytree(CONFIGS, configs)
     (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrain:\n  stepz: 10\n")
     cfg = _compose("experiment=typo", config_dir=configs)
-    with pytest.raises(ConfigError, match=r"train\.stepz is not a config key"):
+    with pytest.raises(ConfigError, match=r"train\.stepz is not a config key \(did you mean train\.steps\?\)"):
         validate_config(cfg, world_size=1)
 
 

@@ -8,10 +8,16 @@ scripts/write_optimizer_configs.py. Nothing here lists keys by hand and nothing 
 configs/ composes with plain Hydra.
 
 Hydra accepts a key nothing declares when it is forced in (`+train.stepz=10`, or a preset setting
-it); `unknown_keys` finds those for the start-up check (validation.check_known_keys).
+it), and a plain override of an undeclared key (`optimizer.densty=0.3`) stops Hydra with advice to
+append it with `+`. train.py therefore hands Hydra every plain key override as a force-add
+(`force_add_key_overrides`), so that both reach `unknown_keys`, which the start-up check
+(validation.check_known_keys) reports in one line: the key, the valid keys of its node and the
+closest one.
 """
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -92,7 +98,7 @@ def valid_keys(cfg: DictConfig) -> dict[str, list[str]]:
 
 def unknown_keys(cfg: DictConfig) -> list[tuple[str, list[str]]]:
     """(dotted key, valid keys of its node) for every key of `cfg` that no YAML file declares: keys
-    forced in with `+`/`++` or set by a preset. The top
+    forced in with `+`/`++` (train.py forces plain key overrides too) or set by a preset. The top
     level and one level below it are checked (`paper.steps` maps model names: any key)."""
     valid = valid_keys(cfg)
     found = [(key, valid[""]) for key in cfg if key not in valid[""]]
@@ -101,3 +107,31 @@ def unknown_keys(cfg: DictConfig) -> list[tuple[str, list[str]]]:
             found += [(f"{node}.{k}", keys) for k in cfg[node] if k not in keys]
     return found
 
+
+def closest(key: str, valid: list[str]) -> str | None:
+    """The valid key nearest to `key`'s last component (difflib), if any is close."""
+    match = difflib.get_close_matches(key.rpartition(".")[2], valid, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+
+
+def force_add_key_overrides(argv: list[str]) -> list[str]:
+    """train.py's command line with every plain key override (`optimizer.densty=0.3`) written as a
+    force-add (`++optimizer.densty=0.3`: set if present, added if not), so that Hydra composes it and
+    `unknown_keys` reports an undeclared one with the node's valid keys and exit code 2, instead of
+    Hydra's advice to append it with `+`. Group choices (`optimizer=adamw`), `hydra.*` keys, `+`, `++`
+    and `~` overrides and flags (with the values of those that take one) are left as they are."""
+    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    takes_value = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+                   "-cd", "--config-dir", "--experimental-rerun"}
+    out, after_flag = [], False
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        plain = not after_flag and "=" in arg and not arg.startswith(("-", "+", "~")) and _KEY.fullmatch(key)
+        if plain and key.split(".")[0] != "hydra" and ("." in key or key not in groups):
+            arg = "++" + arg
+        after_flag = arg in takes_value
+        out.append(arg)
+    return out

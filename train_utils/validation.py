@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from frugal.checks import check_integer
 
 from .naming import is_multirun
-from .schema import unknown_keys
+from .schema import closest, unknown_keys
 
 PRECISIONS = ("bf16-mixed", "bf16", "fp32")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -40,16 +40,19 @@ def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
 
 
 def check_known_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError listing every key no YAML file or registry entry declares."""
+    """Raise ConfigError naming every key no YAML file declares, the valid keys of its node and the
+    closest one (one line)."""
     unknown = unknown_keys(cfg)
     if not unknown:
         return
     lines = []
     for key, valid in unknown:
         section = key.rpartition(".")[0] or "the top level"
-        lines.append(f"{key} is not a config key; valid keys of {section}: {', '.join(valid)}")
-    raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section, or, for "
-                      "the optimizer, taken by its frugal registry entry.)")
+        near = closest(key, valid)
+        hint = f" (did you mean {key.rpartition('.')[0] + '.' if '.' in key else ''}{near}?)" if near else ""
+        lines.append(f"{key} is not a config key{hint}; valid keys of {section}: {', '.join(valid)}")
+    raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section; the "
+                      "optimizer's are written from its frugal registry entry by scripts/write_optimizer_configs.py.)")
 
 
 def check_loop_settings(tc) -> None:
