@@ -1,4 +1,4 @@
-"""Fira: frugal.fira / frugal.concurrent.fira_step_ against the `fira` package and a float64 reference.
+"""Fira: frugal.fira / tests/reference/concurrent.py's fira_step_ against the `fira` package and a float64 reference.
 
 Where our Fira and the `fira` package (1.0.2, the authors' release) differ, and why. The harness
 below composes the library's pure functions (basis, projection, norm-based scaling, limiter) and can
@@ -38,9 +38,9 @@ import numpy as np
 import pytest
 import torch
 
-from frugal import concurrent
 from frugal import fira as F
 from frugal import subspace as sub
+from reference import concurrent
 from reference import fira64
 from reference.problems import NoisyLeastSquares, run_torch
 
