@@ -23,7 +23,7 @@ from frugal.checks import check_integer
 from .naming import is_multirun
 from .schema import closest, unknown_keys
 
-PRECISIONS = ("bf16-mixed", "bf16", "fp32")
+PRECISIONS = ("bf16-mixed", "bf16", "fp32")  # bf16 autocast over fp32 weights | pure bf16 | fp32
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -37,6 +37,12 @@ class JobError(CompactHydraException):
 
 def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
     return check_integer(key, OmegaConf.select(cfg, key), minimum, error=ConfigError)
+
+
+def check_precision(precision) -> None:
+    """train.precision is one of PRECISIONS (train.py and eval.py)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -100,8 +106,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
             f"{micro} x {world_size} = {per_pass}. Valid train.batch_size values for this micro batch: "
             f"{options}, ...; valid train.micro_batch_size values for this batch size: {divisors or 'none'}."
         )
-    if cfg.train.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={cfg.train.precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+    check_precision(cfg.train.precision)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; choose one of {', '.join(WANDB_MODES)}")
     clip = cfg.train.grad_clip
