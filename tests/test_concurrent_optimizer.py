@@ -29,7 +29,6 @@ from frugal import FRUGAL, HyperparameterError
 from frugal import projections as P
 from reference import adamem64, fira64, ldadam64
 from reference.problems import NoisyLeastSquares
-from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 SHAPES = [(12, 20), (20, 12)]  # both sides of GaLore's rule; min dimension 12: density 0.25 is rank 3
 RANK = 3
