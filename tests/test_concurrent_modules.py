@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = ("factored", "subspace", "fira", "concurrent", "adaptive")
+MODULES = ("factored", "subspace", "fira", "adaptive")
 
 
 def test_concurrent_modules_import_nothing_but_torch():
