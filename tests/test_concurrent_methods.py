@@ -4,7 +4,7 @@ independent references, over several projection changes.
 References: the float64 implementations written from each paper (tests/reference/: fira64, ldadam64,
 adamem64; numpy only, nothing shared with frugal/) and, for Fira, the authors' `fira` package.
 
-Where our Fira and the package differ (tests/test_concurrent_fira.py measures each item): (1) eps
+Where our Fira and the package differ (tests/test_fira.py measures each item): (1) eps
 inside the square root's bias correction (Hugging Face AdamW) vs torch's AdamW; (2) weight decay after
 the update vs before; (3) the limiter on the uncorrected ratio m / (sqrt(v) + eps) vs on the applied
 update; (4) alpha (projectable_lr_scale) also subtracted from the residual vs the exact residual;
