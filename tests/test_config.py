@@ -148,6 +148,15 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
         assert not (tmp_path / str(i) / "metrics.jsonl").exists()
 
 
+def test_only_overrides_that_may_name_an_undeclared_key_are_forced():
+    """Keys a node has whatever its option stay as typed (Hydra's sweep listing shows them so)."""
+    from train_utils.schema import force_add_key_overrides
+
+    argv = ["-m", "optimizer=adamw,frugal", "train.steps=3", "optimizer.lr=1e-3", "hydra.run.dir=x", "-cn", "config",
+            "+train.new=1", "~train.plot", "train.stepz=3", "optimizer.density=0.3", "optimzer=adamw"]
+    assert force_add_key_overrides(argv) == argv[:-3] + ["++train.stepz=3", "++optimizer.density=0.3", "++optimzer=adamw"]
+
+
 def test_train_py_help_lists_no_internal_groups():
     out = _train_py("--help")
     assert out.returncode == 0, out.stderr

@@ -117,21 +117,41 @@ def closest(key: str, valid: list[str]) -> str | None:
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 
 
+def _declared_by_every_option(node: str) -> set[str]:
+    """Keys node `node` has whichever option fills it (a section's keys; for a group, the keys every
+    option of the group declares); empty for what is neither."""
+    sections = primary_sections()
+    if node in sections:
+        return set(sections[node])
+    if node not in primary_groups() or not (CONFIG_DIR / node).is_dir():
+        return set()
+    options = [set(option_keys(node, p.stem)) for p in sorted((CONFIG_DIR / node).glob("*.yaml"))]
+    return set.intersection(*options) if options else set()
+
+
 def force_add_key_overrides(argv: list[str]) -> list[str]:
-    """train.py's command line with every plain key override (`optimizer.densty=0.3`) written as a
-    force-add (`++optimizer.densty=0.3`: set if present, added if not), so that Hydra composes it and
-    `unknown_keys` reports an undeclared one with the node's valid keys and exit code 2, instead of
-    Hydra's advice to append it with `+`. Group choices (`optimizer=adamw`), `hydra.*` keys, `+`, `++`
-    and `~` overrides and flags (with the values of those that take one) are left as they are."""
+    """train.py's command line with every plain key override that might name an undeclared key
+    (`optimizer.densty=0.3`) written as a force-add (`++optimizer.densty=0.3`: set if present, added if
+    not), so that Hydra composes it and `unknown_keys` reports an undeclared one with the node's valid
+    keys and exit code 2, instead of Hydra's advice to append it with `+`. Keys the node has whatever
+    its option (`train.steps`, `optimizer.lr`), group choices (`optimizer=adamw`), `hydra.*` keys, `+`,
+    `++` and `~` overrides and flags (with the values of those that take one) are left as they are."""
     groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
     takes_value = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
                    "-cd", "--config-dir", "--experimental-rerun"}
+    declared: dict[str, set[str]] = {}
     out, after_flag = [], False
     for arg in argv:
         key = arg.split("=", 1)[0]
         plain = not after_flag and "=" in arg and not arg.startswith(("-", "+", "~")) and _KEY.fullmatch(key)
-        if plain and key.split(".")[0] != "hydra" and ("." in key or key not in groups):
-            arg = "++" + arg
+        if plain and key.split(".")[0] != "hydra":
+            node, _, rest = key.partition(".")
+            if rest:
+                known = declared.setdefault(node, _declared_by_every_option(node))
+                if rest.split(".")[0] not in known:
+                    arg = "++" + arg
+            elif node not in groups and node not in primary_sections():
+                arg = "++" + arg
         after_flag = arg in takes_value
         out.append(arg)
     return out
