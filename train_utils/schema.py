@@ -37,9 +37,9 @@ def option_keys(group: str, option: str) -> list[str]:
     raw = _yaml(CONFIG_DIR / group / f"{option}.yaml")
     keys: dict[str, None] = {}
     for parent in raw.pop("defaults", []):
-        if parent == "_self_":
+        if parent == "_self_" or not isinstance(parent, str):  # {override /x: y}: another node's choice
             continue
-        if not isinstance(parent, str) or "/" in parent or "@" in parent:
+        if "/" in parent or "@" in parent:
             raise ValueError(f"configs/{group}/{option}.yaml: an option's defaults list may name only options of "
                              f"the same group (e.g. '- frugal'), not {parent!r}")
         keys.update(dict.fromkeys(option_keys(group, parent)))
@@ -53,15 +53,21 @@ def primary_sections() -> dict[str, dict]:
     return {k: v for k, v in raw.items() if k not in _NOT_SECTIONS and isinstance(v, dict)}
 
 
+def _global(group: str) -> bool:
+    """Whether the options of `group` are `# @package _global_` presets (experiment/, ...), which
+    set keys of other nodes rather than fill one of their own."""
+    return any(p.read_text().lstrip().startswith("# @package _global_") for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
 def primary_groups() -> list[str]:
     """Config groups whose option fills a node (model, optimizer, ...): configs/config.yaml's
-    defaults list, without experiment (a global preset)."""
+    defaults list, without the global presets (experiment, ...)."""
     groups = []
     for entry in _yaml(PRIMARY).get("defaults", []):
         if isinstance(entry, dict):
             (key,) = entry
             group = key.split("@")[0].removeprefix("override ").strip("/")
-            if group != "experiment":
+            if group != "experiment" and not _global(group):
                 groups.append(group)
     return groups
 
