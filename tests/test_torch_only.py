@@ -17,3 +17,22 @@ def test_concurrent_modules_import_nothing_but_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_frugal_has_no_import_circle():
+    """No module of frugal/ imports one that imports it back, not even lazily inside a function
+    (hparams read FRUGAL's signature through such a late import once)."""
+    import ast
+
+    graph = {}
+    for path in (ROOT / "frugal").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[path.stem] = deps - {"__init__"}
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
