@@ -58,7 +58,8 @@ def render(entry: str, path: Path | None = None) -> str:
     path = path or OPTIMIZER_DIR / f"{entry}.yaml"
     lines = _header(path, entry) + [
         f"{MARKER} from frugal.registry.defaults({entry!r}):",
-        "# change a default there and rerun the script; tests/test_config.py checks the two agree.",
+        "# edit the registry (or the comments above), then run python scripts/write_optimizer_configs.py;",
+        "# tests/test_config.py checks that the two agree.",
     ]
     for key, value in config_values(entry).items():
         text = yaml.safe_dump({key: value}, default_flow_style=True, width=1000).strip()[1:-1]
