@@ -35,7 +35,7 @@ import data
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
-from train_utils.validation import PRECISIONS, ConfigError
+from train_utils.validation import ConfigError, check_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
 
@@ -68,8 +68,7 @@ def load_config(ckpt_dir: str, overrides: list[str]):
             raise ConfigError(f"unknown argument {o!r}: expected key=value with a key of the checkpoint's "
                               f"config (e.g. train.eval_tokens=100000), data=<option> or out=<file>")
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o]))
-    if cfg.train.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={cfg.train.precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+    check_precision(cfg.train.precision)
     return cfg
 
 

@@ -59,7 +59,7 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, memory_check, report, resume
+from train_utils import distributed, memory_check, report, resume, schema
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
@@ -285,4 +285,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # A plain override of a key no YAML declares (optimizer.densty=0.3) reaches the start-up check,
+    # which names the valid keys (exit 2), instead of stopping Hydra with advice to append it with +.
+    sys.argv[1:] = schema.force_add_key_overrides(sys.argv[1:])
     main()

@@ -6,7 +6,9 @@ with the state-full rule and are never reset: the paper found them to be the par
 most from a state-free update (Table 4: moving the output layer to signSGD costs 14 perplexity
 points). Biases are tiny and stay state-full too.
 
-Blocks are found from the module structure, so no model family needs its own names:
+Blocks are found from the module structure, so no model family needs its own names
+(`transformer_blocks(model)` returns them; the training side uses it for FSDP2 units, compiled and
+recomputed layers and the memory planner):
 
 - a *block list* is an `nn.ModuleList` or `nn.Sequential` of at least two children of one class,
   each holding a matrix weight: the transformer layers (LLaMA's `model.layers`, GPT-2's
@@ -109,6 +111,22 @@ def block_lists(model: nn.Module) -> list[str]:
         if _is_block_list(module):
             found.append(name)
     return found
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `model`, in module order: the children of its block lists.
+
+    The one rule for "which modules are the transformer blocks", used wherever it matters: FRUGAL's
+    blocks (param_groups), FSDP2's units, compiled and recomputed modules, the memory planner's
+    layer. A new model family needs no entry anywhere: its layers are found from the structure.
+    Raises ValueError when the model has no block list.
+    """
+    blocks = [child for name in block_lists(model) for child in model.get_submodule(name).children()]
+    if not blocks:
+        raise ValueError(f"found no transformer blocks in {type(model).__name__}: no nn.ModuleList or "
+                         "nn.Sequential of at least two layers of one class, each holding an nn.Linear / Conv1D "
+                         "weight")
+    return blocks
 
 
 def _target_matcher(target_modules):

@@ -1,13 +1,12 @@
-"""FRUGAL's hyperparameters: their defaults, valid choices and checks, declared once.
+"""FRUGAL's hyperparameters: their valid choices and checks, declared once.
 
-The defaults are the keyword defaults of `FRUGAL.__init__` (read from its signature, so the
-constructor people read in their editor is the source); the named options and the one validator
+The defaults are the keyword defaults of `FRUGAL.__init__` (the constructor people read in their
+editor); `frugal.registry.defaults` lists them per entry. The named options and the one validator
 live here. The optimizer, the registry (`build_optimizer`), the memory estimate and the training
 configs all use these, so a bad value is reported the same way wherever it enters.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -67,14 +66,6 @@ _INTEGERS: dict[str, tuple[int | None, bool]] = {
     "plateau_patience": (1, False),
     "max_update_gap": (1, True),
 }
-
-
-def defaults() -> dict[str, Any]:
-    """Every FRUGAL hyperparameter with its default (the constructor's keyword defaults)."""
-    from .optimizer import FRUGAL  # late: the optimizer imports this module
-
-    sig = inspect.signature(FRUGAL.__init__)
-    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 def _range_text(low, high, high_open) -> str:

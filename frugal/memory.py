@@ -34,10 +34,10 @@ import math
 import torch
 from torch import nn
 
-from . import external, hparams
+from . import external
 from .hparams import HyperparameterError
 from . import projections as proj
-from .registry import optimizer_groups, resolve
+from .registry import frugal_defaults, optimizer_groups, resolve
 
 _STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
 _COUNTER_BYTES = 8  # an int64 step counter (AdaMeM's residual rule: exact after a reload in any dtype)
@@ -65,7 +65,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _frugal_bytes(model: nn.Module, name: str, shared: dict, svd_layout: str) -> int:
     groups, shared = optimizer_groups(model, name, shared)  # shared is validated by resolve()
-    shared = {**hparams.defaults(), **shared}
+    shared = {**frugal_defaults(), **shared}
     if shared["density_schedule"] != "constant":  # the peak: the larger of the two ends
         shared["density"] = max(shared["density"], shared["density_end"])
     total = 0

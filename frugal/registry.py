@@ -8,14 +8,14 @@ Most entries are presets of FRUGAL, because the paper's baselines are points of 
     badam      blockwise, inactive blocks frozen (state_free="none"), order "descending".
     signsgd    every parameter state-free with signSGD (Table 16, "signSGD only"): no state.
     sgd        every parameter state-free with plain SGD: no state.
-    lion       pure Lion (betas default (0.9, 0.99)): every parameter state-full, never reset (Table 12).
+    lion       pure Lion (betas (0.9, 0.99), lr 1e-4): every parameter state-full, never reset (Table 12).
     sgdm       pure SGD with momentum (the paper's EMA form): every parameter state-full.
     adamw      torch.optim.AdamW, fused where the device has the fused kernel (CPU and CUDA do),
                otherwise foreach.
     fira       Fira (Chen et al. 2024): SVD projection with AdamW, the residual updated with Fira's
                norm-based scaling and norm-growth limiter (fira_gamma), moments kept across
-               projection changes, update scale 0.25; the `fira` package's step (its AdamW,
-               state_full "adamw_hf", eps 1e-6; frugal/fira.py lists what that means).
+               projection changes, update scale 0.25, lr 1e-2 (Fira's scripts); the `fira` package's
+               step (its AdamW, state_full "adamw_hf", eps 1e-6; frugal/fira.py lists what that means).
     ldadam     LDAdam (Robert et al. 2025): a basis refreshed every step by one block power
                iteration (projection "power", update_gap 1), AdamW's moments transported into it,
                the rest of the gradient carried to the next step in an error-feedback buffer (kept in
@@ -47,6 +47,7 @@ forward them uniformly (`seed` is ignored where nothing is random).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ from torch import nn
 from . import external, hparams
 from .grouping import param_groups
 from .hparams import HyperparameterError
+from .optimizer import FRUGAL
 from .rules import STATE_FREE
 
 COMMON_KEYS = ("lr", "weight_decay", "seed")
@@ -93,7 +95,8 @@ _ENTRIES: dict[str, _Entry] = {
                       ("sign_update",) + IMPLEMENTATION_KEYS, "all_state_free"),
     "sgd": _Entry("frugal", "SGD on every parameter (no state)", {"state_free": "sgd"},
                   IMPLEMENTATION_KEYS, "all_state_free"),
-    "lion": _Entry("frugal", "Lion on every parameter", {"state_full": "lion", "betas": (0.9, 0.99)},
+    # Lion's authors run it 3-10x below AdamW's rate (Chen et al., 2023): 1e-4.
+    "lion": _Entry("frugal", "Lion on every parameter", {"state_full": "lion", "betas": (0.9, 0.99), "lr": 1e-4},
                    ("betas",) + IMPLEMENTATION_KEYS, "all_state_full"),
     "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
     # The concurrent methods of the paper's Appendix "Comparison with Concurrent Methods", as the
@@ -102,7 +105,8 @@ _ENTRIES: dict[str, _Entry] = {
     # (Hugging Face's form, eps 1e-6 its default) on every tensor, residual G - alpha * lift(R).
     "fira": _Entry("frugal", "Fira: SVD + AdamW, residual with norm-based scaling and the norm-growth limiter",
                    {"projection": "svd", "state_free": "fira", "reset_state": "keep", "state_full": "adamw_hf",
-                    "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200}),
+                    "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200,
+                    "lr": 1e-2}),  # Fira's pre-training scripts (LLaMA 60M-1B on C4), alpha 0.25 as GaLore's
     "ldadam": _Entry("frugal", "LDAdam: power-iteration basis every step, moment transport, error feedback",
                      {"projection": "power", "update_gap": 1, "reset_state": "transport", "state_free": "none",
                       "error_feedback": True, "subspace_momentum": 0.908, "betas": (0.908, 0.99)}),
@@ -124,6 +128,12 @@ _ENTRIES: dict[str, _Entry] = {
 }
 
 
+def frugal_defaults() -> dict:
+    """Every FRUGAL hyperparameter with its default: the keyword defaults of `FRUGAL.__init__`."""
+    sig = inspect.signature(FRUGAL.__init__)
+    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
 def _entry(name: str) -> _Entry:
     if name not in _ENTRIES:
         raise HyperparameterError(f"Unknown optimizer {name!r}; valid choices: {sorted(_ENTRIES)}")
@@ -140,7 +150,7 @@ def defaults(name: str) -> dict:
         return dict(_ADAMW_DEFAULTS)
     if entry.kind == "external":
         return dict(external.DEFAULTS[name])
-    base = {**hparams.defaults(), **GROUPING_DEFAULTS, **entry.preset}
+    base = {**frugal_defaults(), **GROUPING_DEFAULTS, **entry.preset}
     keys = set(base) if entry.keys is None else set(entry.keys) | set(COMMON_KEYS)
     if entry.layout != "blocks":
         keys -= set(GROUPING_DEFAULTS)
@@ -216,7 +226,7 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
     entry = _ENTRIES[name]
     if entry.layout == "blocks":
         groups = param_groups(model, **grouping)
-        free = settings.get("state_free", hparams.defaults()["state_free"])
+        free = settings.get("state_free", frugal_defaults()["state_free"])
         for group in groups:
             if group.get("always_state_free"):
                 # A module moved to the state-free set (state_free_modules) has no split for Fira's or
@@ -234,8 +244,6 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
 
 
 def _build_frugal(model: nn.Module, name: str, settings: dict) -> torch.optim.Optimizer:
-    from .optimizer import FRUGAL  # imported here so grouping/registry load without the optimizer
-
     groups, kwargs = optimizer_groups(model, name, settings)
     return FRUGAL(groups, **kwargs)
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from frugal.checks import check_integer
+from frugal.grouping import module_roles
 
 __all__ = ["build_model", "count_parameters", "ModelConfigError", "FAMILIES", "CONFIG_KEYS"]
 
@@ -159,14 +160,9 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None) -> torch.
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
-    """Total parameters and the 2-D weights inside transformer blocks (the paper's "Linear in blocks").
-
-    Blocks are ``model.layers.N`` (LLaMA) or ``transformer.h.N`` (GPT-2, whose ``Conv1D`` weights are
-    Linear layers stored transposed). Works on meta tensors.
-    """
+    """Total parameters and the 2-D weights inside transformer blocks (the paper's "Linear in blocks"):
+    the weights FRUGAL may split, found by frugal.grouping's one rule (GPT-2's ``Conv1D`` weights are
+    Linear layers stored transposed). Works on meta tensors."""
     total = sum(p.numel() for p in model.parameters())
-    in_blocks = 0
-    for name, p in model.named_parameters():
-        if p.ndim == 2 and (".layers." in name or ".h." in name):
-            in_blocks += p.numel()
+    in_blocks = sum(role.param.numel() for role in module_roles(model) if role.block is not None)
     return {"total": total, "linear_in_blocks": in_blocks}

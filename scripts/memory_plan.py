@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from hydra.errors import HydraException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from frugal.grouping import transformer_blocks  # noqa: E402
 from train_utils.memory_plan import (  # noqa: E402
     DEVICES, GIB, PARALLELISMS, PRECISIONS, largest_micro_batch, plan_memory,
 )
@@ -231,7 +232,7 @@ def measure_case(case: Case) -> tuple[int, int]:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in model.model.layers:
+            for block in transformer_blocks(model):  # as train_utils/distributed.py shards them
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
         hp = dict(case.optimizer)

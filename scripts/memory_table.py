@@ -35,8 +35,6 @@ def optimizer_config(option: str) -> dict:
     with the option's changes, interpolations resolved."""
     from hydra import compose, initialize_config_dir
 
-    import train_utils  # noqa: F401  (registers the config schema the option files build on)
-
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose("config", overrides=[f"optimizer={option}"])
     return OmegaConf.to_container(cfg.optimizer, resolve=True)

@@ -9,7 +9,6 @@ import struct
 import subprocess
 import sys
 
-import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -26,18 +25,6 @@ TINY = [
     # runs share their first N learning rates (needed by the 2N == N + N resume tests)
     "schedule=cosine_restarts", "schedule.cycle_length=8", "optimizer.update_gap=3",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread in these tests and their subprocesses: on a shared 2-core machine two
-    spinning OpenMP threads per process make tiny models 10-40x slower. (torchrun sets
-    OMP_NUM_THREADS=1 itself.) The same thread count everywhere also keeps in-process and subprocess
-    runs bitwise comparable. Imported into each test module, where autouse applies."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def compose_cfg(*overrides: str):

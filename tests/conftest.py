@@ -9,7 +9,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Registers the config schema and the run-directory resolvers: configs/ composes only after this import.
+# The run-directory resolvers (hydra.run.dir); configs/ composes without this import.
 import train_utils  # noqa: E402,F401
 
 # --------------------------------------------------------------------------------------------------
@@ -37,6 +37,7 @@ import re as _re
 from pathlib import Path as _Path
 
 import pytest as _pytest
+import torch as _torch
 
 ASSETS = _Path(__file__).parent / "assets"
 TOKENIZER_VOCAB = 1000
@@ -54,6 +55,18 @@ def make_documents(n: int, seed: int) -> list[str]:
             sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", "!", "?"]))
         docs.append(" ".join(sentences))
     return docs
+
+
+@_pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread in these tests and their subprocesses: on a shared 2-core machine two
+    spinning OpenMP threads per process make tiny models 10-40x slower. (torchrun sets
+    OMP_NUM_THREADS=1 itself.) The same thread count everywhere also keeps in-process and subprocess
+    runs bitwise comparable. Autouse: every test module."""
+    threads = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(threads)
 
 
 @_pytest.fixture(scope="session")

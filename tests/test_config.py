@@ -1,7 +1,8 @@
-"""The config schema (train_utils/schema.py), start-up validation (validation.py) and run naming
-(naming.py): unknown keys are refused in every section, every optimizer key is settable without `+`,
-the registry's keys flow into the configs, composed configs pickle, run directories are unique per
-launch and shared by the ranks of one launch, and sweep jobs get names that say what was swept."""
+"""The declared config keys (train_utils/schema.py), start-up validation (validation.py) and run naming
+(naming.py): unknown keys are refused in every section (train.py: exit 2, with the closest key), every
+optimizer key is settable without `+`, the optimizer option files are what the registry says, configs
+compose with plain Hydra, composed configs pickle, run directories are unique per launch and shared
+by the ranks of one launch, and sweep jobs get names that say what was swept."""
 from __future__ import annotations
 
 import os
@@ -13,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from frugal import registry
-from train_utils import naming, schema
+from train_utils import naming
 from train_utils.validation import ConfigError, JobError, stop_with_error, validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def test_unknown_key_is_refused_with_the_sections_valid_keys(key, section, a_val
     with pytest.raises(ConfigError) as err:
         validate_config(cfg, world_size=1)
     message = str(err.value)
-    assert f"{key} is not a config key; valid keys of {section}: " in message
+    assert f"{key} is not a config key" in message and f"; valid keys of {section}: " in message
     assert a_valid_key in message.split("valid keys of")[1]
 
 
@@ -78,42 +78,120 @@ def test_every_declared_key_is_settable_without_plus(overrides):
             assert str(OmegaConf.select(cfg, key)).replace(" ", "").replace("'", "") == value
 
 
-def test_optimizer_keys_come_from_the_registry(monkeypatch):
-    """A key the optimizer engineer adds to a registry entry is in the configs, with its default."""
+@pytest.mark.parametrize("entry", sorted(registry.OPTIMIZERS))
+def test_optimizer_option_files_are_the_registry_defaults(entry):
+    """configs/optimizer/<entry>.yaml shows every key of registry.defaults(entry) with its value (as
+    data.DEFAULTS and configs/data agree), and is the text scripts/write_optimizer_configs.py writes."""
+    from scripts import write_optimizer_configs as writer
+
+    path = CONFIGS / "optimizer" / f"{entry}.yaml"
+    assert path.is_file(), f"no option file for registry entry {entry!r}: run python scripts/write_optimizer_configs.py"
+    assert path.read_text() == writer.render(entry, path), "run python scripts/write_optimizer_configs.py"
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in registry.defaults(entry).items()}
+    if "seed" in expected:
+        assert raw.pop("seed") == "${train.seed}"
+        expected.pop("seed")
+    assert raw == {"name": entry, **expected}
+    composed = _compose(f"optimizer={entry}").optimizer
+    assert OmegaConf.to_container(composed, resolve=True) == {
+        "name": entry, **{k: list(v) if isinstance(v, tuple) else v for k, v in registry.defaults(entry).items()}}
+
+
+def test_a_registry_default_change_is_caught_until_the_files_are_rewritten(monkeypatch, tmp_path):
+    from scripts import write_optimizer_configs as writer
+
     real = registry.defaults
-    monkeypatch.setattr(registry, "defaults", lambda name: {**real(name), "new_knob": 7} if name == "frugal" else real(name))
-    schema.register()
-    try:
-        cfg = _compose("optimizer=frugal_rho0", "optimizer.new_knob=8")
-        assert cfg.optimizer.new_knob == 8 and cfg.optimizer.density == 0.0
-        assert _compose().optimizer.new_knob == 7
-    finally:
-        monkeypatch.undo()
-        schema.register()
-    with pytest.raises(HydraException):
-        _compose("optimizer.new_knob=8")
+    monkeypatch.setattr(registry, "defaults", lambda name: {**real(name), "density": 0.5} if name == "frugal" else real(name))
+    monkeypatch.setattr(writer, "OPTIMIZER_DIR", tmp_path)
+    for path in (CONFIGS / "optimizer").glob("*.yaml"):
+        shutil.copy(path, tmp_path / path.name)
+    assert writer.main(["--check"]) == 1
+    assert writer.main([]) == 0 and writer.main(["--check"]) == 0
+    text = (tmp_path / "frugal.yaml").read_text()
+    assert "\ndensity: 0.5\n" in text and text.startswith("# FRUGAL (paper default, Table 2)")  # the prose is kept
 
 
-def test_a_preset_setting_an_undeclared_key_fails_while_composing(tmp_path):
+def test_configs_compose_with_plain_hydra():
+    """No import of train_utils or frugal is needed to compose (no schema registered at import)."""
+    code = ("import sys; from hydra import compose, initialize_config_dir\n"
+            f"with initialize_config_dir(config_dir={str(CONFIGS)!r}, version_base=None):\n"
+            "    cfg = compose('config', overrides=['experiment=table2', 'optimizer=frugal_rho0'])\n"
+            "assert not any(m.startswith(('train_utils', 'frugal')) for m in sys.modules)\n"
+            "print(cfg.optimizer.density, cfg.optimizer.update_gap)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0.0", "200"]
+
+
+def _train_py(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
+    """A plain override of an undeclared key (no +), in any node: one line with the key, the node's
+    valid keys and the closest one, exit 2, before any model is built (no metrics written)."""
+    cases = {"optimizer.densty=0.3": ("optimizer.densty", "optimizer", "optimizer.density"),
+             "train.stepz=5": ("train.stepz", "train", "train.steps"),
+             "data.seqlen=5": ("data.seqlen", "data", "data.seq_len"),
+             "optimzer=adamw": ("optimzer", "the top level", "optimizer")}
+    for i, (override, (key, node, near)) in enumerate(cases.items()):
+        out = _train_py(override, "+model.hiden=3", f"hydra.run.dir={tmp_path / str(i)}")
+        assert out.returncode == 2, (override, out.stderr[-2000:])
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last
+        assert "model.hiden is not a config key" in last  # a forced key too, in the same line
+        assert "+" + override not in out.stderr and "schema" not in out.stderr
+        assert not (tmp_path / str(i) / "metrics.jsonl").exists()
+
+
+def test_only_overrides_that_may_name_an_undeclared_key_are_forced():
+    """Keys a node has whatever its option stay as typed (Hydra's sweep listing shows them so)."""
+    from train_utils.schema import force_add_key_overrides
+
+    argv = ["-m", "optimizer=adamw,frugal", "train.steps=3", "optimizer.lr=1e-3", "hydra.run.dir=x", "-cn", "config",
+            "+train.new=1", "~train.plot", "train.stepz=3", "optimizer.density=0.3", "optimzer=adamw"]
+    assert force_add_key_overrides(argv) == argv[:-3] + ["++train.stepz=3", "++optimizer.density=0.3", "++optimzer=adamw"]
+
+
+def test_train_py_help_lists_no_internal_groups():
+    out = _train_py("--help")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer: " in out.stdout and "schema" not in out.stdout
+
+
+def test_a_preset_setting_an_undeclared_key_is_refused_at_start_up(tmp_path):
     configs = tmp_path / "configs"
     shutil.copytree(CONFIGS, configs)
     (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrain:\n  stepz: 10\n")
-    with pytest.raises(HydraException, match="stepz"):
-        _compose("experiment=typo", config_dir=configs)
+    cfg = _compose("experiment=typo", config_dir=configs)
+    with pytest.raises(ConfigError, match=r"train\.stepz is not a config key \(did you mean train\.steps\?\)"):
+        validate_config(cfg, world_size=1)
+
+
+def test_a_key_of_another_option_is_refused_for_the_chosen_one():
+    """With Hydra's runtime choices, a group's valid keys are its chosen option's: adamw takes no density."""
+    cfg = _compose("optimizer=adamw", "++optimizer.density=0.3", hydra_cfg=True)
+    with pytest.raises(ConfigError, match=r"optimizer\.density is not a config key; valid keys of optimizer: "
+                                          r"name, lr, betas, eps, weight_decay, seed\."):
+        validate_config(cfg, world_size=1)
 
 
 def test_composed_config_pickles_into_a_fresh_process(tmp_path):
-    """The submitit launchers pickle composed configs; the schema's classes must unpickle elsewhere."""
+    """The submitit launchers pickle composed configs; they must unpickle elsewhere."""
     cfg = _compose("experiment=table2", "optimizer=frugal_rho0", hydra_cfg=True)
     blob = tmp_path / "cfg.pkl"
     blob.write_bytes(pickle.dumps(cfg))
     assert pickle.loads(blob.read_bytes()) == cfg
     code = ("import pickle, sys; from omegaconf import OmegaConf; cfg = pickle.load(open(sys.argv[1], 'rb')); "
-            "print(OmegaConf.get_type(cfg.optimizer).__name__, cfg.optimizer.density)")
+            "print(cfg.optimizer.name, cfg.optimizer.density)")
     out = subprocess.run([sys.executable, "-c", code, str(blob)], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["optimizer__frugal", "0.0"]
+    assert out.stdout.split() == ["frugal", "0.0"]
 
 
 RUN_DIR_SCRIPT = """

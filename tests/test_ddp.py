@@ -2,7 +2,7 @@
 trajectory equals a single process with the same global batch, and resume is exact under DDP."""
 import pytest
 
-from _train_helpers import (TINY, assert_same_weights, losses, one_thread, rows, run_cli, run_inprocess,  # noqa: F401
+from _train_helpers import (TINY, assert_same_weights, losses, rows, run_cli, run_inprocess,  # noqa: F401
                             torchrun_cmd, weights)
 from train_utils import checkpoint as ckpt
 

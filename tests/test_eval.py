@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import eval as evaluate_ckpt
-from _train_helpers import one_thread, rows, run_cli, run_inprocess  # noqa: F401
+from _train_helpers import rows, run_cli, run_inprocess  # noqa: F401
 from train_utils import checkpoint as ckpt
 from train_utils.validation import ConfigError
 

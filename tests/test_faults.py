@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from _train_helpers import (REPO, TINY, assert_same_weights, losses, one_thread, rows, run_cli,  # noqa: F401
+from _train_helpers import (REPO, TINY, assert_same_weights, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from train_utils import checkpoint as ckpt
 

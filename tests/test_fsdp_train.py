@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from _train_helpers import (TINY, assert_same_weights, compose_cfg, losses, one_thread, rows, run_cli,  # noqa: F401
+from _train_helpers import (TINY, assert_same_weights, compose_cfg, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, torchrun_cmd)
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint

@@ -8,7 +8,7 @@ import transformers as tf
 from torch import nn
 
 import frugal
-from frugal.grouping import block_lists, module_roles, param_groups
+from frugal.grouping import block_lists, module_roles, param_groups, transformer_blocks
 
 
 def _llama(layers=3):
@@ -228,6 +228,44 @@ def test_family_state_at_density_quarter_is_appendix_d(name):
     appendix_d_floats = 2 * sum(p.numel() for p in full)
     assert frugal.state_bytes(optimizer) == 4 * appendix_d_floats + 4 * len(full)
     assert frugal.state_bytes(optimizer) == frugal.estimate_state_bytes(model, "frugal", density=0.25)
+
+
+@pytest.mark.parametrize("name", list(_FAMILIES))
+def test_transformer_blocks_are_the_layers_transformers_keeps_whole(name):
+    """The one rule (module structure) finds the layers transformers names per family among the
+    modules it keeps whole (`_no_split_modules`: LlamaDecoderLayer, GPT2Block, T5Block, ...; BERT's
+    also lists its embeddings), every module of those classes, in module order, and what FRUGAL
+    numbers as blocks."""
+    model = _family(name)
+    blocks = transformer_blocks(model)
+    classes = {type(b) for b in blocks}
+    assert {c.__name__ for c in classes} <= set(model._no_split_modules)
+    assert blocks == [m for m in model.modules() if type(m) in classes]
+    index = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    assert {index[id(r.param)] for r in module_roles(model) if r.block is not None} == set(range(len(blocks)))
+    assert all(index[id(r.param)] == r.block for r in module_roles(model) if r.block is not None)
+
+
+def test_a_new_model_family_needs_no_name_table():
+    """A family nobody registered: its blocks, their count in models.count_parameters and FRUGAL's
+    split come from the structure alone."""
+    import models
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.norm = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.trunk, self.head = nn.Embedding(10, 8), nn.ModuleList(Mixer() for _ in range(3)), nn.Linear(8, 10)
+
+    model = Net()
+    assert transformer_blocks(model) == list(model.trunk)
+    assert models.count_parameters(model)["linear_in_blocks"] == 3 * 2 * 8 * 16
+    with pytest.raises(ValueError, match="found no transformer blocks in Sequential"):
+        transformer_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
 
 def test_t5_numbers_encoder_then_decoder():

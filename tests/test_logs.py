@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from _train_helpers import TINY, compose_cfg, losses, one_thread, rows, run_inprocess  # noqa: F401
+from _train_helpers import TINY, compose_cfg, losses, rows, run_inprocess  # noqa: F401
 from train_utils.loop import enable_activation_checkpointing, grad_norm_
 from train_utils.measure import Interval, flops_per_position, peak_flops
 

@@ -7,7 +7,6 @@ import torch
 
 from frugal import FRUGAL
 from frugal import projections as P
-from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 PROJECTIONS = ["block", "column", "row", "randk", "randperm", "svd", "random"]
 

@@ -116,9 +116,9 @@ def test_frugal_step_on_llama_runs(llama):
     assert opt.active_blocks() == [2]  # descending: window 1 holds the block below the top one
 
 
-# ---- one source of defaults (frugal.hparams + registry.defaults) ------------------------------------
+# ---- one source of defaults (FRUGAL's signature + registry.defaults) --------------------------------
 import frugal  # noqa: E402
-from frugal import hparams, registry  # noqa: E402
+from frugal import registry  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(frugal.OPTIMIZERS))
@@ -133,7 +133,7 @@ def test_frugal_defaults_are_the_constructor_defaults():
 
     sig = inspect.signature(frugal.FRUGAL.__init__)
     expected = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
-    assert hparams.defaults() == expected
+    assert registry.frugal_defaults() == expected
     # presets overlay the constructor defaults
     assert registry.defaults("galore")["projection"] == "svd"
     assert registry.defaults("frugal")["projection"] == expected["projection"]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from _train_helpers import (assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
+from _train_helpers import (assert_same_weights, losses, rows, run_inprocess,  # noqa: F401
                             weights)
 from train_utils import checkpoint as ckpt
 from train_utils.validation import ConfigError

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from _train_helpers import (REPO, TINY as TINY_BASE, assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
+from _train_helpers import (REPO, TINY as TINY_BASE, assert_same_weights, losses, rows, run_inprocess,  # noqa: F401
                             subprocess_env, train_cmd)
 from train_utils import checkpoint as ckpt
 

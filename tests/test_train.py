@@ -9,7 +9,7 @@ import torch
 import frugal
 from hydra.errors import MissingConfigException
 
-from _train_helpers import (TINY, compose_cfg, one_thread, rows,  # noqa: F401
+from _train_helpers import (TINY, compose_cfg, rows,  # noqa: F401
                             run_cli, run_inprocess, train_cmd, wait_for_wandb_run, wandb_history)
 from train_utils import checkpoint as ckpt
 from train_utils.validation import ConfigError

@@ -53,14 +53,8 @@ def make_accelerator(collective_timeout_s: float):
 PARALLELISMS = ("ddp", "fsdp")
 
 
-def transformer_blocks(model) -> list:
-    """The model's transformer blocks: the modules transformers keeps whole when it splits a model
-    (`_no_split_modules`: LlamaDecoderLayer, GPT2Block)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"found no transformer blocks in {type(model).__name__} (looked for {sorted(names)})")
-    return blocks
+# The transformer blocks (FSDP2 units, compiled layers): frugal's one rule, from the module structure.
+from frugal.grouping import transformer_blocks  # noqa: E402,F401
 
 
 def wrap_model(accelerator, model, parallelism: str = "ddp", precision: str = "bf16-mixed"):

@@ -47,19 +47,21 @@ import torch
 from torch import nn
 
 from frugal.checks import check_integer
+from frugal.grouping import transformer_blocks
+
+from .distributed import PARALLELISMS
+from .validation import PRECISIONS
 
 __all__ = ["MemoryPlan", "plan_memory", "largest_micro_batch", "device_memory", "optimizer_gather_bytes", "DEVICES",
            "PARALLELISMS", "PRECISIONS", "GIB"]
 
 GIB = 2**30
-PARALLELISMS = ("ddp", "fsdp")
-PRECISIONS = ("bf16-mixed", "bf16", "fp32")
 DEVICE_TYPES = ("cuda", "cpu")
 # Usable memory as torch reports it ("GPU 0 has a total capacity of 79.15 GiB"), not the nominal size.
 DEVICES = {"a100-80gb": int(79.15 * GIB), "a100-40gb": int(39.39 * GIB)}
 CONTEXT_BYTES = 2 * GIB  # CUDA context (~0.5 GiB), NCCL buffers (~0.5-1 GiB), cuBLAS workspaces
 FRAGMENTATION = 0.05  # reserved-but-unused share of the caching allocator (less with expandable_segments)
-_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
+_FAMILIES = ("llama", "gpt2")  # whose saved activations _layer_terms models (blocks: transformer_blocks)
 
 
 def _plain(cfg) -> dict:
@@ -273,7 +275,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
     name = opt.pop("name")
     c = model.config
     family = json.loads(model_json).get("family")
-    blocks = model.get_submodule(_BLOCKS[family])
+    blocks = transformer_blocks(model)
     layer = blocks[0]
     layer_weights = _weight_numel(layer)
     if family == "llama":
@@ -304,9 +306,9 @@ def _facts(model_cfg, optimizer_cfg, precision: str, vocab_size: int | None) -> 
     if "name" not in opt:
         raise ValueError(f"optimizer_cfg needs a 'name' (e.g. 'frugal', 'adamw'); got keys {sorted(opt)}")
     family = model_cfg.get("family")
-    if family not in _BLOCKS:
+    if family not in _FAMILIES:
         raise ValueError(f"model family {family!r} is not supported by the memory planner; "
-                         f"valid choices: {sorted(_BLOCKS)}")
+                         f"valid choices: {sorted(_FAMILIES)}")
     return _facts_cached(json.dumps(model_cfg, sort_keys=True, default=str),
                          json.dumps(opt, sort_keys=True, default=list), precision == "bf16", vocab_size)
 

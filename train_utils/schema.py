@@ -1,74 +1,50 @@
-"""The config schema: every key a run accepts, generated from the YAML defaults and the optimizer registry.
+"""The config keys a run accepts: those its YAML files declare.
 
-A plain YAML node accepts any key forced in with `+key=value`, so a typo such as `+train.stepz=10`
-would be accepted and ignored. `register()` (called when `train_utils` is imported) puts one closed,
-structured node per config section into Hydra's ConfigStore, generated from what declares the section:
+Every key is declared once, in a YAML file: configs/config.yaml declares the sections train, wandb,
+checkpoint and paper; an option file of configs/<group>/ (model, data, schedule, optimizer) declares
+the keys of its node, following same-group parents named in its own defaults list (frugal_lion.yaml:
+`- frugal`). The optimizer's files list every key of their frugal registry entry, written by
+scripts/write_optimizer_configs.py. Nothing here lists keys by hand and nothing is registered at import:
+configs/ composes with plain Hydra.
 
-    schema/sections                 train, wandb, checkpoint, paper: the sections of configs/config.yaml
-    schema/model/<option>           configs/model/<option>.yaml     (likewise schema/data/, schema/schedule/)
-    schema/optimizer/<entry>        every key `frugal.registry.defaults(entry)` lists, with its default
-
-configs/config.yaml places each under the YAML that fills it (its defaults list), and every
-configs/optimizer/<option>.yaml starts from its registry entry, so an option file only says what it
-changes and every key the optimizer takes is settable without `+`. Declaring a key in the YAML (or in
-the registry) is all it takes to add one: nothing here lists keys by hand. An option is therefore a
-file in configs/<group>/ (the schema is generated from that directory when train_utils is imported).
-
-Two checks follow. Hydra rejects a preset or option file that sets an undeclared key (a structured
-node is closed to merges); `unknown_keys(cfg)` finds what was forced in with `+` or `++` on the
-command line (Hydra's force-add also opens closed nodes), for the start-up check to report with the
-section's valid keys. The generated classes are attributes of this module so that composed configs
-pickle (the submitit launchers pickle them) and unpickle wherever the repository is importable.
+Hydra accepts a key nothing declares when it is forced in (`+train.stepz=10`, or a preset setting
+it), and a plain override of an undeclared key (`optimizer.densty=0.3`) stops Hydra with advice to
+append it with `+`. train.py therefore hands Hydra every plain key override as a force-add
+(`force_add_key_overrides`), so that both reach `unknown_keys`, which the start-up check
+(validation.check_known_keys) reports in one line: the key, the valid keys of its node and the
+closest one.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
+import difflib
 import re
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PRIMARY = CONFIG_DIR / "config.yaml"
-OPTION_GROUPS = ("model", "schedule", "data")  # groups whose options are plain YAML files
-OPTIMIZER_GROUP = "optimizer"
 _NOT_SECTIONS = ("defaults", "hydra")
-
-
-def _structured(type_name: str, values: dict) -> type:
-    """A dataclass with one field per key, defaulting to the value (interpolations stay as text)."""
-    fields = [(key, Any, dataclasses.field(default_factory=functools.partial(copy.deepcopy, value)))
-              for key, value in values.items()]
-    cls = dataclasses.make_dataclass(type_name, fields)
-    cls.__module__, cls.__qualname__ = __name__, type_name
-    globals()[type_name] = cls  # picklable by reference: train_utils.schema.<type_name>
-    return cls
-
-
-def _type_name(group: str, option: str) -> str:
-    return re.sub(r"\W", "_", f"{group}__{option}")
 
 
 def _yaml(path: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
 
 
-def _option_values(group: str, option: str) -> dict:
-    """The keys an option file declares, following parents named in its own defaults list."""
+def option_keys(group: str, option: str) -> list[str]:
+    """The keys configs/<group>/<option>.yaml declares, following same-group parents in its
+    defaults list."""
     raw = _yaml(CONFIG_DIR / group / f"{option}.yaml")
-    merged: dict = {}
+    keys: dict[str, None] = {}
     for parent in raw.pop("defaults", []):
-        if parent == "_self_":
+        if parent == "_self_" or not isinstance(parent, str):  # {override /x: y}: another node's choice
             continue
-        if not isinstance(parent, str) or "/" in parent or "@" in parent:
-            raise ValueError(f"configs/{group}/{option}.yaml: the schema generator follows only parents of the "
-                             f"same group in the defaults list (e.g. '- c4'), not {parent!r}")
-        merged.update(_option_values(group, parent))
-    merged.update(raw)
-    return merged
+        if "/" in parent or "@" in parent:
+            raise ValueError(f"configs/{group}/{option}.yaml: an option's defaults list may name only options of "
+                             f"the same group (e.g. '- frugal'), not {parent!r}")
+        keys.update(dict.fromkeys(option_keys(group, parent)))
+    keys.update(dict.fromkeys(raw))
+    return list(keys)
 
 
 def primary_sections() -> dict[str, dict]:
@@ -77,57 +53,111 @@ def primary_sections() -> dict[str, dict]:
     return {k: v for k, v in raw.items() if k not in _NOT_SECTIONS and isinstance(v, dict)}
 
 
+def _global(group: str) -> bool:
+    """Whether the options of `group` are `# @package _global_` presets (experiment/, ...), which
+    set keys of other nodes rather than fill one of their own."""
+    return any(p.read_text().lstrip().startswith("# @package _global_") for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
 def primary_groups() -> list[str]:
-    """Config groups chosen in configs/config.yaml's defaults list (model, optimizer, ...), not schema/."""
+    """Config groups whose option fills a node (model, optimizer, ...): configs/config.yaml's
+    defaults list, without the global presets (experiment, ...)."""
     groups = []
     for entry in _yaml(PRIMARY).get("defaults", []):
         if isinstance(entry, dict):
             (key,) = entry
             group = key.split("@")[0].removeprefix("override ").strip("/")
-            if not group.startswith("schema") and group != "experiment":
+            if group != "experiment" and not _global(group):
                 groups.append(group)
     return groups
 
 
-def optimizer_schema(entry: str) -> dict:
-    """Every key registry entry `entry` takes, with its default; the subspace seed follows the run's."""
-    from frugal import registry
+def _choices(cfg: DictConfig) -> dict | None:
+    """The option chosen for each group: Hydra's runtime choices of this run, if known."""
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None) if "hydra" in cfg else None
+    if choices is None:
+        from hydra.core.hydra_config import HydraConfig
 
-    values = {"name": entry}
-    for key, value in registry.defaults(entry).items():
-        values[key] = list(value) if isinstance(value, tuple) else value
-    if "seed" in values:
-        values["seed"] = "${train.seed}"
-    return values
+        if HydraConfig.initialized():
+            choices = HydraConfig.get().runtime.choices
+    return dict(choices) if choices is not None else None
 
 
-def register() -> None:
-    """Store the schema nodes in Hydra's ConfigStore (idempotent: a second call stores them again)."""
-    from hydra.core.config_store import ConfigStore
-
-    from frugal import OPTIMIZERS
-
-    store = ConfigStore.instance()
-    sections = {name: _structured(_type_name("section", name), values)
-                for name, values in primary_sections().items()}
-    store.store(group="schema", name="sections", node=sections)
-    for group in OPTION_GROUPS:
-        for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
-            node = _structured(_type_name(group, path.stem), _option_values(group, path.stem))
-            store.store(group=f"schema/{group}", name=path.stem, node=node)
-    for entry in OPTIMIZERS:
-        node = _structured(_type_name(OPTIMIZER_GROUP, entry), optimizer_schema(entry))
-        store.store(group=f"schema/{OPTIMIZER_GROUP}", name=entry, node=node)
+def valid_keys(cfg: DictConfig) -> dict[str, list[str]]:
+    """{node: its valid keys} for the top level ('') and every section and group node of `cfg`.
+    A group's keys are those of the option this run chose; composed without Hydra's runtime
+    information, those of any option of the group."""
+    sections = primary_sections()
+    groups = [g for g in primary_groups() if (CONFIG_DIR / g).is_dir()]
+    out = {"": sorted(set(sections) | set(primary_groups()) | {"hydra"})}
+    out.update({name: list(values) for name, values in sections.items()})
+    choices = _choices(cfg) or {}
+    for group in groups:
+        chosen = choices.get(group)
+        options = [chosen] if chosen else sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        keys: dict[str, None] = {}
+        for option in options:
+            keys.update(dict.fromkeys(option_keys(group, option)))
+        out[group] = list(keys)
+    return out
 
 
 def unknown_keys(cfg: DictConfig) -> list[tuple[str, list[str]]]:
-    """(dotted key, valid keys of its section) for every key of `cfg` that no YAML file or registry
-    entry declares: keys forced in with `+`/`++`. Sections built without the schema are skipped."""
-    root = set(primary_sections()) | set(primary_groups()) | {"hydra"}
-    found = [(key, sorted(root)) for key in cfg if key not in root]
-    for key in cfg:
-        cls = OmegaConf.get_type(cfg, key)
-        if dataclasses.is_dataclass(cls):
-            valid = [f.name for f in dataclasses.fields(cls)]
-            found += [(f"{key}.{k}", valid) for k in cfg[key] if k not in valid]
+    """(dotted key, valid keys of its node) for every key of `cfg` that no YAML file declares: keys
+    forced in with `+`/`++` (train.py forces plain key overrides too) or set by a preset. The top
+    level and one level below it are checked (`paper.steps` maps model names: any key)."""
+    valid = valid_keys(cfg)
+    found = [(key, valid[""]) for key in cfg if key not in valid[""]]
+    for node, keys in valid.items():
+        if node and isinstance(cfg.get(node), DictConfig):
+            found += [(f"{node}.{k}", keys) for k in cfg[node] if k not in keys]
     return found
+
+
+def closest(key: str, valid: list[str]) -> str | None:
+    """The valid key nearest to `key`'s last component (difflib), if any is close."""
+    match = difflib.get_close_matches(key.rpartition(".")[2], valid, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+
+
+def _declared_by_every_option(node: str) -> set[str]:
+    """Keys node `node` has whichever option fills it (a section's keys; for a group, the keys every
+    option of the group declares); empty for what is neither."""
+    sections = primary_sections()
+    if node in sections:
+        return set(sections[node])
+    if node not in primary_groups() or not (CONFIG_DIR / node).is_dir():
+        return set()
+    options = [set(option_keys(node, p.stem)) for p in sorted((CONFIG_DIR / node).glob("*.yaml"))]
+    return set.intersection(*options) if options else set()
+
+
+def force_add_key_overrides(argv: list[str]) -> list[str]:
+    """train.py's command line with every plain key override that might name an undeclared key
+    (`optimizer.densty=0.3`) written as a force-add (`++optimizer.densty=0.3`: set if present, added if
+    not), so that Hydra composes it and `unknown_keys` reports an undeclared one with the node's valid
+    keys and exit code 2, instead of Hydra's advice to append it with `+`. Keys the node has whatever
+    its option (`train.steps`, `optimizer.lr`), group choices (`optimizer=adamw`), `hydra.*` keys, `+`,
+    `++` and `~` overrides and flags (with the values of those that take one) are left as they are."""
+    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    takes_value = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+                   "-cd", "--config-dir", "--experimental-rerun"}
+    declared: dict[str, set[str]] = {}
+    out, after_flag = [], False
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        plain = not after_flag and "=" in arg and not arg.startswith(("-", "+", "~")) and _KEY.fullmatch(key)
+        if plain and key.split(".")[0] != "hydra":
+            node, _, rest = key.partition(".")
+            if rest:
+                known = declared.setdefault(node, _declared_by_every_option(node))
+                if rest.split(".")[0] not in known:
+                    arg = "++" + arg
+            elif node not in groups and node not in primary_sections():
+                arg = "++" + arg
+        after_flag = arg in takes_value
+        out.append(arg)
+    return out

@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from frugal.checks import check_integer
 
 from .naming import is_multirun
-from .schema import unknown_keys
+from .schema import closest, unknown_keys
 
-PRECISIONS = ("bf16-mixed", "bf16", "fp32")
+PRECISIONS = ("bf16-mixed", "bf16", "fp32")  # bf16 autocast over fp32 weights | pure bf16 | fp32
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -39,17 +39,26 @@ def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
     return check_integer(key, OmegaConf.select(cfg, key), minimum, error=ConfigError)
 
 
+def check_precision(precision) -> None:
+    """train.precision is one of PRECISIONS (train.py and eval.py)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+
+
 def check_known_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError listing every key no YAML file or registry entry declares."""
+    """Raise ConfigError naming every key no YAML file declares, the valid keys of its node and the
+    closest one (one line)."""
     unknown = unknown_keys(cfg)
     if not unknown:
         return
     lines = []
     for key, valid in unknown:
         section = key.rpartition(".")[0] or "the top level"
-        lines.append(f"{key} is not a config key; valid keys of {section}: {', '.join(valid)}")
-    raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section, or, for "
-                      "the optimizer, taken by its frugal registry entry.)")
+        near = closest(key, valid)
+        hint = f" (did you mean {key.rpartition('.')[0] + '.' if '.' in key else ''}{near}?)" if near else ""
+        lines.append(f"{key} is not a config key{hint}; valid keys of {section}: {', '.join(valid)}")
+    raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section; the "
+                      "optimizer's are written from its frugal registry entry by scripts/write_optimizer_configs.py.)")
 
 
 def check_loop_settings(tc) -> None:
@@ -97,8 +106,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
             f"{micro} x {world_size} = {per_pass}. Valid train.batch_size values for this micro batch: "
             f"{options}, ...; valid train.micro_batch_size values for this batch size: {divisors or 'none'}."
         )
-    if cfg.train.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={cfg.train.precision!r} is invalid; choose one of {', '.join(PRECISIONS)}")
+    check_precision(cfg.train.precision)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; choose one of {', '.join(WANDB_MODES)}")
     clip = cfg.train.grad_clip

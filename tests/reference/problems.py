@@ -24,7 +24,7 @@ class NoisyLeastSquares:
 
 
 def run_torch(problem, step_fn, steps: int, dtype, **hparams):
-    """Drive a ``frugal.concurrent``-style ``step_fn(param, grad, state, step, **hparams)``."""
+    """Drive a ``reference.concurrent``-style ``step_fn(param, grad, state, step, **hparams)``."""
     import torch
 
     w = torch.tensor(problem.w0, dtype=dtype)

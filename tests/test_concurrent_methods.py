@@ -5,7 +5,7 @@ References: the float64 implementations written from each paper (tests/reference
 adamem64; numpy only, nothing shared with frugal/) and, for Fira, the authors' `fira` package.
 
 The registry's Fira is the package's step (eps on the uncorrected root, weight decay after the
-update, the limiter on the uncorrected ratio, alpha also on the residual: tests/test_concurrent_fira.py
+update, the limiter on the uncorrected ratio, alpha also on the residual: tests/test_fira.py
 follows the package on a LLaMA at the preset's settings). One difference remains: LAPACK's
 singular-vector signs vs our fixed signs, which matters when moments kept across a projection change
 are read in the new basis. It vanishes when betas = (0, 0) (the moments hold only the current
@@ -27,7 +27,6 @@ from frugal import FRUGAL, HyperparameterError
 from frugal import projections as P
 from reference import adamem64, fira64, ldadam64
 from reference.problems import NoisyLeastSquares
-from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 SHAPES = [(12, 20), (20, 12)]  # both sides of GaLore's rule; min dimension 12: density 0.25 is rank 3
 RANK = 3

@@ -1,4 +1,4 @@
-"""LDAdam: frugal.subspace / frugal.concurrent.ldadam_step_ against a float64 implementation written
+"""LDAdam: frugal.subspace / tests/reference/concurrent.py's ldadam_step_ against a float64 implementation written
 from the LDAdam paper's Algorithm 1 (tests/reference/ldadam64.py), plus properties of the pieces."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from frugal import concurrent
 from frugal import subspace as sub
+from reference import concurrent
 from reference import ldadam64
 from reference.problems import NoisyLeastSquares, run_torch
 

@@ -1,4 +1,8 @@
-r"""Fira, LDAdam and AdaMeM on one matrix, composed from the pure functions of this package.
+r"""Fira, LDAdam and AdaMeM on one matrix, composed from the pure functions of the frugal package.
+
+A test reference, not library code (no training run reaches it): the tests run these one-matrix
+compositions against the float64 references beside this file and the original packages, and the
+phased FRUGAL step against them.
 
 Each ``*_step_`` function advances one ``m x n`` weight by one optimizer step, given its gradient
 and a dict of state tensors (created on the first call). They are the executable specification
@@ -23,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fira as _fira
-from . import projections as _proj
-from . import subspace as sub
-from .factored import adafactor_momentum_, one_sided_adafactor_
+from frugal import fira as _fira
+from frugal import projections as _proj
+from frugal import subspace as sub
+from frugal.factored import adafactor_momentum_, one_sided_adafactor_
 
 STATE_MODES = ("reset", "keep")
 

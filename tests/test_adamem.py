@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from frugal import concurrent
 from frugal import factored as fa
+from reference import concurrent
 from reference import adamem64
 from reference.problems import NoisyLeastSquares, run_torch
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from _train_helpers import one_thread, run_inprocess  # noqa: F401
+from _train_helpers import run_inprocess  # noqa: F401
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import figure2_subspace_angles as fig2  # noqa: E402

@@ -1,4 +1,4 @@
-"""Fira: frugal.fira / frugal.concurrent.fira_step_ against the `fira` package and a float64 reference.
+"""Fira: frugal.fira / tests/reference/concurrent.py's fira_step_ against the `fira` package and a float64 reference.
 
 ``optimizer=fira`` (the registry entry, FRUGAL's fast and reference paths) follows the package: the
 last tests train a LLaMA with both at the Table 17 preset's settings and compare every parameter.
@@ -43,9 +43,9 @@ import numpy as np
 import pytest
 import torch
 
-from frugal import concurrent
 from frugal import fira as F
 from frugal import subspace as sub
+from reference import concurrent
 from reference import fira64
 from reference.problems import NoisyLeastSquares, run_torch
 

@@ -12,7 +12,6 @@ import frugal
 from frugal import FRUGAL, HyperparameterError
 from frugal import projections as P
 from frugal.adaptive import scheduled_density
-from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def make(layers=8, shape=(6, 8), dtype=torch.float32, seed=0):
