@@ -49,3 +49,34 @@ def test_older_checkpoints_with_every_gpus_state_load(monkeypatch):
     before = gens[6].get_state()
     ckpt.set_rng_state(old)
     assert torch.equal(gens[6].get_state(), before)
+
+
+# torch.cuda.get_device_name() strings as the devices report them (nvidia-smi's names).
+@pytest.mark.parametrize("name,label,flops", [
+    ("NVIDIA A100-SXM4-40GB", "A100", 312e12),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+    ("NVIDIA A100-PCIE-40GB", "A100", 312e12),
+    ("NVIDIA A100 80GB PCIe", "A100", 312e12),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+    ("NVIDIA H200", "H200 SXM", 989e12),
+    ("NVIDIA H200 NVL", "H200 NVL", 835e12),
+    ("NVIDIA GH200 480GB", "GH200", 989e12),
+    ("NVIDIA L40S", "L40S", 362e12),
+    ("NVIDIA L40", "L40", 181e12),
+    ("NVIDIA L4", "L4", 121e12),
+    ("NVIDIA A10", "A10", 125e12),
+    ("NVIDIA A40", "A40", 150e12),
+    ("NVIDIA B200", "B200", 2.25e15),
+    ("Tesla V100-SXM2-32GB", None, None),  # no bf16 tensor cores: no entry
+    ("NVIDIA GeForce RTX 4090", None, None),
+])
+def test_peak_flops_by_device_name(monkeypatch, name, label, flops):
+    from train_utils.measure import device_peak, peak_flops
+
+    assert device_peak(name) == ((label, flops) if label else None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda, None) == flops
+    assert peak_flops(cuda, 1.5e15) == 1.5e15  # train.peak_flops overrides the table
