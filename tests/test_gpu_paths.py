@@ -3,11 +3,16 @@
 CUDA RNG states across GPU layouts: torch's own torch.cuda.random functions run against real
 generators (CPU ones standing in for the per-device CUDA generators), with as many "devices" as the
 process sees: a checkpoint written where 4 GPUs were visible resumes where only 1 is."""
+import shutil
+
 import pytest
 import torch
 import torch.cuda.random as cuda_random
 
 from train_utils import checkpoint as ckpt
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="torch.compile on CPU needs a C++ compiler")
 
 
 def fake_gpus(monkeypatch, count: int, current: int = 0) -> tuple:
@@ -80,3 +85,68 @@ def test_peak_flops_by_device_name(monkeypatch, name, label, flops):
     cuda = torch.device("cuda", 0)
     assert peak_flops(cuda, None) == flops
     assert peak_flops(cuda, 1.5e15) == 1.5e15  # train.peak_flops overrides the table
+
+
+# ---- activation checkpointing, measured by the bytes autograd saves for backward
+@pytest.fixture(scope="module")
+def process_group():
+    """A 1-process gloo group (what DDP and FSDP2 need), private to this module's tests."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_llama(checkpointing: bool, compiled: bool, parallelism: str):
+    """The order of train.py: checkpointing, compile, then DDP or FSDP2."""
+    from omegaconf import OmegaConf
+
+    import models
+    from train_utils.distributed import transformer_blocks
+    from train_utils.loop import compile_model, enable_activation_checkpointing
+
+    torch.manual_seed(0)
+    cfg = OmegaConf.load("configs/model/llama_tiny.yaml")
+    model = models.build_model(cfg, vocab_size=512)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    if compiled:
+        compile_model(model)
+    raw = model
+    if parallelism == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif parallelism == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in transformer_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+    return raw, model
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)])
+@pytest.mark.parametrize("parallelism", ["none", "ddp", "fsdp"])
+def test_activation_checkpointing_saves_activations_in_every_combination(process_group, compiled, parallelism):
+    """Checkpointed blocks keep only their inputs for backward: the saved bytes drop to a fraction
+    (measured 2.75 MiB vs 17.4 eager / 12.0 compiled here). Before the fix, compiled blocks under FSDP2
+    saved as much with checkpointing as without, and `activation_checkpointing_on` said True."""
+    from train_utils.loop import activation_checkpointing_on, saved_tensor_bytes, token_loss_sum
+
+    ids = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for checkpointing in (False, True):
+        raw, model = tiny_llama(checkpointing, compiled, parallelism)
+
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
+
+        saved[checkpointing] = saved_tensor_bytes(run)
+        run().backward()  # the recomputation runs (and works) in backward
+        assert all(p.grad is not None for p in raw.parameters())
+        assert activation_checkpointing_on(raw) == checkpointing
+    assert saved[True] < 0.4 * saved[False], saved

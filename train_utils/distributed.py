@@ -55,9 +55,9 @@ PARALLELISMS = ("ddp", "fsdp")
 
 def transformer_blocks(model) -> list:
     """The model's transformer blocks: the modules transformers keeps whole when it splits a model
-    (`_no_split_modules`: LlamaDecoderLayer, GPT2Block)."""
+    (`_no_split_modules`: LlamaDecoderLayer, GPT2Block), also once FSDP2 has made them subclasses."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(f"found no transformer blocks in {type(model).__name__} (looked for {sorted(names)})")
     return blocks
