@@ -150,3 +150,66 @@ def test_activation_checkpointing_saves_activations_in_every_combination(process
         assert all(p.grad is not None for p in raw.parameters())
         assert activation_checkpointing_on(raw) == checkpointing
     assert saved[True] < 0.4 * saved[False], saved
+
+
+# ---- one host sync per step
+def test_a_step_has_one_host_sync_and_only_non_blocking_copies(monkeypatch):
+    """forward_backward, the gradient norm and step_totals: every host-to-device copy is
+    non-blocking, the target count is computed from the labels already on the device (not counted on
+    the host and copied over), and the only value read back to the host is step_totals' one
+    `.tolist()`. Reads back from the loop's code (train_utils/) are counted by their call site."""
+    import os
+    import sys
+
+    from train_utils import loop
+
+    raw, model = tiny_llama(False, False, "none")
+
+    class OneProcess:  # accelerate's Accelerator for one process: reduce is the identity
+        device, num_processes = torch.device("cpu"), 1
+
+        @staticmethod
+        def reduce(tensor, reduction="sum"):
+            return tensor
+
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):  # three micro-batches, with pads (ignored targets)
+        ids = torch.randint(0, 512, (2, 16), generator=gen)
+        labels = ids.clone()
+        labels[:, 12:] = -100
+        batches.append({"input_ids": ids.pin_memory() if torch.cuda.is_available() else ids, "labels": labels})
+    copies, reads = [], []
+    real_to = torch.Tensor.to
+    ours = os.path.dirname(loop.__file__)
+
+    def to(self, *args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if os.path.dirname(caller.co_filename) == ours:
+            copies.append((caller.co_name, kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    def reader(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if os.path.dirname(caller.co_filename) == ours:
+                reads.append(f"{caller.co_name}:{name}")
+            return real(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, reader(name))
+    loss_sum, n_global = loop.forward_backward(model, batches, OneProcess, "bf16-mixed")
+    norm = loop.grad_norm_([p for p in raw.parameters()], None)
+    loss, grad_norm, targets, votes, events = loop.step_totals(OneProcess, loss_sum, norm, n_global, None)
+    monkeypatch.undo()
+    assert copies == [("to_device", True)] * 6, copies  # ids and labels of 3 micro-batches; nothing else
+    assert reads == ["step_totals:tolist"], reads
+    assert targets == 3 * 2 * 11 and n_global.device == OneProcess.device
+    # the loss is the token-weighted mean, recomputed here without the loop
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        total = sum(loop.token_loss_sum(raw(input_ids=b["input_ids"]).logits, b["labels"]).double() for b in batches)
+    assert loss == pytest.approx(float(total) / targets, rel=1e-6)

@@ -118,11 +118,14 @@ def forward_backward(model, batches: list[dict], accelerator, precision: str,
 
     loss_fn = loss_fn or token_loss_sum
     device = accelerator.device
-    n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device), reduction="sum")
+    # Every micro-batch goes to the device first (non-blocking copies from pinned memory) and the
+    # targets are counted there: counting on the host and copying that scalar over would be a
+    # blocking copy, a second host sync per step. (The token ids of a step are a few KiB.)
+    moved = [to_device(batch, device) for batch in batches]
+    n_global = accelerator.reduce(sum(count_targets(labels) for _, labels in moved), reduction="sum")
     scale = accelerator.num_processes / n_global.float()  # ranks' gradients are averaged; x world makes it a sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in enumerate(batches):
-        ids, labels = to_device(batch, device)
+    for i, (ids, labels) in enumerate(moved):
         # DDP: skip the gradient all-reduce on all but the last micro-batch, accumulate locally. (FSDP2
         # reduce-scatters every micro-batch: see train_utils/distributed.py.)
         skip_sync = is_ddp(model) and i < len(batches) - 1
