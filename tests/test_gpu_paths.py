@@ -213,3 +213,44 @@ def test_a_step_has_one_host_sync_and_only_non_blocking_copies(monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         total = sum(loop.token_loss_sum(raw(input_ids=b["input_ids"]).logits, b["labels"]).double() for b in batches)
     assert loss == pytest.approx(float(total) / targets, rel=1e-6)
+
+
+# ---- naming a frozen rank needs no extra process group
+_NAMING = r"""
+import sys, torch.distributed as dist
+from train_utils import distributed
+rank, port, frozen = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "frozen"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+store = dist.distributed_c10d._get_default_store()
+groups = len(dist.distributed_c10d._world.pg_map)
+assert distributed.monitor_group(type("A", (), {"num_processes": 2})(), 3.0) == 2
+assert len(dist.distributed_c10d._world.pg_map) == groups  # no side group made
+if rank == 1 and frozen:
+    store.wait(["rank0_done"])  # alive, but never answers the check
+else:
+    print(f"[{rank}] " + distributed.name_unresponsive_ranks(2, rank, 3.0), flush=True)
+    store.set(f"rank{rank}_done", "1")
+    if rank == 0:
+        store.wait(["rank1_done"] if not frozen else [])
+"""
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_an_unresponsive_rank_is_named_without_a_side_group(tmp_path, frozen):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "PYTHONPATH": ".", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _NAMING, str(r), str(port), "frozen" if frozen else "ok"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    if frozen:
+        assert outs[0][0].strip() == "[0] rank 1 did not answer a check within 3 s"
+    else:
+        for r in (0, 1):
+            assert outs[r][0].strip().startswith(f"[{r}] every rank answered the check afterwards")
