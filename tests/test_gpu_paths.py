@@ -254,3 +254,30 @@ def test_an_unresponsive_rank_is_named_without_a_side_group(tmp_path, frozen):
     else:
         for r in (0, 1):
             assert outs[r][0].strip().startswith(f"[{r}] every rank answered the check afterwards")
+
+
+# ---- input workers sized from the device's demand
+def test_input_workers_follow_the_device_demand():
+    """llama_130m's one worker per rank was sized for an A100 at MFU 0.5; an H100 SXM consumes 3.2x
+    as many positions, so the start row asks for more (recomputed here from the formula)."""
+    from omegaconf import OmegaConf
+
+    import models
+    from train_utils.measure import WORKER_POSITIONS_PER_S, device_peak, flops_per_position, input_demand
+
+    cfg = OmegaConf.load("configs/model/llama_130m.yaml")
+    with torch.device("meta"):
+        model = models.build_model(cfg)
+    flops = flops_per_position(model, cfg.num_hidden_layers, cfg.hidden_size, 256)
+    assert flops == pytest.approx(0.685e9, rel=0.01)  # docs/data_pipeline.md's table
+    a100, h100 = device_peak("NVIDIA A100-SXM4-80GB")[1], device_peak("NVIDIA H100 80GB HBM3")[1]
+    assert input_demand("c4", 1, flops, a100)["input_workers_needed"] == 1
+    assert "input_warning" not in input_demand("c4", 1, flops, a100)
+    on_h100 = input_demand("c4", 1, flops, h100)
+    need = 2 * h100 * 0.5 / flops / WORKER_POSITIONS_PER_S["c4"]  # 2.9 workers
+    assert on_h100["input_workers_needed"] == 4 and 2 < need <= 4
+    assert on_h100["input_positions_needed_per_s"] == pytest.approx(h100 * 0.5 / flops)
+    assert "data.num_workers=1 < 4 needed" in on_h100["input_warning"]
+    assert "input_warning" not in input_demand("c4", 4, flops, h100)
+    assert "input_warning" not in input_demand("tokens", 1, flops, h100)  # pretokenized: one worker suffices
+    assert input_demand("c4", 1, flops, None) == {}  # no peak (CPU): nothing to size from

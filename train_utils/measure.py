@@ -22,6 +22,7 @@ it is the peak since start).
 """
 from __future__ import annotations
 
+import math
 import re
 import resource
 import sys
@@ -70,6 +71,36 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
         return None
     found = device_peak(torch.cuda.get_device_name(device))
     return found[1] if found else None
+
+
+# What one DataLoader worker delivers, positions per second on a core of its own (measured:
+# docs/data_pipeline.md, "Throughput and DataLoader workers"); the training process itself reads
+# when data.num_workers=0.
+WORKER_POSITIONS_PER_S = {"c4": 500e3, "local": 500e3, "tokens": 20e6, "synthetic": 2e6}
+INPUT_MFU = 0.5  # the demand is sized at this MFU (the upper end for these models: errs on the safe side)
+INPUT_SAFETY = 2.0  # cluster cores, real text and a compiled model differ from the measurement
+
+
+def input_demand(source: str, num_workers: int, flops: float, peak: float | None) -> dict:
+    """Can the input pipeline keep one device fed? The device consumes peak x INPUT_MFU / (FLOPs per
+    position) positions per second; the workers needed are INPUT_SAFETY x that / one worker's rate,
+    rounded up to a power of two (so data.readers=64 stays a multiple of GPUs x workers). Returns the
+    start row's entries, with `input_warning` when data.num_workers is below the need. Without a
+    peak (CPU, an unknown GPU without train.peak_flops) there is no demand to size from."""
+    rate = WORKER_POSITIONS_PER_S.get(source)
+    if not peak or not rate or not flops:
+        return {}
+    demand = peak * INPUT_MFU / flops
+    need = INPUT_SAFETY * demand / rate
+    workers = 1 << max(0, math.ceil(math.log2(need))) if need > 1 else 1
+    out = {"input_positions_needed_per_s": demand, "input_workers_needed": workers}
+    if max(num_workers, 1) < workers:  # 0 workers: the training process reads, about one worker's rate
+        out["input_warning"] = (
+            f"the input pipeline may not keep up: at MFU {INPUT_MFU:.0%} this device consumes {demand:,.0f} positions/s, "
+            f"one {source} worker delivers about {rate:,.0f}; data.num_workers={num_workers} < {workers} needed "
+            f"(x{INPUT_SAFETY:g} safety). Set data.num_workers={workers} (the data order does not change) or "
+            f"pretokenize (data=tokens); data_wait_s in the rows shows the wait")
+    return out
 
 
 def flops_per_position(model: torch.nn.Module, num_layers: int, hidden_size: int, seq_len: int) -> float:
