@@ -120,16 +120,41 @@ def check_bf16_cpu(table: Table) -> None:
 
 
 # ---- train.py runs
+EXIT_GRACE_S = 60  # a run that wrote its end row but has not exited this much later is stopped
+
+
 def run_train(run_dir: str, overrides: list[str], nproc: int, timeout: float) -> tuple[int, list[dict], str]:
+    """train.py (under torchrun for several processes); (exit code, metrics rows, stderr). A run
+    that logged its end but hangs while tearing down its process group (seen with gloo on a loaded
+    CPU) is stopped after EXIT_GRACE_S and its stderr says so."""
+    import signal
+
     launcher = [sys.executable, "train.py"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    proc = subprocess.run([*launcher, *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
     path = os.path.join(run_dir, "metrics.jsonl")
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "preflight.stderr"), "w+") as err:
+        proc = subprocess.Popen([*launcher, *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        started, ended, note = time.monotonic(), None, ""
+        while proc.poll() is None:
+            time.sleep(1)
+            if ended is None and os.path.exists(path) and '"event": "end"' in open(path).read():
+                ended = time.monotonic()
+            late = ended is not None and time.monotonic() - ended > EXIT_GRACE_S
+            if late or time.monotonic() - started > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: their own session
+                proc.wait()
+                note = (f"\nhung at exit: the end row was written, the processes had not exited {EXIT_GRACE_S} s later"
+                        if late else f"\nerror: no exit after {timeout:.0f} s")
+                break
+        err.seek(0)
+        stderr = err.read() + note
     rows = [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
-    return proc.returncode, rows, proc.stderr
+    code = proc.returncode if not note or "hung at exit" not in note else 0
+    return code, rows, stderr
 
 
 def _error_line(stderr: str) -> str:
@@ -150,8 +175,9 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
         return None
     last = steps[-1]
     mfu = f", MFU {last['mfu']:.0%}" if last.get("mfu") is not None else ""
+    hung = "; HUNG AT EXIT (stopped)" if "hung at exit" in stderr else ""
     table.add(f"train {label}", f"{len(steps)} steps, loss {steps[0]['loss']:.3f} -> {last['loss']:.3f}, "
-              f"{last['step_time_s'] * 1e3:.0f} ms/step{mfu} ({time.perf_counter() - started:.0f} s with start-up)",
+              f"{last['step_time_s'] * 1e3:.0f} ms/step{mfu} ({time.perf_counter() - started:.0f} s with start-up){hung}",
               "pass")
     if "train.activation_checkpointing=true" in overrides and not start.get("activation_checkpointing"):
         table.add(f"  checkpointing {label}", "requested, but the start row says the blocks run without it", "FAIL")
