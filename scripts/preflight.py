@@ -7,8 +7,8 @@
 A few minutes on one node. It runs the real paths for a few steps and measures what they do:
 
 - the device, driver, torch, CUDA and NCCL versions; bf16 and TF32;
-- train.py on llama_tiny and on a preset's model (the preset's settings; its batch cut to one
-  micro-batch per GPU and 3 steps), under DDP and FSDP2 on every GPU of the node, compiled and eager:
+- train.py on llama_tiny and on a preset's model (the preset's settings, its 512-sequence batch
+  included; 3 steps, no evaluation), under DDP and FSDP2 on every GPU of the node, compiled and eager:
   step time, MFU, and the memory planner's peak against the measured one;
 - activation checkpointing measured effective (bytes autograd saves for backward, on vs off) for
   eager and compiled blocks, alone and under FSDP2;
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
                 guarded(table, f"train {label}")(check_training)(table, label, overrides, nproc, work, args.timeout,
                                                                  bool(gpus))
 
-        # the preset's model with the preset's settings (batch cut to one micro-batch per GPU)
+        # the preset's model with the preset's settings (a few steps, no evaluation)
         for parallelism in ("ddp", "fsdp"):
             for compiled in (False, True):
                 label = f"{args.preset} {args.model} {parallelism} {'compiled' if compiled else 'eager'} x{nproc}"
