@@ -66,7 +66,7 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
-from train_utils.measure import Interval, flops_per_position, optimizer_state_bytes, peak_flops
+from train_utils.measure import Interval, flops_per_position, input_demand, optimizer_state_bytes, peak_flops
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
@@ -165,6 +165,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         last_eval = report.last_eval_at(kept, step)
         flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
         peak = peak_flops(device, tc.peak_flops)
+        inputs = input_demand(cfg.data.name, cfg.data.num_workers, flops, peak)  # workers for this device's demand
+        if "input_warning" in inputs:
+            say(f"warning: {inputs['input_warning']}")
         start_row = report.log_start(
             metrics, say, step=step, model=raw_model, optimizer=optimizer, opt_cfg=opt_cfg,
             changes=plan["changes"], fresh_state=fresh_state, world=world,
@@ -176,7 +179,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                       "activation_checkpointing": activation_checkpointing_on(raw_model),
                       "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
                       "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
-                      "compiled": compiled, "tf32": tf32, **memory})
+                      "compiled": compiled, "tf32": tf32, **memory, **inputs})
 
         # ---- the loop
         train_iter = training_batches(dm)

@@ -19,7 +19,8 @@ give bitwise the same weights (tested in fp32, bf16, fp16 and fp64).
 
 Compiled calls take ``PACK`` tensors at a time (one call per tensor would cost ~20 us of Python
 each, as much as the pass over a 1M-element tensor, and on a GPU more than the kernel itself).
-Two graphs (``PACK`` tensors, one tensor) serve every tensor size (dynamic shapes on flat views),
+Two graphs (``PACK`` tensors, one tensor) serve every tensor size and storage offset (dynamic
+shapes on flat views that start their own storage: DDP bucket views and FSDP2 shards included),
 and ``lr`` and the decay enter as 0-d tensors, so LR schedules do not recompile. The first use
 compiles (seconds; inductor caches the result on disk for later processes).
 """
@@ -73,14 +74,23 @@ def _kernel(count: int, decayed: bool):
     return _compiled[count, decayed]
 
 
+def _plain(t: Tensor) -> Tensor:
+    """``t`` flat, as a tensor of its own that starts its storage (a DLPack alias of the same
+    memory: no copy, writes go through). Gradients that are DDP bucket views or FSDP2
+    reduce-scatter views start at other storage offsets, and dynamo specialises a graph on whether
+    each input's offset is 0 (the 0/1 specialisation): a pack of 8 such views could need 2^8 graphs,
+    the recompile limit stops compiling at the first step, and "auto" fell back to eager ops for the
+    whole run. As plain tensors every input has offset 0 and aliases nothing dynamo can see."""
+    return torch.from_dlpack(t.detach().view(-1))
+
+
 def _call(params: list[Tensor], grads: list[Tensor], lr: Tensor, decay: Tensor | None) -> None:
     # Without "duck shaping" every tensor size is its own symbol: no guard on which sizes are
     # equal, so one graph serves any PACK tensors (of at least 2 elements: sizes 0 and 1 are
     # specialised). The setting is read when dynamo traces, i.e. on a first call.
     scalars = (lr,) if decay is None else (lr, decay)
     with fx_config.patch(use_duck_shape=False):
-        _kernel(len(params), decay is not None)([p.view(-1) for p in params], [g.view(-1) for g in grads],
-                                                *scalars)
+        _kernel(len(params), decay is not None)([_plain(p) for p in params], [_plain(g) for g in grads], *scalars)
 
 
 def _use_compiled(mode: str, p: Tensor, g: Tensor) -> bool:

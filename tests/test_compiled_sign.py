@@ -122,3 +122,90 @@ def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
     assert calls, "the default path did not use the compiled kernel"
     for a, b in zip(runs["auto"], runs["eager"]):
         assert torch.equal(a, b)
+
+
+# ---- gradients that are views into a shared buffer: DDP buckets, FSDP2 reduce-scatter outputs
+@needs_compiler
+def test_views_at_any_storage_offset_reuse_one_graph():
+    """Dynamo specialises on whether an input's storage offset is 0. Packs of gradient views whose
+    offsets are 0 at a different position each call needed a new graph per pattern: after the
+    recompile limit, sign_update="compiled" failed and "auto" fell back to eager for the run."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    n, pack = kernels.AUTO_MIN_NUMEL, kernels.PACK
+    bucket = torch.randn(n * pack * 2, generator=torch.Generator().manual_seed(0))
+    params = tensors(torch.float32, [(n,)] * pack)[0]
+    graphs = None
+    for call in range(torch._dynamo.config.recompile_limit + 4):
+        # a different gradient starts the buffer each call, the others at offsets > 0
+        starts = [((i - call) % pack) * n * 2 for i in range(pack)]
+        grads = [bucket[s:s + n] for s in starts]
+        expected = [p.clone() for p in params]
+        kernels.sign_update_(expected, grads, lr=1e-3, decay=0.99, mode="eager")
+        kernels.sign_update_(params, grads, lr=1e-3, decay=0.99, mode="compiled")
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompiles after the first call
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _layers_run(parallelism: str, sign_update: str, steps: int = 3):
+    """FRUGAL (update_gap=1, most blocks state-free) on 12 square layers, wrapped in DDP with
+    small gradient buckets (views at many offsets) or sharded by FSDP2."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256, bias=False) for _ in range(12)]
+    net = torch.nn.Sequential(*layers)
+    if parallelism == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True, bucket_cap_mb=1)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer)
+        model = fully_shard(net)
+    groups = [{"params": [layer.weight], "projectable": True, "block": i} for i, layer in enumerate(layers)]
+    opt = FRUGAL(groups, lr=1e-3, density=0.1, update_gap=1, weight_decay=0.1, sign_update=sign_update)
+    offsets = set()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(8, 256, generator=gen)).pow(2).mean().backward()
+        offsets |= {getattr(layer.weight.grad, "_local_tensor", layer.weight.grad).storage_offset() for layer in layers}
+        opt.step()
+        opt.zero_grad(set_to_none=parallelism != "ddp")
+    from frugal.sharding import local
+
+    return [local(layer.weight.detach()).clone() for layer in layers], offsets
+
+
+@needs_compiler
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_compiled_update_survives_ddp_buckets_and_fsdp2_shards(process_group, monkeypatch, parallelism):
+    """The compiled pass stays in use (no fallback, no warning) on DDP bucket views and FSDP2
+    shards, over steps that switch the state-full block, and gives the eager run's weights."""
+    calls = []
+    real = kernels._kernel
+    monkeypatch.setattr(kernels, "_kernel", lambda *key: (calls.append(key), real(*key))[1])
+    monkeypatch.setattr(kernels, "_unavailable", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        compiled, offsets = _layers_run(parallelism, "auto")
+    assert kernels._unavailable == {} and calls
+    if parallelism == "ddp":
+        assert len(offsets) > 1  # the gradients really were views at several offsets
+    eager, _ = _layers_run(parallelism, "eager")
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+    strict, _ = _layers_run(parallelism, "compiled")  # and "compiled" does not stop the run
+    assert all(torch.equal(c, e) for c, e in zip(strict, eager))

@@ -312,7 +312,9 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a resume may see another number of GPUs per process (torchrun
+        # on 8 visible GPUs, then SLURM binding one GPU to each task), and every rank stores its own.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -323,7 +325,14 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: one state per visible GPU
+            index = torch.cuda.current_device()
+            # the entry of the device this process uses; none for it (fewer GPUs were visible then):
+            # the dropout stream seeded at start-up stays
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:

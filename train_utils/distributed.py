@@ -23,9 +23,13 @@ Collective timeout. A frozen (not dead) rank leaves the others waiting in their 
 `train.collective_timeout_s` bounds that wait (torch's defaults are 30 minutes for gloo and longer
 for NCCL). It must exceed the longest legitimate wait at a collective: rank 0 writing a checkpoint
 while the others wait (about a minute per 100 GB at 1-2 GB/s) or the slowest rank's evaluation.
-After a timeout, `name_unresponsive_ranks` runs gloo's monitored barrier on a side group, which
-names the ranks that do not answer. (With NCCL, torch's watchdog may abort the process on the
-timeout before Python sees it; its log line then names the operation, not the rank.)
+After a timeout, `name_unresponsive_ranks` names the ranks that do not answer: each rank that
+still runs leaves a key in the rendezvous store that every process already uses (torchrun's, or the
+TCP store of env:// on MASTER_ADDR) and reads which keys appear. No extra process group is made for
+it: a gloo side group would be one more rendezvous on every multi-process run, and on clusters where
+the hostname resolves to loopback or the wrong interface gloo fails or hangs at start-up although
+NCCL works. (With NCCL, torch's watchdog may abort the process on the timeout before Python sees
+it; its log line then names the operation, not the rank.)
 """
 from __future__ import annotations
 
@@ -100,12 +104,9 @@ def zero_grad_sets_to_none(model) -> bool:
 
 
 def monitor_group(accelerator, collective_timeout_s: float):
-    """A gloo side group for `name_unresponsive_ranks` (collective: every rank calls it), or None alone."""
-    if accelerator.num_processes == 1:
-        return None
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
+    """What `name_unresponsive_ranks` needs after a timeout: the number of processes (None alone).
+    Nothing is created or communicated here (the check uses the rendezvous store, module docstring)."""
+    return None if accelerator.num_processes == 1 else accelerator.num_processes
 
 
 def is_collective_timeout(err: BaseException) -> bool:
@@ -115,19 +116,36 @@ def is_collective_timeout(err: BaseException) -> bool:
     return isinstance(err, getattr(dist, "DistBackendError", ())) or "Timed out" in text or "timed out" in text
 
 
-def name_unresponsive_ranks(group, rank: int, collective_timeout_s: float) -> str:
-    """After a collective timed out: which ranks do not answer (gloo's monitored barrier names them)."""
+_ALIVE_KEY = "frugal/answered_after_timeout"
+
+
+def name_unresponsive_ranks(world: int | None, rank: int, collective_timeout_s: float) -> str:
+    """After a collective timed out: which ranks do not answer. Every rank that still runs writes
+    `<key>/<rank>` to the default process group's store, then waits (up to 30 s) for the others'."""
+    import time
+
     import torch.distributed as dist
 
     wait = min(_MONITOR_WAIT_S, collective_timeout_s)
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
     try:
-        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=wait), wait_all_ranks=True)
-    except RuntimeError as err:
-        detail = str(err).strip().splitlines()[0]
-        if rank == 0:
-            return detail  # e.g. "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 30000 ms"
-        return f"rank 0 did not answer the check within {wait:.0f} s ({detail})"
-    return "every rank answered the check afterwards (a rank was slower than the timeout, not frozen)"
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait))  # a store on a frozen host must not hang us
+        store.set(f"{_ALIVE_KEY}/{rank}", "1")
+        deadline = time.monotonic() + wait
+        while True:
+            missing = [r for r in range(world) if not store.check([f"{_ALIVE_KEY}/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception as err:  # the store itself is gone or frozen (it lives on rank 0 without torchrun)
+        return (f"the rendezvous store did not answer a check either ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0][:120] if str(err).strip() else ''}); without torchrun it "
+                f"lives in rank 0, which may be the one that stopped")
+    if not missing:
+        return "every rank answered the check afterwards (a rank was slower than the timeout, not frozen)"
+    ranks = ", ".join(map(str, missing))
+    return f"rank{'s' if len(missing) > 1 else ''} {ranks} did not answer a check within {wait:.0f} s"
 
 
 def collective_timeout_message(group, rank: int, collective_timeout_s: float, err: BaseException) -> str:

@@ -129,11 +129,14 @@ def forward_backward(model, batches: list[dict], accelerator, precision: str,
 
     loss_fn = loss_fn or token_loss_sum
     device = accelerator.device
-    n_global = accelerator.reduce(sum(count_targets(b["labels"]) for b in batches).to(device), reduction="sum")
+    # Every micro-batch goes to the device first (non-blocking copies from pinned memory) and the
+    # targets are counted there: counting on the host and copying that scalar over would be a
+    # blocking copy, a second host sync per step. (The token ids of a step are a few KiB.)
+    moved = [to_device(batch, device) for batch in batches]
+    n_global = accelerator.reduce(sum(count_targets(labels) for _, labels in moved), reduction="sum")
     scale = accelerator.num_processes / n_global.float()  # ranks' gradients are averaged; x world makes it a sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in enumerate(batches):
-        ids, labels = to_device(batch, device)
+    for i, (ids, labels) in enumerate(moved):
         # DDP: skip the gradient all-reduce on all but the last micro-batch, accumulate locally. (FSDP2
         # reduce-scatters every micro-batch: see train_utils/distributed.py.)
         skip_sync = is_ddp(model) and i < len(batches) - 1
@@ -214,12 +217,43 @@ def seed_dropout(seed: int, rank: int, offset: int = 0) -> None:
 
 def compile_model(model):
     """Compile each transformer block's forward in place (module docstring); return the compiled loss.
-    Parameter names and hooks are unchanged, so checkpoints and FSDP2 see the same model."""
+    Parameter names and hooks are unchanged, so checkpoints and FSDP2 see the same model. Call it
+    before `wrap_model`, before or after `enable_activation_checkpointing`."""
     from train_utils.distributed import transformer_blocks
 
     for block in transformer_blocks(model):
-        block.forward = torch.compile(block.forward)
+        block._compiled_forward = torch.compile(block.forward)
+        _install_forward(block)
     return torch.compile(token_loss_sum)
+
+
+def _install_forward(block) -> None:
+    """A compiled block's forward, checkpointed outside the compiled graph when checkpointing is on.
+
+    transformers checkpoints inside the class's `forward`, and only when that is the outermost
+    forward of the block's class. A compiled forward is an instance attribute holding the class's
+    forward of the moment, so under FSDP2 (which swaps the block's class for a subclass) that check
+    fails and nothing is checkpointed; without FSDP2 the checkpoint lands inside the compiled graph,
+    whose partitioner keeps more activations (twice as many bytes in a tiny LLaMA). So here our own
+    non-reentrant checkpoint wraps the compiled forward, and transformers' is switched off."""
+    compiled = block.__dict__.get("_compiled_forward")
+    if compiled is None:  # eager: transformers' per-block checkpointing works, FSDP2 included
+        return
+    if getattr(block, "gradient_checkpointing", False):
+        block.gradient_checkpointing = False
+        block._checkpoint_outside = True
+    if not block.__dict__.get("_checkpoint_outside"):
+        block.forward = compiled
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(*args, **kwargs):
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(compiled, *args, use_reentrant=False, **kwargs)
+        return compiled(*args, **kwargs)
+
+    forward.checkpointed = True
+    block.forward = forward
 
 
 def compile_wanted(setting, device: torch.device) -> bool:
@@ -241,18 +275,51 @@ def allow_tf32(enabled: bool, device: torch.device) -> bool:
 
 def enable_activation_checkpointing(model) -> None:
     """Recompute each transformer block in the backward pass instead of keeping its activations
-    (transformers' per-block checkpointing). Non-reentrant: works with autocast, and restores the
-    RNG state for the recomputation, so dropout masks are those of the forward pass."""
+    (transformers' per-block checkpointing; our own around compiled blocks, see `_install_forward`).
+    Non-reentrant: works with autocast, and restores the RNG state for the recomputation, so dropout
+    masks are those of the forward pass."""
+    from train_utils.distributed import transformer_blocks
+
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name warns there)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for block in transformer_blocks(model):
+        _install_forward(block)
+
+
+def block_checkpointed(block) -> bool:
+    """Whether the block's activations are really recomputed in backward, read from what its forward
+    call runs: our checkpoint around a compiled forward, or transformers' own wrapper (the class's
+    forward, with the flag on); not a flag that a compiled forward bypasses."""
+    own = block.__dict__.get("forward")
+    if own is not None:
+        return bool(getattr(own, "checkpointed", False))
+    return bool(getattr(block, "gradient_checkpointing", False))
 
 
 def activation_checkpointing_on(model) -> bool:
-    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
-    return bool(getattr(model, flag))
+    """True when every transformer block is checkpointed (block_checkpointed), whatever the flags say."""
+    from train_utils.distributed import transformer_blocks
+
+    return all(block_checkpointed(block) for block in transformer_blocks(model))
+
+
+def saved_tensor_bytes(run) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while `run()` executes (a
+    forward pass): activation checkpointing measured, not assumed. Every storage counts once."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr(), tensor.device] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    del out
+    return sum(storages.values())
 
 
 def training_batches(dm):

@@ -8,8 +8,10 @@ MFU (model FLOPs utilisation, GPUs only) = achieved model FLOPs / the devices' p
 per position are those of a training step of a dense decoder (the PaLM paper, appendix B; also
 nanoGPT's estimate): 6 x N for the weight matmuls, N the parameters except the input embeddings
 (the output head counts even when tied), plus 12 x layers x hidden x seq_len for attention scores
-and values. The peak is the dense bf16 figure of the device from PEAK_FLOPS, or `train.peak_flops`
-(FLOP/s per device) for others; without either, MFU is not logged.
+and values. The peak is the dense (no sparsity) bf16 tensor-core figure of the device's data sheet,
+looked up by its CUDA device name in PEAK_FLOPS (`device_peak`: H100 SXM, PCIe and NVL differ by up
+to 24%), or `train.peak_flops` (FLOP/s per device), which overrides the table; without either, MFU
+is not logged.
 
 Optimizer-state bytes are those of the whole run: under FSDP2 each rank holds its shards, so the
 ranks' figures are summed (one scalar all-reduce per row); replicas (DDP) hold the same, one counts.
@@ -20,6 +22,8 @@ it is the peak since start).
 """
 from __future__ import annotations
 
+import math
+import re
 import resource
 import sys
 
@@ -28,17 +32,75 @@ import torch.distributed as dist
 
 import frugal
 
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendor's data sheets, matched against the CUDA device name.
-PEAK_FLOPS = {"H100": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peaks (FLOP/s, without sparsity) from NVIDIA's data sheets, by a pattern of
+# the CUDA device name (torch.cuda.get_device_name; case-insensitive; the first match wins, so the
+# form-factor variants come before their family). The SXM H100 reports itself as "H100 80GB HBM3".
+PEAK_FLOPS = (
+    (r"GH200", "GH200", 989e12),
+    (r"H100.*NVL", "H100 NVL", 835e12),
+    (r"H100.*PCIe", "H100 PCIe", 756e12),
+    (r"H100|H800", "H100 SXM", 989e12),
+    (r"H200.*NVL", "H200 NVL", 835e12),
+    (r"H200", "H200 SXM", 989e12),
+    (r"GB200", "GB200", 2.5e15),
+    (r"B200", "B200", 2.25e15),
+    (r"B100", "B100", 1.75e15),
+    (r"A100|A800", "A100", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
+    (r"L40S", "L40S", 362e12),
+    (r"L40\b", "L40", 181e12),
+    (r"A40\b", "A40", 150e12),
+    (r"A10\b", "A10", 125e12),
+    (r"L4\b", "L4", 121e12),
+)
+
+
+def device_peak(name: str) -> tuple[str, float] | None:
+    """(the table's name, dense bf16 FLOP/s) for a CUDA device name, or None if it is not in the table."""
+    for pattern, label, flops in PEAK_FLOPS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return label, flops
+    return None
 
 
 def peak_flops(device: torch.device, override: float | None) -> float | None:
+    """The peak FLOP/s of one device for MFU: `train.peak_flops` when set, else the table's entry
+    for this CUDA device, else None (no MFU logged)."""
     if override:
         return float(override)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    found = device_peak(torch.cuda.get_device_name(device))
+    return found[1] if found else None
+
+
+# What one DataLoader worker delivers, positions per second on a core of its own (measured:
+# docs/data_pipeline.md, "Throughput and DataLoader workers"); the training process itself reads
+# when data.num_workers=0.
+WORKER_POSITIONS_PER_S = {"c4": 500e3, "local": 500e3, "tokens": 20e6, "synthetic": 2e6}
+INPUT_MFU = 0.5  # the demand is sized at this MFU (the upper end for these models: errs on the safe side)
+INPUT_SAFETY = 2.0  # cluster cores, real text and a compiled model differ from the measurement
+
+
+def input_demand(source: str, num_workers: int, flops: float, peak: float | None) -> dict:
+    """Can the input pipeline keep one device fed? The device consumes peak x INPUT_MFU / (FLOPs per
+    position) positions per second; the workers needed are INPUT_SAFETY x that / one worker's rate,
+    rounded up to a power of two (so data.readers=64 stays a multiple of GPUs x workers). Returns the
+    start row's entries, with `input_warning` when data.num_workers is below the need. Without a
+    peak (CPU, an unknown GPU without train.peak_flops) there is no demand to size from."""
+    rate = WORKER_POSITIONS_PER_S.get(source)
+    if not peak or not rate or not flops:
+        return {}
+    demand = peak * INPUT_MFU / flops
+    need = INPUT_SAFETY * demand / rate
+    workers = 1 << max(0, math.ceil(math.log2(need))) if need > 1 else 1
+    out = {"input_positions_needed_per_s": demand, "input_workers_needed": workers}
+    if max(num_workers, 1) < workers:  # 0 workers: the training process reads, about one worker's rate
+        out["input_warning"] = (
+            f"the input pipeline may not keep up: at MFU {INPUT_MFU:.0%} this device consumes {demand:,.0f} positions/s, "
+            f"one {source} worker delivers about {rate:,.0f}; data.num_workers={num_workers} < {workers} needed "
+            f"(x{INPUT_SAFETY:g} safety). Set data.num_workers={workers} (the data order does not change) or "
+            f"pretokenize (data=tokens); data_wait_s in the rows shows the wait")
+    return out
 
 
 def flops_per_position(model: torch.nn.Module, num_layers: int, hidden_size: int, seq_len: int) -> float:

@@ -1,0 +1,35 @@
+"""scripts/preflight.py on CPU with its fast options: the table, the checks a CPU can run passing
+(2-process gloo DDP and FSDP2 training, a bitwise resume, activation checkpointing measured), the
+GPU-only ones skipped with their reason, and the exit code gating on failures."""
+import os
+import subprocess
+import sys
+
+from _train_helpers import REPO, subprocess_env
+
+
+def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/preflight.py", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    table = {line.split("|")[0].strip(): (line.split("|")[1].strip(), line.split("|")[2].strip())
+             for line in proc.stdout.splitlines() if line.count("|") == 2}
+    for check in ("train llama_tiny ddp eager x2", "train llama_tiny fsdp eager x2", "checkpoint + resume",
+                  "checkpointing llama_tiny, eager, none", "checkpointing llama_tiny, eager, fsdp"):
+        assert table[check][0] == "pass", (check, table[check])
+    assert table["NCCL all-reduce"] == ("skip", "no GPU on this machine")
+    assert table["driver / CUDA / NCCL"] == ("skip", "no GPU on this machine")
+    assert "bitwise equal" in table["checkpoint + resume"][1]
+    assert os.path.exists(tmp_path / "resume_resumed" / "metrics.jsonl")
+
+
+def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
+    """A check that fails (here: every training run, as if train.py crashed) makes the exit code 1."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import preflight
+
+    monkeypatch.setattr(preflight, "run_train", lambda *args, **kwargs: (1, [], "RuntimeError: NCCL error"))
+    monkeypatch.setattr(preflight, "check_activation_checkpointing", lambda table, *a, **k: None)
+    assert preflight.main(["--fast"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "exit 1: RuntimeError: NCCL error" in out
