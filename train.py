@@ -224,7 +224,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(last_eval)
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
+                resume.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
                                      data_state=dm.state_dict(), merge_data_states=data.merge_states,
                                      accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
                                      config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})

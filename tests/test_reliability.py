@@ -12,6 +12,7 @@ import torch
 from _train_helpers import (assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
                             weights)
 from train_utils import checkpoint as ckpt
+from train_utils import resume
 from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError
 from train_utils.metrics import read_metrics
@@ -67,7 +68,7 @@ def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
         model[0].bias[1] = float("inf")
     assert ckpt.nonfinite_state(model, opt) == "weight 0.bias"
     with pytest.raises(NonFiniteError, match="non-finite values in weight 0.bias after step 7; no checkpoint written"):
-        ckpt.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
+        resume.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
                              merge_data_states=list, accelerator=Accelerator(cpu=True), tokens=0,
                              config_yaml="", keep=2)
     assert os.listdir(tmp_path) == []
@@ -311,7 +312,7 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
 
     import train
 
-    real_save = ckpt.save_checkpoint
+    real_save = resume.save_checkpoint
 
     def save_then_signal(*args, **kwargs):
         path = real_save(*args, **kwargs)
@@ -327,7 +328,7 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
         return out
 
     monkeypatch.setattr(train, "forward_backward", signal_in_last_step)
-    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_signal)
+    monkeypatch.setattr(resume, "save_checkpoint", save_then_signal)
     assert run_inprocess(tmp_path, "train.steps=3") == 0
     assert rows(tmp_path)[-1]["event"] == "end"
     assert not [r for r in rows(tmp_path) if r.get("event") == "preempted"]

@@ -12,7 +12,7 @@ cover, so a run can continue on any process count. The usual promises hold: the 
 directory is renamed into place only when every rank's files and then the manifest (each file's
 size and SHA-256; every rank hashes the files it wrote) are complete; a failed write on any rank
 removes it and names the previous, intact checkpoint; non-finite shards on any rank stop the save
-(checkpoint.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
+(resume.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
 cluster's shared file system).
 
 FRUGAL's column/row/randk state under FSDP2 is per rank: each rank selects coordinates inside its
