@@ -129,3 +129,21 @@ def test_torchrun_multirun_is_refused_up_front(tmp_path):
     assert proc.returncode != 0
     assert "would run only its first job" in proc.stderr and "hydra/launcher=local" in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
+    """A sharded checkpoint whose `.metadata` pickle would create a file: train.py (exit 1) and
+    eval.py (exit 2) each end with one line naming the file, no traceback, and the payload never runs."""
+    from test_reliability import forge
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    assert run_inprocess(run_dir, "train.steps=2", "train.parallelism=fsdp") == 0
+    carrier = forge(run_dir, "dcp metadata", marker)
+    resumed = run_cli(train_cmd(run_dir, "train.steps=3", "train.resume_changes=[train.steps]",
+                                "train.parallelism=fsdp"))
+    evaluated = run_cli([sys.executable, "eval.py", f"checkpoint={run_dir}"])
+    assert not marker.exists(), "the checkpoint's payload ran"
+    for proc, code in ((resumed, 1), (evaluated, 2)):
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: refused to load {carrier}")

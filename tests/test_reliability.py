@@ -371,3 +371,94 @@ def test_a_resume_loads_its_checkpoint_memory_mapped(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", spy)
     assert run_inprocess(tmp_path, "train.steps=4", *EVERY, "train.resume_changes=[train.steps]") == 0
     assert len(seen) >= 3 and all(seen)  # trainer, model, optimizer
+
+
+# ------------------------------------------------------------------------------ a checkpoint is data
+class _Payload:
+    """What a hand-made checkpoint could hide in a pickle: unpickling it creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _rehash(ckpt_dir) -> None:
+    """Whoever writes a checkpoint writes its manifest too: a forged checkpoint passes verification."""
+    import hashlib
+
+    files = {}
+    for folder, _, names in os.walk(ckpt_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, ckpt_dir)
+            if rel != ckpt.MANIFEST:
+                files[rel] = {"bytes": os.path.getsize(path), "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+    with open(os.path.join(ckpt_dir, ckpt.MANIFEST), "w") as f:
+        json.dump({"format": 1, "step": 2, "files": files}, f)
+    assert ckpt.verify(ckpt_dir) is None
+
+
+def forge(run_dir, kind: str, marker) -> str:
+    """Hide a payload in the latest checkpoint of `run_dir`; return the file that carries it."""
+    import pickle
+
+    ckpt_dir = ckpt.latest(_root(run_dir))
+    if kind == "plain model.pt":
+        path = os.path.join(ckpt_dir, "model.pt")
+        state = torch.load(path, weights_only=True)  # not memory-mapped: the file is rewritten next
+        torch.save({**state, "payload": _Payload(marker)}, path)
+    elif kind == "dcp metadata":
+        path = os.path.join(ckpt_dir, "dcp", ".metadata")
+        with open(path, "wb") as f:
+            pickle.dump(_Payload(marker), f)
+    else:  # a non-tensor item inside the DCP files (DCP loads those with torch.load(weights_only=False))
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_dir, whole = os.path.join(ckpt_dir, "dcp"), os.path.join(str(run_dir), "whole.pt")
+        dcp_to_torch_save(dcp_dir, whole)
+        state = torch.load(whole, weights_only=False)  # our own file, written just now
+        os.remove(whole)
+        state["model"][next(iter(state["model"]))] = _Payload(marker)  # read by resume and by eval.py
+        shutil.rmtree(dcp_dir)
+        dcp.save(state, checkpoint_id=dcp_dir, no_dist=True)
+        path = dcp_dir
+    _rehash(ckpt_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory):
+    """2-step runs of both checkpoint formats (FSDP2 in a group of one)."""
+    out = {}
+    for parallelism in ("ddp", "fsdp"):
+        run_dir = tmp_path_factory.mktemp(parallelism)
+        assert run_inprocess(run_dir, "train.steps=2", f"train.parallelism={parallelism}") == 0
+        out[parallelism] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("load_path", ["resume", "eval.py"])
+@pytest.mark.parametrize("kind", ["plain model.pt", "dcp metadata", "dcp non-tensor item"])
+def test_a_hand_made_checkpoint_runs_no_code(honest, tmp_path, kind, load_path):
+    """A checkpoint whose pickles would create a file when loaded: resuming from it and evaluating it
+    refuse it with one line naming the file, and the payload never runs (DCP's own reader unpickled
+    the metadata and the non-tensor items with weights_only=False: the file appeared)."""
+    import eval as evaluate_ckpt
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    shutil.copytree(honest["ddp" if kind.startswith("plain") else "fsdp"], run_dir)
+    carrier = forge(run_dir, kind, marker)
+    with pytest.raises(ckpt.RefusedFile) as err:
+        if load_path == "resume":
+            parallelism = "ddp" if kind.startswith("plain") else "fsdp"
+            run_inprocess(run_dir, "train.steps=3", "train.resume_changes=[train.steps]",
+                          f"train.parallelism={parallelism}")
+        else:
+            evaluate_ckpt.main([f"checkpoint={run_dir}"])
+    assert not marker.exists(), "the checkpoint's payload ran"
+    message = str(err.value)
+    assert message.startswith(f"refused to load {carrier}") and "\n" not in message
+    assert "nothing from it was run" in message

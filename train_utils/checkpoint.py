@@ -24,7 +24,8 @@ reads the pages it copies into its parameters instead of holding a second full c
 
 Every file holds only tensors and plain Python containers/numbers/strings, so it loads with
 `torch.load(..., weights_only=True)`: RNG states are converted to tensors and lists, the config is
-stored as YAML text.
+stored as YAML text. A file that holds anything else (a hand-made checkpoint whose pickle would run
+code) is refused with one line naming it (RefusedFile), and nothing from it runs.
 
 This module is the format's base and imports no other checkpoint module: the sharded format
 (sharded_checkpoint.py) builds on it (same atomic directory, manifest and fallback), and writing or
@@ -36,6 +37,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -54,6 +56,38 @@ _CHUNK = 1 << 24
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or used; the message says which, why, and what is intact."""
+
+
+class RefusedFile(CheckpointError):
+    """A checkpoint file that holds something other than tensors and plain data (a pickled object
+    that would run code when loaded): refused, never loaded. Its manifest proves nothing here, since
+    whoever wrote the file also wrote the manifest."""
+
+
+def refusal(path: str, what: str) -> RefusedFile:
+    return RefusedFile(f"refused to load {path}: it holds {what}, not only tensors and plain data. A checkpoint is "
+                       f"data, never code: nothing from it was run. Use a checkpoint written by this code, from a "
+                       f"source you trust")
+
+
+def _unsupported_global(err: Exception) -> str:
+    """What torch's weights-only unpickler refused, from its message (e.g. `GLOBAL io.open`)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    return f"a reference to {found.group(1)}" if found else f"data it cannot load safely ({_first_line(err)})"
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(err).__name__
+
+
+def torch_load(path_or_file, name: str, **kwargs):
+    """torch.load with weights_only=True (tensors, containers, numbers, strings only); anything else
+    is RefusedFile naming `name` (the file) in one line."""
+    try:
+        return torch.load(path_or_file, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise refusal(name, _unsupported_global(err)) from err
 
 
 def step_dir_name(step: int) -> str:
@@ -301,8 +335,8 @@ def resolve(path: str) -> str | None:
 
 def load(ckpt_dir: str, name: str, map_location="cpu"):
     """One file of a checkpoint, memory-mapped: pages are read when copied, not all up front."""
-    return torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location=map_location, weights_only=True,
-                      mmap=True)
+    path = os.path.join(ckpt_dir, f"{name}.pt")
+    return torch_load(path, path, map_location=map_location, mmap=True)
 
 
 def rng_state() -> dict:
