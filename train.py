@@ -59,7 +59,7 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, memory_check, report, resume
+from train_utils import distributed, memory_check, report, resume, run_lock
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
@@ -88,12 +88,13 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                     accelerator.is_main_process, accelerator.device)
     tf32 = allow_tf32(tc.tf32, device)
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
-    metrics = bar = None
+    metrics = bar = lock = None
     try:
         accum = validate_config(cfg, world)
         precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
         run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
+        lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
         ckpt_root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
         say = Console(run_dir, enabled=is_main)
 
@@ -257,6 +258,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             bar.close()
         if metrics is not None:
             metrics.close()
+        if lock is not None:
+            lock.release()
         if installed:
             STOP.restore()
         accelerator.end_training()  # destroy the process group before the interpreter exits

@@ -147,3 +147,37 @@ def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
         assert proc.returncode == code, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(f"error: refused to load {carrier}")
+
+
+def test_one_run_per_run_dir(tmp_path):
+    """Two train.py processes on one run dir: the second is refused with one line naming the holder
+    (exit 2), before it reads or writes anything there; once the holder is dead (SIGKILL: its lock
+    dies with it) the same command continues the run, and metrics.jsonl holds every step once."""
+    import json
+
+    lock_file = tmp_path / "run.lock"
+    first = subprocess.Popen(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"), cwd=REPO, env=subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def holds_lock():
+        try:
+            return json.loads(lock_file.read_text())["pid"] == first.pid and _steps_logged(tmp_path) >= 1
+        except (OSError, ValueError, KeyError):
+            return False
+
+    _wait_for(holds_lock, first, what="the first run's lock and first step")
+    os.killpg(first.pid, signal.SIGSTOP)  # frozen mid-run: it holds the lock for as long as the test needs
+    try:
+        second = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        line = second.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: run dir {tmp_path} is in use by another run (pid {first.pid} on host "), line
+        assert "started 20" in line and "use another hydra.run.dir" in line
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    third = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+    assert third.returncode == 0, third.stderr[-3000:]
+    steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
+    assert steps == list(range(1, 7))
