@@ -41,9 +41,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if __name__ == "__main__":  # a stop signal while the libraries below import: remembered, not fatal
-    from train_utils.signals import STOP
+    import importlib.util
+    import sys
 
-    STOP.install()
+    # By path: importing the train_utils package first would import torch (seconds without a handler).
+    _spec = importlib.util.spec_from_file_location(
+        "train_utils.signals", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_utils", "signals.py"))
+    sys.modules[_spec.name] = _early_signals = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_early_signals)
+    _early_signals.STOP.install()
 
 import sys
 import time
@@ -287,4 +293,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        STOP.ignore()  # the run is over: a stop signal during the interpreter's shutdown changes nothing

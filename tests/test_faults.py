@@ -181,3 +181,39 @@ def test_one_run_per_run_dir(tmp_path):
     assert third.returncode == 0, third.stderr[-3000:]
     steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
     assert steps == list(range(1, 7))
+
+
+def test_the_stop_handler_is_installed_before_torch_is_imported(tmp_path):
+    """train.py's early handler comes before any heavy import: at the moment `torch` is first
+    imported, SIGTERM already has a handler (it used to come after torch: 2-10 s of start-up in which
+    a stop signal killed the run with -15 and no message). A probe on the import system looks, and
+    ends the process there."""
+    probe = ("import os, signal, sys, runpy\n"
+             "class Probe:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'torch':\n"
+             "            caught = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)\n"
+             "            print('handler' if caught else 'default', flush=True)\n"
+             "            os._exit(0)\n"
+             "sys.meta_path.insert(0, Probe())\n"
+             f"sys.argv = ['train.py', 'hydra.run.dir={tmp_path}']\n"
+             "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = run_cli([sys.executable, "-c", probe])
+    assert proc.stdout.strip() == "handler", proc.stdout + proc.stderr[-2000:]
+
+
+def test_sigterm_during_the_interpreters_shutdown_keeps_exit_0(tmp_path):
+    """A finished run whose process gets SIGTERM while the interpreter shuts down (after the summary:
+    Python has reset its signal handlers to the default there, and tearing down torch takes ~1 s)
+    still exits 0. The signal is sent from an object that the shutdown deletes, so it lands there."""
+    wrapper = ("import os, signal, sys, time, runpy\n"
+               "class Late:\n"
+               "    def __del__(self):\n"
+               "        os.kill(os.getpid(), signal.SIGTERM)\n"
+               "        time.sleep(0.2)\n"
+               "late = Late()\n"
+               f"sys.argv = ['train.py', *{TINY!r}, 'train.steps=1', 'hydra.run.dir={tmp_path}']\n"
+               "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = run_cli([sys.executable, "-c", wrapper])
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert rows(tmp_path)[-1]["event"] == "end"
