@@ -73,14 +73,14 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, optimizer_state_bytes, peak_flops
-from train_utils.metrics import METRICS_FILE, Console, MetricsLog
+from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
 CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
-RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout)
+RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout, MetricsFileError)
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
@@ -106,8 +106,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
 
         # ---- which checkpoint continues this run, and does this config still describe it?
         plan = resume.plan(cfg, ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)
-        for note in plan["notes"]:
-            say(f"skipped a damaged checkpoint: {note}")
+        for note in plan["notes"]:  # damaged checkpoints skipped, a `latest` older than the newest intact one
+            say(note)
         if plan["finished"]:
             say(f"this run has already finished: {plan['ckpt_dir']} is its final checkpoint (step {plan['step']} of "
                 f"{tc.steps}) and metrics.jsonl its end row. Nothing to do; to train longer, raise train.steps with "
@@ -259,6 +259,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
                 monitor, rank, tc.collective_timeout_s, err)) from err
         raise
+    except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
+        raise ckpt.out_of_space(err, run_dir) or err
     finally:
         if bar is not None:
             bar.close()

@@ -217,3 +217,42 @@ def test_sigterm_during_the_interpreters_shutdown_keeps_exit_0(tmp_path):
     proc = run_cli([sys.executable, "-c", wrapper])
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert rows(tmp_path)[-1]["event"] == "end"
+
+
+def test_full_disk_outside_a_checkpoint_write_is_one_line(tmp_path):
+    """A file-size limit (standing in for a full disk) that metrics.jsonl reaches before any
+    checkpoint is written, then a restart under the same limit: each ends with one line naming
+    metrics.jsonl, exit 1, no traceback (it was a raw OSError traceback)."""
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))  # above .hydra's files, below 30 steps of rows
+
+    for attempt in ("first run", "restart"):
+        proc = subprocess.run(train_cmd(tmp_path, "train.steps=30"), cwd=REPO, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=240, preexec_fn=limit_file_size)
+        assert proc.returncode == 1, (attempt, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-3000:])
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: file too large (the file-size limit was reached) while writing {tmp_path / 'metrics.jsonl'}; "
+            f"no earlier checkpoint exists; free space, then run the same command again to continue"), attempt
+
+
+def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
+    """On the command line: a `.pt` file holding a pickled object (exit 1) and a line that is not JSON
+    in the middle of metrics.jsonl (exit 1) each end with one line naming the file, no traceback."""
+    from test_reliability import forge
+
+    refused, damaged = tmp_path / "refused", tmp_path / "damaged"
+    for run_dir in (refused, damaged):
+        assert run_inprocess(run_dir, "train.steps=2", "checkpoint.every=1") == 0
+    carrier = forge(refused, "plain model.pt", tmp_path / "PAYLOAD_RAN")
+    path = damaged / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:1] + ["{not json"] + lines[1:]) + "\n")
+    for run_dir, expected in ((refused, f"error: refused to load {carrier}: it holds a reference to "),
+                              (damaged, f"error: {path}, line 2 of {len(lines) + 1}: not a JSON row")):
+        proc = run_cli(train_cmd(run_dir, "train.steps=3", "checkpoint.every=1", "train.resume_changes=[train.steps]"))
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-1000:]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()

@@ -462,3 +462,83 @@ def test_a_hand_made_checkpoint_runs_no_code(honest, tmp_path, kind, load_path):
     message = str(err.value)
     assert message.startswith(f"refused to load {carrier}") and "\n" not in message
     assert "nothing from it was run" in message
+
+
+# ------------------------------------------------------------------------------ every exit path
+def test_binary_garbage_as_a_text_data_file_is_named(tmp_path):
+    """A binary file where text belongs (or a damaged .gz): a DataConfigError naming the file (it
+    was a UnicodeDecodeError without the file's name)."""
+    import gzip
+
+    from data import DataConfigError
+    from data.local import read_documents
+
+    good, garbage, bad_gz = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt.gz"
+    good.write_text("one document\n\nanother\n")
+    garbage.write_bytes(b"text at first\n" + bytes(range(128, 256)) * 8)
+    bad_gz.write_bytes(gzip.compress(b"fine text\n" * 100)[:-20])  # cut short
+    assert read_documents([str(good)]) == ["one document", "another"]
+    with pytest.raises(DataConfigError, match=f"^{garbage} is not UTF-8 text") as err:
+        read_documents([str(good), str(garbage)])
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataConfigError, match=f"^{bad_gz} is not a readable gzip file"):
+        read_documents([str(bad_gz)])
+
+
+def test_a_latest_pointer_older_than_the_newest_intact_checkpoint_is_noted(tmp_path):
+    """checkpoints 2, 4, 6 with `latest` naming 4 (a branch resumed from 4, or a pointer set by hand):
+    the run continues from 4 as `latest` says, and says that 6 is there and how to take it instead."""
+    assert run_inprocess(tmp_path, "train.steps=6", *EVERY) == 0
+    root = _root(tmp_path)
+    ckpt.point_latest(root, os.path.join(root, ckpt.step_dir_name(4)))
+    assert run_inprocess(tmp_path, "train.steps=6", *EVERY) == 0
+    start = [r for r in rows(tmp_path) if r.get("event") == "start"][-1]
+    assert start["resumed_from"].endswith(ckpt.step_dir_name(4))
+    six = os.path.join(root, ckpt.step_dir_name(6))
+    log = (tmp_path / "train.log").read_text()
+    assert f"note: `latest` names {os.path.join(root, ckpt.step_dir_name(4))}, but a newer intact checkpoint " \
+           f"exists, {six}" in log and f"pass train.resume={six}" in log
+
+
+def test_a_bad_line_inside_metrics_jsonl_is_one_error_naming_it(tmp_path):
+    """A line that is not JSON before the last one of metrics.jsonl (not the partial last line of an
+    interrupted append, which is dropped): the run stops before any work with one error naming the
+    file and the line (it was a traceback from the metrics truncation)."""
+    from train_utils.metrics import MetricsFileError
+
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY) == 0
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(MetricsFileError, match=f"^{path}, line 3 of {len(lines)}: not a JSON row"):
+        run_inprocess(tmp_path, "train.steps=6", *EVERY, "train.resume_changes=[train.steps]")
+
+
+def test_a_full_disk_outside_a_checkpoint_write_names_the_file(tmp_path, monkeypatch):
+    """ENOSPC while appending to metrics.jsonl (no checkpoint write under way): a CheckpointError
+    naming the file and the intact latest checkpoint (it was a raw OSError traceback)."""
+    from train_utils import metrics
+
+    assert run_inprocess(tmp_path, "train.steps=2", *EVERY) == 0
+    import builtins
+
+    real_open, real_log, calls = builtins.open, metrics.MetricsLog.log, []
+
+    def full_open(file, mode="r", *args, **kwargs):
+        """From the continued run's third row on, appends to metrics.jsonl fail as on a full disk."""
+        f = real_open(file, mode, *args, **kwargs)
+        if str(file) == str(tmp_path / "metrics.jsonl") and "a" in mode and len(calls) >= 3:
+            def write(_data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a file write raises: no file name
+            f.write = write
+        return f
+
+    monkeypatch.setattr(metrics.MetricsLog, "log", lambda self, row: (calls.append(row), real_log(self, row))[1])
+    monkeypatch.setattr(builtins, "open", full_open)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run_inprocess(tmp_path, "train.steps=6", *EVERY, "train.resume_changes=[train.steps]")
+    monkeypatch.undo()
+    assert str(err.value) == (f"no space left on device while writing {tmp_path / 'metrics.jsonl'}; the latest "
+                              f"checkpoint {os.path.join(_root(tmp_path), ckpt.step_dir_name(2))} is intact; free "
+                              f"space, then run the same command again to continue")

@@ -158,6 +158,17 @@ def _describe_write_error(err: OSError, path: str, previous: str | None) -> str:
     return f"{reason} while writing {path}; {intact}"
 
 
+def out_of_space(err: OSError, run_dir: str) -> CheckpointError | None:
+    """A full disk (or quota, or file-size limit) outside a checkpoint write, e.g. appending to
+    metrics.jsonl: one line naming the file and the intact latest checkpoint. None for other errors."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    where = err.filename or f"a file in {run_dir}"
+    message = _describe_write_error(err, where, latest(os.path.join(run_dir, CHECKPOINT_DIR)))
+    return CheckpointError(message.replace("the previous checkpoint", "the latest checkpoint") +
+                           "; free space, then run the same command again to continue")
+
+
 def temporary_dir(root: str, step: int) -> str:
     """Where checkpoint `step` is written before it is renamed into place."""
     return os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")

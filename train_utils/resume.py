@@ -132,10 +132,23 @@ def choose_checkpoint(resume: str, ckpt_root: str | None, key: str = "train.resu
     for path, why in skipped:
         if resume == "auto" and path in ckpt.list_checkpoints(ckpt_root):  # our own run: out of the way, kept
             why += f" (moved to {ckpt.set_aside(path)})"
-        notes.append(f"{path}: {why}")
+        notes.append(f"skipped a damaged checkpoint: {path}: {why}")
     if notes and resume == "auto":
         ckpt.point_latest(ckpt_root, found)
+    newer = _newer_intact(ckpt_root, found)
+    if newer:
+        notes.append(f"note: `latest` names {found}, but a newer intact checkpoint exists, {newer} (another "
+                     f"branch of this run, e.g. after a resume from an older checkpoint, or a pointer set by hand); "
+                     f"continuing from {found} as `latest` says. To continue from {newer} instead, pass "
+                     f"{key}={newer}")
     return found, notes
+
+
+def _newer_intact(ckpt_root: str, found: str) -> str | None:
+    """The newest intact checkpoint of `ckpt_root` if it is newer than `found` (the one `latest` names)."""
+    listed = ckpt.list_checkpoints(ckpt_root)
+    newer = listed[listed.index(found) + 1:] if found in listed else []
+    return next((c for c in reversed(newer) if ckpt.verify(c) is None), None)
 
 
 def plan(cfg, ckpt_root: str, metrics_path: str, accelerator) -> dict:
