@@ -65,7 +65,7 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, memory_check, report, resume, run_lock
+from train_utils import distributed, divergence, memory_check, report, resume, run_lock
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
@@ -185,6 +185,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                       "compiled": compiled, "tf32": tf32, **memory})
 
         # ---- the loop
+        watch = divergence.LossWatch(ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
@@ -201,8 +202,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             # The step's one host sync: global loss, gradient norm, target count, stop votes, data events.
             loss, grad_norm, targets, stop_votes, n_events = step_totals(accelerator, loss_sum, norm, n_global,
                                                                          STOP.received, len(data_events))
-            if not report.finite(loss, grad_norm):
-                raise NonFiniteError(report.nonfinite_message(loss, grad_norm, step + 1, ckpt.latest(ckpt_root)))
+            watch.check(step + 1, loss, grad_norm)  # non-finite: NonFiniteError naming the last good checkpoint
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
             if blocks is not None and blocks != active:  # this step starts a new state-full window
@@ -231,10 +231,12 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(last_eval)
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                resume.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
-                                     data_state=dm.state_dict(), merge_data_states=data.merge_states,
-                                     accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
-                                     config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})
+                saved = resume.save_checkpoint(
+                    ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
+                    data_state=dm.state_dict(), merge_data_states=data.merge_states, accelerator=accelerator,
+                    tokens=tokens, keep=cfg.checkpoint.keep, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                    extra={"active_blocks": active})
+                watch.saved(saved)  # becomes last_good if the next step's loss is no spike
             if stopping:
                 signame = STOP.received or "a signal on another rank"
                 metrics.log({"event": "preempted", "step": step, "signal": signame})

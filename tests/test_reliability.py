@@ -3,11 +3,14 @@ failure ends with one clear line (issue: reliability). In-process runs of the ti
 subprocess cases (signals, a file-size limit, a frozen rank) are in test_faults.py."""
 import errno
 import json
+import math
 import os
+import re
 import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from _train_helpers import (assert_same_weights, losses, one_thread, rows, run_inprocess,  # noqa: F401
                             weights)
@@ -50,8 +53,55 @@ def test_nonfinite_step_is_never_applied_nor_checkpointed(tmp_path):
         assert all(t.isfinite().all() for s in opt["state"].values() for t in s.values()
                    if torch.is_tensor(t) and t.is_floating_point()), c
     message = str(err.value)
-    assert f"at step {len(written) + 1}" in message and f"Last checkpoint (finite): {written[-1]}" in message
+    assert f"at step {len(written) + 1}" in message
     assert max(r["step"] for r in rows(tmp_path) if "loss" in r) == len(written)
+    # Step 1 ran at the warm-up's lr 0: checkpoint 1 holds the initial weights, and step 2's loss on them
+    # was healthy; checkpoint 2 (after the first 1e6 update) gives NaN gradients. The old message named 2.
+    first = os.path.join(_root(tmp_path), ckpt.step_dir_name(1))
+    assert f"Last checkpoint from before the divergence: {first} (kept" in message, message
+    remedy = re.search(r"run the same command with (.*?) \(", message).group(1).split()
+    assert remedy == [f"train.resume={first}", "optimizer.lr=0.001", "train.resume_changes=[optimizer.lr]"]
+    assert run_inprocess(tmp_path, "train.steps=10", "optimizer.lr=1e6", "checkpoint.every=1", "checkpoint.keep=20",
+                         *remedy) == 0
+    assert rows(tmp_path)[-1]["event"] == "end"
+
+
+def test_with_no_checkpoint_before_the_divergence_the_message_says_how_to_start_over(tmp_path):
+    from train_utils.divergence import LossWatch
+
+    cfg = OmegaConf.create({"optimizer": {"name": "adamw", "lr": 1e6}, "train": {"resume_changes": []}})
+    watch = LossWatch(str(tmp_path), True, cfg, resumed_from=None)
+    watch.check(1, 6.0, 1.0)
+    watch.saved(str(tmp_path / ckpt.step_dir_name(1)))
+    watch.check(2, 600.0, 1.0)  # a spike: checkpoint 1 is not confirmed
+    with pytest.raises(NonFiniteError) as err:
+        watch.check(3, float("nan"), 1.0)
+    assert "The loss first spiked at step 2 (600, over 3x the running median 6)" in str(err.value)
+    assert ("No checkpoint from before the divergence exists. Start over in a new run dir with a lower learning "
+            "rate: the same command with hydra.run.dir=<new dir> optimizer.lr=0.001 ") in str(err.value)
+    assert ckpt.last_good(str(tmp_path)) is None
+
+
+def test_divergence_names_and_keeps_the_checkpoint_from_before_it(tmp_path):
+    """4 healthy steps, then optimizer.lr=1e6 (named on resume): the weights of every checkpoint
+    written after the first 1e6 update are finite but diverged, and a resume from them fails again.
+    The message names the checkpoint from before the spike (step 4, whose next loss was healthy),
+    which checkpoint.keep=1 has not removed, and its remedy, followed literally, trains to the end."""
+    keep = ["checkpoint.every=1", "checkpoint.keep=1"]
+    assert run_inprocess(tmp_path, "train.steps=4", *keep) == 0
+    diverging = ["train.steps=12", *keep, "optimizer.lr=1e6", "train.resume_changes=[optimizer.lr,train.steps]"]
+    with pytest.raises(NonFiniteError) as err:
+        run_inprocess(tmp_path, *diverging)
+    message, four = str(err.value), os.path.join(_root(tmp_path), ckpt.step_dir_name(4))
+    assert f"Last checkpoint from before the divergence: {four} (kept" in message, message
+    assert ckpt.last_good(_root(tmp_path)) == four and ckpt.verify(four) is None
+    assert ckpt.latest(_root(tmp_path)) != four  # what the old message named: finite, diverged
+    remedy = re.search(r"run the same command with (.*?) \(", message).group(1).split()
+    assert remedy == [f"train.resume={four}", "optimizer.lr=0.001", "train.resume_changes=[optimizer.lr,train.steps]"]
+    assert run_inprocess(tmp_path, *diverging, *remedy) == 0
+    start = [r for r in rows(tmp_path) if r.get("event") == "start"][-1]
+    assert start["resumed_from"] == four and rows(tmp_path)[-1]["event"] == "end"
+    assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 
 def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):

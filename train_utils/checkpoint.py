@@ -48,6 +48,7 @@ import torch
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+LAST_GOOD = "last_good"  # the newest checkpoint whose next loss was not a spike (train_utils/divergence.py)
 MANIFEST = "manifest.json"
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -213,22 +214,35 @@ def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int
             shutil.rmtree(final, ignore_errors=True)
         raise CheckpointError(_describe_write_error(err, path.replace(tmp, final), previous)) from err
     # Prune the oldest, but never the checkpoint just written (the one `latest` names), even when
-    # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint).
-    others = [c for c in list_checkpoints(root) if c != final]
+    # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint), nor
+    # the last one from before a loss spike (`last_good`): so `keep` + 1 may remain.
+    others = [c for c in list_checkpoints(root) if c not in (final, last_good(root))]
     for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def point_latest(root: str, ckpt_dir: str) -> None:
-    """Make `latest` name `ckpt_dir` (atomically: temp file + rename)."""
-    tmp = os.path.join(root, f".{LATEST}.tmp_{os.getpid()}")
+def point_latest(root: str, ckpt_dir: str, pointer: str = LATEST) -> None:
+    """Make `latest` (or another pointer) name `ckpt_dir` (atomically: temp file + rename)."""
+    tmp = os.path.join(root, f".{pointer}.tmp_{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(os.path.basename(ckpt_dir) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
+    os.replace(tmp, os.path.join(root, pointer))
     _fsync_dir(root)
+
+
+def last_good(root: str) -> str | None:
+    """The checkpoint `last_good` names, if it is still there: the newest one whose next step's loss
+    was within the spike factor of the running median (train_utils/divergence.py)."""
+    try:
+        with open(os.path.join(root, LAST_GOOD)) as f:
+            name = f.read(256).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.join(root, name)
+    return path if _STEP_DIR.match(name) and os.path.isdir(path) else None
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -243,7 +257,7 @@ def remove_temporaries(root: str) -> None:
     """Delete what a killed writer left behind (never a complete checkpoint)."""
     if os.path.isdir(root):
         for name in os.listdir(root):
-            if name.startswith(".tmp_") or name.startswith(f".{LATEST}.tmp"):
+            if name.startswith((".tmp_", f".{LATEST}.tmp", f".{LAST_GOOD}.tmp")):
                 path = os.path.join(root, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)

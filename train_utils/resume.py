@@ -220,8 +220,9 @@ def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_s
     if sharded:  # each rank checked its own shards
         bad = next((b for b in gather_object([bad]) if b is not None), None)
     if bad is not None:  # replicas: every rank found the same
-        raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. "
-                                 f"Last checkpoint (finite): {ckpt.latest(root) or 'none'}")
+        good = ckpt.last_good(root)  # the newest checkpoint whose next loss was no spike (train_utils/divergence.py)
+        raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. Last checkpoint "
+                             f"from before the divergence: {good or 'none'} (latest: {ckpt.latest(root) or 'none'})")
     per_rank = gather_object([{"data": data_state, "rng": ckpt.rng_state()}])
     trainer = None
     if accelerator.is_main_process:
