@@ -3,6 +3,7 @@ to a process group with DataLoader workers), a file-size limit while writing a c
 rank, and a torchrun multirun. Each ends with one clear line and the documented exit code."""
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from _train_helpers import (REPO, TINY, assert_same_weights, losses, one_thread, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
+from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -256,3 +258,45 @@ def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-1000:]
     assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+@pytest.fixture
+def local_slurm(request):
+    """The one-node cluster of test_slurm.py, only where Slurm is installed already (never installed here)."""
+    if not (shutil.which("slurmctld") or os.path.exists("/usr/sbin/slurmctld")):
+        pytest.skip("Slurm is not installed (scripts/slurm_localhost.sh install sets up a one-node cluster)")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start munged/slurmctld/slurmd")
+    return request.getfixturevalue("slurm_cluster")
+
+
+def test_slurm_requeue_through_submitit_resumes_the_run(local_slurm, tmp_path):
+    """A submitit job on the local Slurm gets submitit's preemption signal (SIGUSR2) mid-run: it
+    writes a checkpoint, submitit requeues the job, the requeued job resumes from that checkpoint in
+    the same run dir, and the sweep ends with every step logged once and the end row."""
+    import glob
+    import json
+
+    env = dict(local_slurm, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    sweep, steps = tmp_path / "multirun", 30
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+           "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=60", *TINY, f"train.steps={steps}",
+           "checkpoint.every=1"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = sweep / "0"
+    _wait_for(lambda: _steps_logged(run_dir) >= 3, launcher, timeout=300, what="3 steps inside the Slurm job")
+    (job,) = {os.path.basename(p).split("_")[0] for p in glob.glob(str(sweep / ".submitit" / "*"))
+              if os.path.basename(p)[0].isdigit()}
+    subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True, timeout=30)
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stopped = [r for r in log if r.get("event") == "preempted"]
+    starts = [r for r in log if r.get("event") == "start"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGUSR2", stopped
+    assert len(starts) == 2 and starts[1]["resumed_from"].endswith(ckpt.step_dir_name(stopped[0]["step"]))
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, steps + 1))
+    assert log[-1]["event"] == "end" and log[-1]["step"] == steps

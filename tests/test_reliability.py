@@ -592,3 +592,19 @@ def test_a_full_disk_outside_a_checkpoint_write_names_the_file(tmp_path, monkeyp
     assert str(err.value) == (f"no space left on device while writing {tmp_path / 'metrics.jsonl'}; the latest "
                               f"checkpoint {os.path.join(_root(tmp_path), ckpt.step_dir_name(2))} is intact; free "
                               f"space, then run the same command again to continue")
+
+
+def test_a_pickled_stop_flag_is_the_receiving_processs_own(tmp_path):
+    """submitit pickles train.py's functions by value with the globals they use: the launching
+    process's installed flag arrived in the job looking installed, so no handler caught SIGUSR2 and
+    submitit requeued the job without train.py's checkpoint (found by the Slurm requeue test)."""
+    import pickle
+
+    from train_utils.signals import STOP
+
+    installed = STOP.install()
+    try:
+        assert pickle.loads(pickle.dumps(STOP)) is STOP
+    finally:
+        if installed:
+            STOP.restore()

@@ -21,6 +21,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopFlag:
+    def __reduce__(self):
+        # The process's one flag, never a copy: a launcher that pickles train.py's functions by value
+        # (submitit's cloudpickle, with the globals they use) must not carry this process's installed
+        # flag into the job, where it would look installed and no handler would catch the signals.
+        return _process_flag, ()
+
     def __init__(self):
         self.received: str | None = None
         self.previous: dict | None = None
@@ -53,3 +59,7 @@ class StopFlag:
 
 
 STOP = StopFlag()
+
+
+def _process_flag() -> StopFlag:
+    return STOP
