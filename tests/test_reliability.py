@@ -229,7 +229,7 @@ def _snapshot(run_dir):
     files = {}
     for root, _, names in os.walk(run_dir):
         for n in names:
-            if n != "train.log":
+            if n not in ("train.log", "run.lock"):  # the console's log and who holds the run dir
                 p = os.path.join(root, n)
                 files[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns)
     return files
@@ -350,7 +350,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypa
     previous = os.path.join(_root(tmp_path), ckpt.step_dir_name(2))
     failed = os.path.join(_root(tmp_path), ckpt.step_dir_name(4), "model.pt")
     assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
-    assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries left
+    assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LAST_GOOD, ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries
     assert ckpt.latest(_root(tmp_path)) == previous and ckpt.verify(previous) is None
 
 
@@ -608,3 +608,23 @@ def test_a_pickled_stop_flag_is_the_receiving_processs_own(tmp_path):
     finally:
         if installed:
             STOP.restore()
+
+
+def test_checkpoint_formats_depend_one_way():
+    """checkpoint.py (the format's base) imports no other checkpoint module; sharded_checkpoint.py
+    builds on it; writing/restoring either format is resume.py's (they imported each other)."""
+    import ast
+
+    def imported(name):
+        tree = ast.parse(open(os.path.join(os.path.dirname(__file__), "..", "train_utils", name)).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("train_utils"):
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                found |= {a.name for a in node.names}
+        return found
+
+    assert not {m for m in imported("checkpoint.py") if "checkpoint" in m or "resume" in m}
+    assert not {m for m in imported("sharded_checkpoint.py") if "resume" in m}
+    assert "train_utils.checkpoint" in imported("sharded_checkpoint.py")

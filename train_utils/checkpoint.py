@@ -216,9 +216,10 @@ def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int
     # Prune the oldest, but never the checkpoint just written (the one `latest` names), even when
     # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint), nor
     # the last one from before a loss spike (`last_good`): so `keep` + 1 may remain.
-    others = [c for c in list_checkpoints(root) if c not in (final, last_good(root))]
+    others = [c for c in list_checkpoints(root) if c != final]
     for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != last_good(root):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
