@@ -80,7 +80,7 @@ def main(argv: list[str]) -> dict:
     # Verified against its manifest; a run dir means its newest intact checkpoint.
     ckpt_dir, notes = choose_checkpoint(args["checkpoint"], None, key="checkpoint")
     for note in notes:
-        print(f"skipped a damaged checkpoint: {note}", file=sys.stderr)
+        print(note, file=sys.stderr)
     cfg = load_config(ckpt_dir, overrides)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")

@@ -41,9 +41,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if __name__ == "__main__":  # a stop signal while the libraries below import: remembered, not fatal
-    from train_utils.signals import STOP
+    import importlib.util
+    import sys
 
-    STOP.install()
+    # By path: importing the train_utils package first would import torch (seconds without a handler).
+    _spec = importlib.util.spec_from_file_location(
+        "train_utils.signals", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_utils", "signals.py"))
+    sys.modules[_spec.name] = _early_signals = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_early_signals)
+    _early_signals.STOP.install()
 
 import sys
 import time
@@ -59,7 +65,7 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, memory_check, report, resume, schema
+from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
@@ -67,14 +73,14 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, input_demand, optimizer_state_bytes, peak_flops
-from train_utils.metrics import METRICS_FILE, Console, MetricsLog
+from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
 CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
-RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout)
+RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout, MetricsFileError)
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
@@ -88,19 +94,20 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                     accelerator.is_main_process, accelerator.device)
     tf32 = allow_tf32(tc.tf32, device)
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
-    metrics = bar = None
+    metrics = bar = lock = None
     try:
         accum = validate_config(cfg, world)
         precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
         run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
+        lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
         ckpt_root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
         say = Console(run_dir, enabled=is_main)
 
         # ---- which checkpoint continues this run, and does this config still describe it?
         plan = resume.plan(cfg, ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)
-        for note in plan["notes"]:
-            say(f"skipped a damaged checkpoint: {note}")
+        for note in plan["notes"]:  # damaged checkpoints skipped, a `latest` older than the newest intact one
+            say(note)
         if plan["finished"]:
             say(f"this run has already finished: {plan['ckpt_dir']} is its final checkpoint (step {plan['step']} of "
                 f"{tc.steps}) and metrics.jsonl its end row. Nothing to do; to train longer, raise train.steps with "
@@ -182,6 +189,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                       "compiled": compiled, "tf32": tf32, **memory, **inputs})
 
         # ---- the loop
+        watch = divergence.LossWatch(ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
@@ -198,8 +206,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             # The step's one host sync: global loss, gradient norm, target count, stop votes, data events.
             loss, grad_norm, targets, stop_votes, n_events = step_totals(accelerator, loss_sum, norm, n_global,
                                                                          STOP.received, len(data_events))
-            if not report.finite(loss, grad_norm):
-                raise NonFiniteError(report.nonfinite_message(loss, grad_norm, step + 1, ckpt.latest(ckpt_root)))
+            watch.check(step + 1, loss, grad_norm)  # non-finite: NonFiniteError naming the last good checkpoint
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
             if blocks is not None and blocks != active:  # this step starts a new state-full window
@@ -228,10 +235,12 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(last_eval)
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
-                                     data_state=dm.state_dict(), merge_data_states=data.merge_states,
-                                     accelerator=accelerator, tokens=tokens, keep=cfg.checkpoint.keep,
-                                     config_yaml=OmegaConf.to_yaml(cfg, resolve=True), extra={"active_blocks": active})
+                saved = resume.save_checkpoint(
+                    ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
+                    data_state=dm.state_dict(), merge_data_states=data.merge_states, accelerator=accelerator,
+                    tokens=tokens, keep=cfg.checkpoint.keep, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                    extra={"active_blocks": active})
+                watch.saved(saved)  # becomes last_good if the next step's loss is no spike
             if stopping:
                 signame = STOP.received or "a signal on another rank"
                 metrics.log({"event": "preempted", "step": step, "signal": signame})
@@ -256,11 +265,15 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
                 monitor, rank, tc.collective_timeout_s, err)) from err
         raise
+    except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
+        raise ckpt.out_of_space(err, run_dir) or err
     finally:
         if bar is not None:
             bar.close()
         if metrics is not None:
             metrics.close()
+        if lock is not None:
+            lock.release()
         if installed:
             STOP.restore()
         accelerator.end_training()  # destroy the process group before the interpreter exits
@@ -291,4 +304,7 @@ if __name__ == "__main__":
     # A plain override of a key no YAML declares (optimizer.densty=0.3) reaches the start-up check,
     # which names the valid keys (exit 2), instead of stopping Hydra with advice to append it with +.
     sys.argv[1:] = schema.force_add_key_overrides(sys.argv[1:])
-    main()
+    try:
+        main()
+    finally:
+        STOP.ignore()  # the run is over: a stop signal during the interpreter's shutdown changes nothing

@@ -15,10 +15,12 @@ ranks, and never empty. Training documents are shuffled per epoch (``data/indexe
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 
@@ -53,8 +55,19 @@ def find_files(path: str) -> list[str]:
     return files
 
 
+@contextlib.contextmanager
 def _open_text(fname: str):
-    return gzip.open(fname, "rt", encoding="utf-8") if fname.endswith(".gz") else open(fname, encoding="utf-8")
+    """The file as UTF-8 text; a file that is not (binary data, a damaged .gz) is a DataConfigError
+    naming it, raised wherever in the `with` body the bad bytes are read."""
+    try:
+        with gzip.open(fname, "rt", encoding="utf-8") if fname.endswith(".gz") else open(fname, encoding="utf-8") as f:
+            yield f
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start:exc.start + 4].hex(" ")
+        raise DataConfigError(f"{fname} is not UTF-8 text (undecodable bytes {bad}: {exc.reason}); data.path takes "
+                              f"text files ({', '.join(SUFFIXES)}) in UTF-8") from exc
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataConfigError(f"{fname} is not a readable gzip file ({exc})") from exc
 
 
 def read_documents(files: list[str], text_field: str = "text") -> list[str]:

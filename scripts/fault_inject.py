@@ -19,6 +19,17 @@ losses and the final weights must be bitwise equal.
   disk-full  the process's file-size limit (RLIMIT_FSIZE) below a checkpoint's size, on a fresh run
              and on one that already holds checkpoints: expect exit 1 with one line naming the file
              and the intact previous checkpoint, no traceback; then continue without the limit.
+  early      SIGTERM 0-3 s after train.py's first line (its handler), while the libraries still
+             import: expect exit 75 and a message (never death by the signal), then the same end.
+  writer     a second train.py on a run directory whose run is under way (frozen by SIGSTOP): expect
+             exit 2 with one line naming the holder's pid; the first run then ends exactly as the
+             reference.
+  forged     a hand-made checkpoint whose pickle would create a file when loaded (in model.pt,
+             optimizer.pt or trainer.pt, manifest rewritten to match): expect exit 1 with one line
+             naming the file, and the file never created.
+  resize     DDP or FSDP2: half the run on 1 process, the rest under torchrun on 2: expect a
+             `world_size_changed` event, the first half bitwise, the rest within float rounding of
+             the reference (summation order and bf16 differ), and the end row.
 """
 from __future__ import annotations
 
@@ -214,12 +225,136 @@ def disk_full_trial(reference: str, run_dir: str, rng: random.Random, resumed: b
             "ok": clean and ok}
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """The process has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
+
+
+def early_signal_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    proc = start(run_dir)
+    deadline = time.time() + 60
+    while proc.poll() is None and time.time() < deadline and not _catches(proc.pid, signal.SIGTERM):
+        time.sleep(0.001)  # the interpreter itself starts without any handler: from train.py's first lines on
+    delay = rng.uniform(0.0, 3.0)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate()
+    stopped = proc.returncode == 75 and "stopped by SIGTERM" in out and "Traceback" not in err
+    codes, ok = finish(reference, run_dir)
+    return {"fault": "SIGTERM during start-up", "detail": f"{delay:.1f} s after train.py's first line",
+            "exit codes": f"{proc.returncode} then {codes}",
+            "outcome": "message + exit 75, then the same end" if stopped and ok else f"FAILED: {last_line(err)}",
+            "ok": stopped and ok}
+
+
+def writer_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    first = start(run_dir)
+    lock = os.path.join(run_dir, "run.lock")
+
+    def holds() -> bool:
+        try:
+            return json.load(open(lock))["pid"] == first.pid and logged_steps(run_dir) >= 1
+        except (OSError, ValueError, KeyError):
+            return False
+
+    deadline = time.time() + 300
+    while first.poll() is None and time.time() < deadline and not holds():
+        time.sleep(0.01)
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        second = run(run_dir)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    first.communicate()
+    line = last_line(second.stderr)
+    refused = (second.returncode == 2 and "Traceback" not in second.stderr
+               and line.startswith(f"error: run dir {run_dir} is in use by another run (pid {first.pid} on host "))
+    ok = refused and first.returncode == 0 and same_as(reference, run_dir)
+    return {"fault": "second writer", "detail": "same run dir, first run under way",
+            "exit codes": f"{second.returncode} (second), {first.returncode} (first)",
+            "outcome": "refused with the holder named; first run exact" if ok else f"FAILED: {line}", "ok": ok}
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _rehash(ckpt_dir: str) -> None:
+    import hashlib
+
+    files = {}
+    for name in os.listdir(ckpt_dir):
+        if name != ckpt.MANIFEST:
+            data = open(os.path.join(ckpt_dir, name), "rb").read()
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(os.path.join(ckpt_dir, ckpt.MANIFEST), "w") as f:
+        json.dump({"format": 1, "files": files}, f)
+
+
+def forged_trial(reference: str, run_dir: str, rng: random.Random, name: str) -> dict:
+    shutil.copytree(reference, run_dir)
+    newest = ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))
+    path, marker = os.path.join(newest, name), os.path.join(run_dir, "PAYLOAD_RAN")
+    state = torch.load(path, weights_only=True)
+    state = {**state, "payload": _Payload(marker)}
+    torch.save(state, path)
+    _rehash(newest)
+    proc = run(run_dir, f"train.steps={STEPS + 2}", "train.resume_changes=[train.steps]")
+    line = last_line(proc.stderr)
+    ok = (proc.returncode == 1 and "Traceback" not in proc.stderr and not os.path.exists(marker)
+          and line.startswith(f"error: refused to load {path}"))
+    return {"fault": "hand-made checkpoint", "detail": f"a pickled call in {name}", "exit codes": str(proc.returncode),
+            "outcome": "refused in one line, nothing ran" if ok else f"FAILED: {line}", "ok": ok}
+
+
+def resize_trial(reference: str, run_dir: str, rng: random.Random, parallelism: str) -> dict:
+    half = STEPS // 2
+    first = run(run_dir, f"train.parallelism={parallelism}", f"train.steps={half}")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                os.path.join(REPO, "train.py"), *JOB, f"train.parallelism={parallelism}",
+                "train.resume_changes=[train.steps]", f"hydra.run.dir={run_dir}"]
+    second = subprocess.run(torchrun, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
+    from train_utils.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if second.returncode == 0 else []
+    mine, ref = losses(run_dir) if rows else {}, losses(reference)
+    resized = any(r.get("event") == "world_size_changed" and r.get("from") == 1 and r.get("to") == 2 for r in rows)
+    # The reference is a DDP run: a DDP first half is bitwise the same; FSDP2 computes with bf16 weights
+    # (tests/test_fsdp_train.py), so its losses are compared within a tolerance throughout.
+    bitwise = parallelism == "ddp"
+    ok = (first.returncode == 0 and second.returncode == 0 and resized and rows[-1].get("event") == "end"
+          and sorted(mine) == sorted(ref) and (not bitwise or all(mine[s] == ref[s] for s in range(1, half + 1)))
+          and all(abs(mine[s] - ref[s]) < 0.02 for s in mine))
+    gap = max((abs(mine[s] - ref[s]) for s in mine if s > half or not bitwise), default=float("nan"))
+    return {"fault": f"{parallelism.upper()} 1 -> 2 processes", "detail": f"{half} steps on 1, {STEPS - half} on 2",
+            "exit codes": f"{first.returncode} then {second.returncode}",
+            "outcome": (f"continued on 2, {'first half bitwise, later ' if bitwise else ''}losses within {gap:.1e} "
+                        f"of the DDP reference" if ok else f"FAILED: {last_line(second.stderr or first.stderr)}"),
+            "ok": ok}
+
+
+FORGED = ("model.pt", "optimizer.pt", "trainer.pt")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--signals", type=int, default=4)
     parser.add_argument("--damage", type=int, default=8)
     parser.add_argument("--disk-full", type=int, default=2)
+    parser.add_argument("--early", type=int, default=2)
+    parser.add_argument("--writers", type=int, default=1)
+    parser.add_argument("--forged", type=int, default=3)
+    parser.add_argument("--resize", type=int, default=2, help="alternately DDP and FSDP2, 1 -> 2 processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="keep the run dirs here (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the trials to this file")
@@ -236,12 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     trials, damages = [], list(DAMAGES)
     plan = ([("kill", i % 2 == 1) for i in range(args.kills)] + [("signal", SIGNALS[i % 4]) for i in range(args.signals)]
             + [("damage", damages[i % len(damages)]) for i in range(args.damage)]
-            + [("disk", i % 2 == 1) for i in range(args.disk_full)])
+            + [("disk", i % 2 == 1) for i in range(args.disk_full)] + [("early", None) for _ in range(args.early)]
+            + [("writer", None) for _ in range(args.writers)]
+            + [("forged", FORGED[i % len(FORGED)]) for i in range(args.forged)]
+            + [("resize", ("ddp", "fsdp")[i % 2]) for i in range(args.resize)])
     for i, (kind, arg) in enumerate(plan):
         run_dir = os.path.join(workdir, f"trial_{i:03d}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        trial = {"kill": kill_trial, "signal": signal_trial, "damage": damage_trial,
-                 "disk": disk_full_trial}[kind](reference, run_dir, rng, arg)
+        trial = {"kill": kill_trial, "signal": signal_trial, "damage": damage_trial, "disk": disk_full_trial,
+                 "early": early_signal_trial, "writer": writer_trial, "forged": forged_trial,
+                 "resize": resize_trial}[kind](reference, run_dir, rng, arg)
         trials.append(trial)
         print(f"  trial {i + 1}/{len(plan)}: {trial['fault']}, {trial['detail']}: {trial['outcome']}", file=sys.stderr)
     columns = ("fault", "detail", "exit codes", "outcome")

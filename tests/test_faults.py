@@ -3,6 +3,7 @@ to a process group with DataLoader workers), a file-size limit while writing a c
 rank, and a torchrun multirun. Each ends with one clear line and the documented exit code."""
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from _train_helpers import (REPO, TINY, assert_same_weights, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
+from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -129,3 +131,172 @@ def test_torchrun_multirun_is_refused_up_front(tmp_path):
     assert proc.returncode != 0
     assert "would run only its first job" in proc.stderr and "hydra/launcher=local" in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
+    """A sharded checkpoint whose `.metadata` pickle would create a file: train.py (exit 1) and
+    eval.py (exit 2) each end with one line naming the file, no traceback, and the payload never runs."""
+    from test_reliability import forge
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    assert run_inprocess(run_dir, "train.steps=2", "train.parallelism=fsdp") == 0
+    carrier = forge(run_dir, "dcp metadata", marker)
+    resumed = run_cli(train_cmd(run_dir, "train.steps=3", "train.resume_changes=[train.steps]",
+                                "train.parallelism=fsdp"))
+    evaluated = run_cli([sys.executable, "eval.py", f"checkpoint={run_dir}"])
+    assert not marker.exists(), "the checkpoint's payload ran"
+    for proc, code in ((resumed, 1), (evaluated, 2)):
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: refused to load {carrier}")
+
+
+def test_one_run_per_run_dir(tmp_path):
+    """Two train.py processes on one run dir: the second is refused with one line naming the holder
+    (exit 2), before it reads or writes anything there; once the holder is dead (SIGKILL: its lock
+    dies with it) the same command continues the run, and metrics.jsonl holds every step once."""
+    import json
+
+    lock_file = tmp_path / "run.lock"
+    first = subprocess.Popen(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"), cwd=REPO, env=subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def holds_lock():
+        try:
+            return json.loads(lock_file.read_text())["pid"] == first.pid and _steps_logged(tmp_path) >= 1
+        except (OSError, ValueError, KeyError):
+            return False
+
+    _wait_for(holds_lock, first, what="the first run's lock and first step")
+    os.killpg(first.pid, signal.SIGSTOP)  # frozen mid-run: it holds the lock for as long as the test needs
+    try:
+        second = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        line = second.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: run dir {tmp_path} is in use by another run (pid {first.pid} on host "), line
+        assert "started 20" in line and "use another hydra.run.dir" in line
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    third = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+    assert third.returncode == 0, third.stderr[-3000:]
+    steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
+    assert steps == list(range(1, 7))
+
+
+def test_the_stop_handler_is_installed_before_torch_is_imported(tmp_path):
+    """train.py's early handler comes before any heavy import: at the moment `torch` is first
+    imported, SIGTERM already has a handler (it used to come after torch: 2-10 s of start-up in which
+    a stop signal killed the run with -15 and no message). A probe on the import system looks, and
+    ends the process there."""
+    probe = ("import os, signal, sys, runpy\n"
+             "class Probe:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'torch':\n"
+             "            caught = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)\n"
+             "            print('handler' if caught else 'default', flush=True)\n"
+             "            os._exit(0)\n"
+             "sys.meta_path.insert(0, Probe())\n"
+             f"sys.argv = ['train.py', 'hydra.run.dir={tmp_path}']\n"
+             "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = run_cli([sys.executable, "-c", probe])
+    assert proc.stdout.strip() == "handler", proc.stdout + proc.stderr[-2000:]
+
+
+def test_sigterm_during_the_interpreters_shutdown_keeps_exit_0(tmp_path):
+    """A finished run whose process gets SIGTERM while the interpreter shuts down (after the summary:
+    Python has reset its signal handlers to the default there, and tearing down torch takes ~1 s)
+    still exits 0. The signal is sent from an object that the shutdown deletes, so it lands there."""
+    wrapper = ("import os, signal, sys, time, runpy\n"
+               "class Late:\n"
+               "    def __del__(self):\n"
+               "        os.kill(os.getpid(), signal.SIGTERM)\n"
+               "        time.sleep(0.2)\n"
+               "late = Late()\n"
+               f"sys.argv = ['train.py', *{TINY!r}, 'train.steps=1', 'hydra.run.dir={tmp_path}']\n"
+               "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = run_cli([sys.executable, "-c", wrapper])
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert rows(tmp_path)[-1]["event"] == "end"
+
+
+def test_full_disk_outside_a_checkpoint_write_is_one_line(tmp_path):
+    """A file-size limit (standing in for a full disk) that metrics.jsonl reaches before any
+    checkpoint is written, then a restart under the same limit: each ends with one line naming
+    metrics.jsonl, exit 1, no traceback (it was a raw OSError traceback)."""
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))  # above .hydra's files, below 30 steps of rows
+
+    for attempt in ("first run", "restart"):
+        proc = subprocess.run(train_cmd(tmp_path, "train.steps=30"), cwd=REPO, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=240, preexec_fn=limit_file_size)
+        assert proc.returncode == 1, (attempt, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-3000:])
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: file too large (the file-size limit was reached) while writing {tmp_path / 'metrics.jsonl'}; "
+            f"no earlier checkpoint exists; free space, then run the same command again to continue"), attempt
+
+
+def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
+    """On the command line: a `.pt` file holding a pickled object (exit 1) and a line that is not JSON
+    in the middle of metrics.jsonl (exit 1) each end with one line naming the file, no traceback."""
+    from test_reliability import forge
+
+    refused, damaged = tmp_path / "refused", tmp_path / "damaged"
+    for run_dir in (refused, damaged):
+        assert run_inprocess(run_dir, "train.steps=2", "checkpoint.every=1") == 0
+    carrier = forge(refused, "plain model.pt", tmp_path / "PAYLOAD_RAN")
+    path = damaged / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:1] + ["{not json"] + lines[1:]) + "\n")
+    for run_dir, expected in ((refused, f"error: refused to load {carrier}: it holds a reference to "),
+                              (damaged, f"error: {path}, line 2 of {len(lines) + 1}: not a JSON row")):
+        proc = run_cli(train_cmd(run_dir, "train.steps=3", "checkpoint.every=1", "train.resume_changes=[train.steps]"))
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-1000:]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+@pytest.fixture
+def local_slurm(request):
+    """The one-node cluster of test_slurm.py, only where Slurm is installed already (never installed here)."""
+    if not (shutil.which("slurmctld") or os.path.exists("/usr/sbin/slurmctld")):
+        pytest.skip("Slurm is not installed (scripts/slurm_localhost.sh install sets up a one-node cluster)")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start munged/slurmctld/slurmd")
+    return request.getfixturevalue("slurm_cluster")
+
+
+def test_slurm_requeue_through_submitit_resumes_the_run(local_slurm, tmp_path):
+    """A submitit job on the local Slurm gets submitit's preemption signal (SIGUSR2) mid-run: it
+    writes a checkpoint, submitit requeues the job, the requeued job resumes from that checkpoint in
+    the same run dir, and the sweep ends with every step logged once and the end row."""
+    import glob
+    import json
+
+    env = dict(local_slurm, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    sweep, steps = tmp_path / "multirun", 30
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+           "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=60", *TINY, f"train.steps={steps}",
+           "checkpoint.every=1"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = sweep / "0"
+    _wait_for(lambda: _steps_logged(run_dir) >= 3, launcher, timeout=300, what="3 steps inside the Slurm job")
+    (job,) = {os.path.basename(p).split("_")[0] for p in glob.glob(str(sweep / ".submitit" / "*"))
+              if os.path.basename(p)[0].isdigit()}
+    subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True, timeout=30)
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stopped = [r for r in log if r.get("event") == "preempted"]
+    starts = [r for r in log if r.get("event") == "start"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGUSR2", stopped
+    assert len(starts) == 2 and starts[1]["resumed_from"].endswith(ckpt.step_dir_name(stopped[0]["step"]))
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, steps + 1))
+    assert log[-1]["event"] == "end" and log[-1]["step"] == steps

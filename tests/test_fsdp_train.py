@@ -255,7 +255,7 @@ def test_disk_full_during_a_sharded_checkpoint_keeps_the_previous_one(tmp_path, 
     previous = os.path.join(root, ckpt.step_dir_name(2))
     failed = os.path.join(root, ckpt.step_dir_name(4), sharded_checkpoint.SHARDED_DIR)
     assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
-    assert sorted(os.listdir(root)) == [ckpt.LATEST, ckpt.step_dir_name(2)]
+    assert sorted(os.listdir(root)) == [ckpt.LAST_GOOD, ckpt.LATEST, ckpt.step_dir_name(2)]
     assert ckpt.latest(root) == previous and ckpt.verify(previous) is None
 
 
@@ -266,7 +266,7 @@ def test_nonfinite_shards_are_never_checkpointed(tmp_path):
         run_inprocess(tmp_path, *FSDP, "train.steps=10", "optimizer.lr=1e6", "checkpoint.every=1",
                       "checkpoint.keep=20")
     written = ckpt.list_checkpoints(str(tmp_path / "checkpoints"))
-    assert written and f"Last checkpoint (finite): {written[-1]}" in str(err.value)
+    assert written and f"Last checkpoint from before the divergence: {written[0]}" in str(err.value)  # lr 0 at step 1
     for ckpt_dir in written:
         assert all(t.isfinite().all() for t in checkpoint_weights(ckpt_dir).values()), ckpt_dir
 

@@ -3,15 +3,19 @@ failure ends with one clear line (issue: reliability). In-process runs of the ti
 subprocess cases (signals, a file-size limit, a frozen rank) are in test_faults.py."""
 import errno
 import json
+import math
 import os
+import re
 import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from _train_helpers import (assert_same_weights, losses, rows, run_inprocess,  # noqa: F401
                             weights)
 from train_utils import checkpoint as ckpt
+from train_utils import resume
 from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError
 from train_utils.metrics import read_metrics
@@ -49,8 +53,55 @@ def test_nonfinite_step_is_never_applied_nor_checkpointed(tmp_path):
         assert all(t.isfinite().all() for s in opt["state"].values() for t in s.values()
                    if torch.is_tensor(t) and t.is_floating_point()), c
     message = str(err.value)
-    assert f"at step {len(written) + 1}" in message and f"Last checkpoint (finite): {written[-1]}" in message
+    assert f"at step {len(written) + 1}" in message
     assert max(r["step"] for r in rows(tmp_path) if "loss" in r) == len(written)
+    # Step 1 ran at the warm-up's lr 0: checkpoint 1 holds the initial weights, and step 2's loss on them
+    # was healthy; checkpoint 2 (after the first 1e6 update) gives NaN gradients. The old message named 2.
+    first = os.path.join(_root(tmp_path), ckpt.step_dir_name(1))
+    assert f"Last checkpoint from before the divergence: {first} (kept" in message, message
+    remedy = re.search(r"run the same command with (.*?) \(", message).group(1).split()
+    assert remedy == [f"train.resume={first}", "optimizer.lr=0.001", "train.resume_changes=[optimizer.lr]"]
+    assert run_inprocess(tmp_path, "train.steps=10", "optimizer.lr=1e6", "checkpoint.every=1", "checkpoint.keep=20",
+                         *remedy) == 0
+    assert rows(tmp_path)[-1]["event"] == "end"
+
+
+def test_with_no_checkpoint_before_the_divergence_the_message_says_how_to_start_over(tmp_path):
+    from train_utils.divergence import LossWatch
+
+    cfg = OmegaConf.create({"optimizer": {"name": "adamw", "lr": 1e6}, "train": {"resume_changes": []}})
+    watch = LossWatch(str(tmp_path), True, cfg, resumed_from=None)
+    watch.check(1, 6.0, 1.0)
+    watch.saved(str(tmp_path / ckpt.step_dir_name(1)))
+    watch.check(2, 600.0, 1.0)  # a spike: checkpoint 1 is not confirmed
+    with pytest.raises(NonFiniteError) as err:
+        watch.check(3, float("nan"), 1.0)
+    assert "The loss first spiked at step 2 (600, over 3x the running median 6)" in str(err.value)
+    assert ("No checkpoint from before the divergence exists. Start over in a new run dir with a lower learning "
+            "rate: the same command with hydra.run.dir=<new dir> optimizer.lr=0.001 ") in str(err.value)
+    assert ckpt.last_good(str(tmp_path)) is None
+
+
+def test_divergence_names_and_keeps_the_checkpoint_from_before_it(tmp_path):
+    """4 healthy steps, then optimizer.lr=1e6 (named on resume): the weights of every checkpoint
+    written after the first 1e6 update are finite but diverged, and a resume from them fails again.
+    The message names the checkpoint from before the spike (step 4, whose next loss was healthy),
+    which checkpoint.keep=1 has not removed, and its remedy, followed literally, trains to the end."""
+    keep = ["checkpoint.every=1", "checkpoint.keep=1"]
+    assert run_inprocess(tmp_path, "train.steps=4", *keep) == 0
+    diverging = ["train.steps=12", *keep, "optimizer.lr=1e6", "train.resume_changes=[optimizer.lr,train.steps]"]
+    with pytest.raises(NonFiniteError) as err:
+        run_inprocess(tmp_path, *diverging)
+    message, four = str(err.value), os.path.join(_root(tmp_path), ckpt.step_dir_name(4))
+    assert f"Last checkpoint from before the divergence: {four} (kept" in message, message
+    assert ckpt.last_good(_root(tmp_path)) == four and ckpt.verify(four) is None
+    assert ckpt.latest(_root(tmp_path)) != four  # what the old message named: finite, diverged
+    remedy = re.search(r"run the same command with (.*?) \(", message).group(1).split()
+    assert remedy == [f"train.resume={four}", "optimizer.lr=0.001", "train.resume_changes=[optimizer.lr,train.steps]"]
+    assert run_inprocess(tmp_path, *diverging, *remedy) == 0
+    start = [r for r in rows(tmp_path) if r.get("event") == "start"][-1]
+    assert start["resumed_from"] == four and rows(tmp_path)[-1]["event"] == "end"
+    assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 
 def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
@@ -67,7 +118,7 @@ def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
         model[0].bias[1] = float("inf")
     assert ckpt.nonfinite_state(model, opt) == "weight 0.bias"
     with pytest.raises(NonFiniteError, match="non-finite values in weight 0.bias after step 7; no checkpoint written"):
-        ckpt.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
+        resume.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
                              merge_data_states=list, accelerator=Accelerator(cpu=True), tokens=0,
                              config_yaml="", keep=2)
     assert os.listdir(tmp_path) == []
@@ -178,7 +229,7 @@ def _snapshot(run_dir):
     files = {}
     for root, _, names in os.walk(run_dir):
         for n in names:
-            if n != "train.log":
+            if n not in ("train.log", "run.lock"):  # the console's log and who holds the run dir
                 p = os.path.join(root, n)
                 files[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns)
     return files
@@ -299,7 +350,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypa
     previous = os.path.join(_root(tmp_path), ckpt.step_dir_name(2))
     failed = os.path.join(_root(tmp_path), ckpt.step_dir_name(4), "model.pt")
     assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
-    assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries left
+    assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LAST_GOOD, ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries
     assert ckpt.latest(_root(tmp_path)) == previous and ckpt.verify(previous) is None
 
 
@@ -311,7 +362,7 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
 
     import train
 
-    real_save = ckpt.save_checkpoint
+    real_save = resume.save_checkpoint
 
     def save_then_signal(*args, **kwargs):
         path = real_save(*args, **kwargs)
@@ -327,7 +378,7 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
         return out
 
     monkeypatch.setattr(train, "forward_backward", signal_in_last_step)
-    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_signal)
+    monkeypatch.setattr(resume, "save_checkpoint", save_then_signal)
     assert run_inprocess(tmp_path, "train.steps=3") == 0
     assert rows(tmp_path)[-1]["event"] == "end"
     assert not [r for r in rows(tmp_path) if r.get("event") == "preempted"]
@@ -370,3 +421,210 @@ def test_a_resume_loads_its_checkpoint_memory_mapped(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", spy)
     assert run_inprocess(tmp_path, "train.steps=4", *EVERY, "train.resume_changes=[train.steps]") == 0
     assert len(seen) >= 3 and all(seen)  # trainer, model, optimizer
+
+
+# ------------------------------------------------------------------------------ a checkpoint is data
+class _Payload:
+    """What a hand-made checkpoint could hide in a pickle: unpickling it creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _rehash(ckpt_dir) -> None:
+    """Whoever writes a checkpoint writes its manifest too: a forged checkpoint passes verification."""
+    import hashlib
+
+    files = {}
+    for folder, _, names in os.walk(ckpt_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, ckpt_dir)
+            if rel != ckpt.MANIFEST:
+                files[rel] = {"bytes": os.path.getsize(path), "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+    with open(os.path.join(ckpt_dir, ckpt.MANIFEST), "w") as f:
+        json.dump({"format": 1, "step": 2, "files": files}, f)
+    assert ckpt.verify(ckpt_dir) is None
+
+
+def forge(run_dir, kind: str, marker) -> str:
+    """Hide a payload in the latest checkpoint of `run_dir`; return the file that carries it."""
+    import pickle
+
+    ckpt_dir = ckpt.latest(_root(run_dir))
+    if kind == "plain model.pt":
+        path = os.path.join(ckpt_dir, "model.pt")
+        state = torch.load(path, weights_only=True)  # not memory-mapped: the file is rewritten next
+        torch.save({**state, "payload": _Payload(marker)}, path)
+    elif kind == "dcp metadata":
+        path = os.path.join(ckpt_dir, "dcp", ".metadata")
+        with open(path, "wb") as f:
+            pickle.dump(_Payload(marker), f)
+    else:  # a non-tensor item inside the DCP files (DCP loads those with torch.load(weights_only=False))
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_dir, whole = os.path.join(ckpt_dir, "dcp"), os.path.join(str(run_dir), "whole.pt")
+        dcp_to_torch_save(dcp_dir, whole)
+        state = torch.load(whole, weights_only=False)  # our own file, written just now
+        os.remove(whole)
+        state["model"][next(iter(state["model"]))] = _Payload(marker)  # read by resume and by eval.py
+        shutil.rmtree(dcp_dir)
+        dcp.save(state, checkpoint_id=dcp_dir, no_dist=True)
+        path = dcp_dir
+    _rehash(ckpt_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory):
+    """2-step runs of both checkpoint formats (FSDP2 in a group of one)."""
+    out = {}
+    for parallelism in ("ddp", "fsdp"):
+        run_dir = tmp_path_factory.mktemp(parallelism)
+        assert run_inprocess(run_dir, "train.steps=2", f"train.parallelism={parallelism}") == 0
+        out[parallelism] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("load_path", ["resume", "eval.py"])
+@pytest.mark.parametrize("kind", ["plain model.pt", "dcp metadata", "dcp non-tensor item"])
+def test_a_hand_made_checkpoint_runs_no_code(honest, tmp_path, kind, load_path):
+    """A checkpoint whose pickles would create a file when loaded: resuming from it and evaluating it
+    refuse it with one line naming the file, and the payload never runs (DCP's own reader unpickled
+    the metadata and the non-tensor items with weights_only=False: the file appeared)."""
+    import eval as evaluate_ckpt
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PAYLOAD_RAN"
+    shutil.copytree(honest["ddp" if kind.startswith("plain") else "fsdp"], run_dir)
+    carrier = forge(run_dir, kind, marker)
+    with pytest.raises(ckpt.RefusedFile) as err:
+        if load_path == "resume":
+            parallelism = "ddp" if kind.startswith("plain") else "fsdp"
+            run_inprocess(run_dir, "train.steps=3", "train.resume_changes=[train.steps]",
+                          f"train.parallelism={parallelism}")
+        else:
+            evaluate_ckpt.main([f"checkpoint={run_dir}"])
+    assert not marker.exists(), "the checkpoint's payload ran"
+    message = str(err.value)
+    assert message.startswith(f"refused to load {carrier}") and "\n" not in message
+    assert "nothing from it was run" in message
+
+
+# ------------------------------------------------------------------------------ every exit path
+def test_binary_garbage_as_a_text_data_file_is_named(tmp_path):
+    """A binary file where text belongs (or a damaged .gz): a DataConfigError naming the file (it
+    was a UnicodeDecodeError without the file's name)."""
+    import gzip
+
+    from data import DataConfigError
+    from data.local import read_documents
+
+    good, garbage, bad_gz = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt.gz"
+    good.write_text("one document\n\nanother\n")
+    garbage.write_bytes(b"text at first\n" + bytes(range(128, 256)) * 8)
+    bad_gz.write_bytes(gzip.compress(b"fine text\n" * 100)[:-20])  # cut short
+    assert read_documents([str(good)]) == ["one document", "another"]
+    with pytest.raises(DataConfigError, match=f"^{garbage} is not UTF-8 text") as err:
+        read_documents([str(good), str(garbage)])
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataConfigError, match=f"^{bad_gz} is not a readable gzip file"):
+        read_documents([str(bad_gz)])
+
+
+def test_a_latest_pointer_older_than_the_newest_intact_checkpoint_is_noted(tmp_path):
+    """checkpoints 2, 4, 6 with `latest` naming 4 (a branch resumed from 4, or a pointer set by hand):
+    the run continues from 4 as `latest` says, and says that 6 is there and how to take it instead."""
+    assert run_inprocess(tmp_path, "train.steps=6", *EVERY) == 0
+    root = _root(tmp_path)
+    ckpt.point_latest(root, os.path.join(root, ckpt.step_dir_name(4)))
+    assert run_inprocess(tmp_path, "train.steps=6", *EVERY) == 0
+    start = [r for r in rows(tmp_path) if r.get("event") == "start"][-1]
+    assert start["resumed_from"].endswith(ckpt.step_dir_name(4))
+    six = os.path.join(root, ckpt.step_dir_name(6))
+    log = (tmp_path / "train.log").read_text()
+    assert f"note: `latest` names {os.path.join(root, ckpt.step_dir_name(4))}, but a newer intact checkpoint " \
+           f"exists, {six}" in log and f"pass train.resume={six}" in log
+
+
+def test_a_bad_line_inside_metrics_jsonl_is_one_error_naming_it(tmp_path):
+    """A line that is not JSON before the last one of metrics.jsonl (not the partial last line of an
+    interrupted append, which is dropped): the run stops before any work with one error naming the
+    file and the line (it was a traceback from the metrics truncation)."""
+    from train_utils.metrics import MetricsFileError
+
+    assert run_inprocess(tmp_path, "train.steps=4", *EVERY) == 0
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(MetricsFileError, match=f"^{path}, line 3 of {len(lines)}: not a JSON row"):
+        run_inprocess(tmp_path, "train.steps=6", *EVERY, "train.resume_changes=[train.steps]")
+
+
+def test_a_full_disk_outside_a_checkpoint_write_names_the_file(tmp_path, monkeypatch):
+    """ENOSPC while appending to metrics.jsonl (no checkpoint write under way): a CheckpointError
+    naming the file and the intact latest checkpoint (it was a raw OSError traceback)."""
+    from train_utils import metrics
+
+    assert run_inprocess(tmp_path, "train.steps=2", *EVERY) == 0
+    import builtins
+
+    real_open, real_log, calls = builtins.open, metrics.MetricsLog.log, []
+
+    def full_open(file, mode="r", *args, **kwargs):
+        """From the continued run's third row on, appends to metrics.jsonl fail as on a full disk."""
+        f = real_open(file, mode, *args, **kwargs)
+        if str(file) == str(tmp_path / "metrics.jsonl") and "a" in mode and len(calls) >= 3:
+            def write(_data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a file write raises: no file name
+            f.write = write
+        return f
+
+    monkeypatch.setattr(metrics.MetricsLog, "log", lambda self, row: (calls.append(row), real_log(self, row))[1])
+    monkeypatch.setattr(builtins, "open", full_open)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run_inprocess(tmp_path, "train.steps=6", *EVERY, "train.resume_changes=[train.steps]")
+    monkeypatch.undo()
+    assert str(err.value) == (f"no space left on device while writing {tmp_path / 'metrics.jsonl'}; the latest "
+                              f"checkpoint {os.path.join(_root(tmp_path), ckpt.step_dir_name(2))} is intact; free "
+                              f"space, then run the same command again to continue")
+
+
+def test_a_pickled_stop_flag_is_the_receiving_processs_own(tmp_path):
+    """submitit pickles train.py's functions by value with the globals they use: the launching
+    process's installed flag arrived in the job looking installed, so no handler caught SIGUSR2 and
+    submitit requeued the job without train.py's checkpoint (found by the Slurm requeue test)."""
+    import pickle
+
+    from train_utils.signals import STOP
+
+    installed = STOP.install()
+    try:
+        assert pickle.loads(pickle.dumps(STOP)) is STOP
+    finally:
+        if installed:
+            STOP.restore()
+
+
+def test_checkpoint_formats_depend_one_way():
+    """checkpoint.py (the format's base) imports no other checkpoint module; sharded_checkpoint.py
+    builds on it; writing/restoring either format is resume.py's (they imported each other)."""
+    import ast
+
+    def imported(name):
+        tree = ast.parse(open(os.path.join(os.path.dirname(__file__), "..", "train_utils", name)).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("train_utils"):
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                found |= {a.name for a in node.names}
+        return found
+
+    assert not {m for m in imported("checkpoint.py") if "checkpoint" in m or "resume" in m}
+    assert not {m for m in imported("sharded_checkpoint.py") if "resume" in m}
+    assert "train_utils.checkpoint" in imported("sharded_checkpoint.py")

@@ -24,7 +24,12 @@ reads the pages it copies into its parameters instead of holding a second full c
 
 Every file holds only tensors and plain Python containers/numbers/strings, so it loads with
 `torch.load(..., weights_only=True)`: RNG states are converted to tensors and lists, the config is
-stored as YAML text.
+stored as YAML text. A file that holds anything else (a hand-made checkpoint whose pickle would run
+code) is refused with one line naming it (RefusedFile), and nothing from it runs.
+
+This module is the format's base and imports no other checkpoint module: the sharded format
+(sharded_checkpoint.py) builds on it (same atomic directory, manifest and fallback), and writing or
+restoring a run's training state in either format is resume.py's (save_checkpoint, restore).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -39,10 +45,10 @@ import shutil
 import numpy as np
 import torch
 
-from train_utils.loop import NonFiniteError
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+LAST_GOOD = "last_good"  # the newest checkpoint whose next loss was not a spike (train_utils/divergence.py)
 MANIFEST = "manifest.json"
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -51,6 +57,38 @@ _CHUNK = 1 << 24
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or used; the message says which, why, and what is intact."""
+
+
+class RefusedFile(CheckpointError):
+    """A checkpoint file that holds something other than tensors and plain data (a pickled object
+    that would run code when loaded): refused, never loaded. Its manifest proves nothing here, since
+    whoever wrote the file also wrote the manifest."""
+
+
+def refusal(path: str, what: str) -> RefusedFile:
+    return RefusedFile(f"refused to load {path}: it holds {what}, not only tensors and plain data. A checkpoint is "
+                       f"data, never code: nothing from it was run. Use a checkpoint written by this code, from a "
+                       f"source you trust")
+
+
+def _unsupported_global(err: Exception) -> str:
+    """What torch's weights-only unpickler refused, from its message (e.g. `GLOBAL io.open`)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    return f"a reference to {found.group(1)}" if found else f"data it cannot load safely ({_first_line(err)})"
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(err).__name__
+
+
+def torch_load(path_or_file, name: str, **kwargs):
+    """torch.load with weights_only=True (tensors, containers, numbers, strings only); anything else
+    is RefusedFile naming `name` (the file) in one line."""
+    try:
+        return torch.load(path_or_file, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise refusal(name, _unsupported_global(err)) from err
 
 
 def step_dir_name(step: int) -> str:
@@ -121,6 +159,17 @@ def _describe_write_error(err: OSError, path: str, previous: str | None) -> str:
     return f"{reason} while writing {path}; {intact}"
 
 
+def out_of_space(err: OSError, run_dir: str) -> CheckpointError | None:
+    """A full disk (or quota, or file-size limit) outside a checkpoint write, e.g. appending to
+    metrics.jsonl: one line naming the file and the intact latest checkpoint. None for other errors."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    where = err.filename or f"a file in {run_dir}"
+    message = _describe_write_error(err, where, latest(os.path.join(run_dir, CHECKPOINT_DIR)))
+    return CheckpointError(message.replace("the previous checkpoint", "the latest checkpoint") +
+                           "; free space, then run the same command again to continue")
+
+
 def temporary_dir(root: str, step: int) -> str:
     """Where checkpoint `step` is written before it is renamed into place."""
     return os.path.join(root, f".tmp_{step_dir_name(step)}_{os.getpid()}")
@@ -165,22 +214,36 @@ def save(root: str, step: int, files: dict, texts: dict | None = None, keep: int
             shutil.rmtree(final, ignore_errors=True)
         raise CheckpointError(_describe_write_error(err, path.replace(tmp, final), previous)) from err
     # Prune the oldest, but never the checkpoint just written (the one `latest` names), even when
-    # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint).
+    # the directory also holds higher-numbered ones (a run resumed from an earlier checkpoint), nor
+    # the last one from before a loss spike (`last_good`): so `keep` + 1 may remain.
     others = [c for c in list_checkpoints(root) if c != final]
     for old in others[: max(len(others) - (keep - 1), 0)] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != last_good(root):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def point_latest(root: str, ckpt_dir: str) -> None:
-    """Make `latest` name `ckpt_dir` (atomically: temp file + rename)."""
-    tmp = os.path.join(root, f".{LATEST}.tmp_{os.getpid()}")
+def point_latest(root: str, ckpt_dir: str, pointer: str = LATEST) -> None:
+    """Make `latest` (or another pointer) name `ckpt_dir` (atomically: temp file + rename)."""
+    tmp = os.path.join(root, f".{pointer}.tmp_{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(os.path.basename(ckpt_dir) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
+    os.replace(tmp, os.path.join(root, pointer))
     _fsync_dir(root)
+
+
+def last_good(root: str) -> str | None:
+    """The checkpoint `last_good` names, if it is still there: the newest one whose next step's loss
+    was within the spike factor of the running median (train_utils/divergence.py)."""
+    try:
+        with open(os.path.join(root, LAST_GOOD)) as f:
+            name = f.read(256).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.join(root, name)
+    return path if _STEP_DIR.match(name) and os.path.isdir(path) else None
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -195,7 +258,7 @@ def remove_temporaries(root: str) -> None:
     """Delete what a killed writer left behind (never a complete checkpoint)."""
     if os.path.isdir(root):
         for name in os.listdir(root):
-            if name.startswith(".tmp_") or name.startswith(f".{LATEST}.tmp"):
+            if name.startswith((".tmp_", f".{LATEST}.tmp", f".{LAST_GOOD}.tmp")):
                 path = os.path.join(root, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -298,8 +361,8 @@ def resolve(path: str) -> str | None:
 
 def load(ckpt_dir: str, name: str, map_location="cpu"):
     """One file of a checkpoint, memory-mapped: pages are read when copied, not all up front."""
-    return torch.load(os.path.join(ckpt_dir, f"{name}.pt"), map_location=map_location, weights_only=True,
-                      mmap=True)
+    path = os.path.join(ckpt_dir, f"{name}.pt")
+    return torch_load(path, path, map_location=map_location, mmap=True)
 
 
 def rng_state() -> dict:
@@ -349,50 +412,3 @@ def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     if not named or bool(torch.stack([t.isfinite().all() for _, t in named]).all()):
         return None
     return next(name for name, t in named if not bool(t.isfinite().all()))
-
-
-def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_state: dict, merge_data_states,
-                    accelerator, tokens: int, config_yaml: str, keep: int, extra: dict | None = None) -> str | None:
-    """Write the training state after `step` (collective: call on every rank).
-
-    Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
-    the last checkpoint, which is then the last finite one). Every rank's data position (`data_state`)
-    and RNG state go into `trainer.pt`; `merge_data_states(per_rank)` makes the stored data position
-    from the ranks' states. Replicated (DDP) weights and optimizer state are written by the main
-    process; sharded (FSDP2) ones by every rank, through torch.distributed.checkpoint
-    (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
-    writer's message. Returns the checkpoint's path on the main process."""
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    from train_utils import sharded_checkpoint
-    from train_utils.distributed import is_sharded
-
-    sharded = is_sharded(model)
-    bad = nonfinite_state(model, optimizer)
-    if sharded:  # each rank checked its own shards
-        bad = next((b for b in gather_object([bad]) if b is not None), None)
-    if bad is not None:  # replicas: every rank found the same
-        raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. "
-                                 f"Last checkpoint (finite): {latest(root) or 'none'}")
-    per_rank = gather_object([{"data": data_state, "rng": rng_state()}])
-    trainer = None
-    if accelerator.is_main_process:
-        trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
-                   "scheduler": scheduler.state_dict(), "data": merge_data_states([r["data"] for r in per_rank]),
-                   "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
-    texts = {"config.yaml": config_yaml}
-    if sharded:
-        return sharded_checkpoint.save(root, step, model=model, optimizer=optimizer, trainer=trainer, texts=texts,
-                                       keep=keep, accelerator=accelerator)
-    path, error = None, None
-    if accelerator.is_main_process:
-        try:
-            path = save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                     "trainer": trainer}, texts=texts, keep=keep)
-        except CheckpointError as err:
-            error = str(err)
-    # Also the barrier: nobody moves on (or exits) before the checkpoint exists or has failed.
-    error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return path

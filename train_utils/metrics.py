@@ -3,6 +3,7 @@ read by the table and plot scripts), wandb (a view of the same rows), and the co
 are also kept in `train.log`. Only the main process writes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,17 @@ class Console:
                 f.writelines(f"[{stamp}] {line}\n" for line in (text.strip("\n").splitlines() or [""]))
         except OSError:
             pass  # a full disk must not hide the message itself, which is already on the console
+
+
+@contextlib.contextmanager
+def _named(path: str):
+    """A failed write (a full disk) names its file: the OSError of a write or close has no filename."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, path) from err
 
 
 def _plain(value):
@@ -85,7 +97,7 @@ class MetricsLog:
             return []
         kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step and row.get("event") != "end"]
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
+        with _named(tmp), open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, self.path)
         return kept
@@ -94,7 +106,7 @@ class MetricsLog:
         if not self.enabled:
             return
         row = {k: _plain(v) for k, v in row.items()}
-        with open(self.path, "a") as f:
+        with _named(self.path), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             event = row.get("event")
@@ -111,6 +123,10 @@ class MetricsLog:
             self.wandb = None
 
 
+class MetricsFileError(ValueError):
+    """A damaged metrics.jsonl: a line that is not JSON before its last line."""
+
+
 def read_metrics(path) -> list[dict]:
     """The rows of a metrics.jsonl file. A last line that is not valid JSON (a write cut short by a
     kill or a full disk) is dropped; a bad line anywhere else is an error naming the file and line."""
@@ -123,7 +139,8 @@ def read_metrics(path) -> list[dict]:
         except json.JSONDecodeError as err:
             if number == len(lines):
                 break  # the partial last line of an interrupted append
-            raise ValueError(f"{path}, line {number}: not a JSON row ({err})") from err
+            raise MetricsFileError(f"{path}, line {number} of {len(lines)}: not a JSON row ({err}); only a partial "
+                                   f"last line is dropped by itself: fix or delete this line, then run again") from err
     return rows
 
 

@@ -36,7 +36,7 @@ from frugal import HyperparameterError
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.validation import ConfigError
-from train_utils.loop import seed_dropout
+from train_utils.loop import NonFiniteError, seed_dropout
 from train_utils.metrics import read_metrics
 
 # Settings that only change what is logged, evaluated or checkpointed, or how fast the run goes
@@ -132,10 +132,23 @@ def choose_checkpoint(resume: str, ckpt_root: str | None, key: str = "train.resu
     for path, why in skipped:
         if resume == "auto" and path in ckpt.list_checkpoints(ckpt_root):  # our own run: out of the way, kept
             why += f" (moved to {ckpt.set_aside(path)})"
-        notes.append(f"{path}: {why}")
+        notes.append(f"skipped a damaged checkpoint: {path}: {why}")
     if notes and resume == "auto":
         ckpt.point_latest(ckpt_root, found)
+    newer = _newer_intact(ckpt_root, found)
+    if newer:
+        notes.append(f"note: `latest` names {found}, but a newer intact checkpoint exists, {newer} (another "
+                     f"branch of this run, e.g. after a resume from an older checkpoint, or a pointer set by hand); "
+                     f"continuing from {found} as `latest` says. To continue from {newer} instead, pass "
+                     f"{key}={newer}")
     return found, notes
+
+
+def _newer_intact(ckpt_root: str, found: str) -> str | None:
+    """The newest intact checkpoint of `ckpt_root` if it is newer than `found` (the one `latest` names)."""
+    listed = ckpt.list_checkpoints(ckpt_root)
+    newer = listed[listed.index(found) + 1:] if found in listed else []
+    return next((c for c in reversed(newer) if ckpt.verify(c) is None), None)
 
 
 def plan(cfg, ckpt_root: str, metrics_path: str, accelerator) -> dict:
@@ -185,6 +198,53 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
     except (OSError, ValueError):
         return False
     return any(r.get("event") == "end" and r.get("step") == step for r in rows)
+
+
+def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_state: dict, merge_data_states,
+                    accelerator, tokens: int, config_yaml: str, keep: int, extra: dict | None = None) -> str | None:
+    """Write the training state after `step` (collective: call on every rank).
+
+    Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
+    the last checkpoint, which is then the last finite one). Every rank's data position (`data_state`)
+    and RNG state go into `trainer.pt`; `merge_data_states(per_rank)` makes the stored data position
+    from the ranks' states. Replicated (DDP) weights and optimizer state are written by the main
+    process; sharded (FSDP2) ones by every rank, through torch.distributed.checkpoint
+    (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
+    writer's message. Returns the checkpoint's path on the main process."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from train_utils.distributed import is_sharded
+
+    sharded = is_sharded(model)
+    bad = ckpt.nonfinite_state(model, optimizer)
+    if sharded:  # each rank checked its own shards
+        bad = next((b for b in gather_object([bad]) if b is not None), None)
+    if bad is not None:  # replicas: every rank found the same
+        good = ckpt.last_good(root)  # the newest checkpoint whose next loss was no spike (train_utils/divergence.py)
+        raise NonFiniteError(f"non-finite values in {bad} after step {step}; no checkpoint written. Last checkpoint "
+                             f"from before the divergence: {good or 'none'} (latest: {ckpt.latest(root) or 'none'})")
+    per_rank = gather_object([{"data": data_state, "rng": ckpt.rng_state()}])
+    trainer = None
+    if accelerator.is_main_process:
+        trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
+                   "scheduler": scheduler.state_dict(), "data": merge_data_states([r["data"] for r in per_rank]),
+                   "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
+    texts = {"config.yaml": config_yaml}
+    if sharded:
+        return sharded_checkpoint.save(root, step, model=model, optimizer=optimizer, trainer=trainer, texts=texts,
+                                       keep=keep, accelerator=accelerator)
+    path, error = None, None
+    if accelerator.is_main_process:
+        try:
+            path = ckpt.save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "trainer": trainer}, texts=texts, keep=keep)
+        except ckpt.CheckpointError as err:
+            error = str(err)
+    # Also the barrier: nobody moves on (or exits) before the checkpoint exists or has failed.
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise ckpt.CheckpointError(error)
+    return path
 
 
 def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,

@@ -12,7 +12,7 @@ cover, so a run can continue on any process count. The usual promises hold: the 
 directory is renamed into place only when every rank's files and then the manifest (each file's
 size and SHA-256; every rank hashes the files it wrote) are complete; a failed write on any rank
 removes it and names the previous, intact checkpoint; non-finite shards on any rank stop the save
-(checkpoint.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
+(resume.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
 cluster's shared file system).
 
 FRUGAL's column/row/randk state under FSDP2 is per rank: each rank selects coordinates inside its
@@ -22,6 +22,13 @@ same number of processes restores them exactly; on another number the shards dif
 tensors start from fresh state (as at a subspace change with reset_state="reset"), and the run logs
 an `optimizer_state_reset` event naming how many. Block projection state, AdamW's and the
 non-projectable tensors' state are DTensors and reshard exactly.
+
+Reading is data only. DCP's own reader unpickles `dcp/.metadata` with `pickle.load` and loads every
+non-tensor item with `torch.load(weights_only=False)`: a hand-made checkpoint could run code there.
+Every read here goes through `_SafeReader` (the metadata unpickled with an allow-list of DCP's own
+metadata classes, torch sizes, dtypes and layouts; the files it names must be files of this `dcp/`
+directory) and `_SafePlanner` (non-tensor items with `torch.load(weights_only=True)`); anything else
+is refused with one line naming the file (checkpoint.RefusedFile), before any of it runs.
 """
 from __future__ import annotations
 
@@ -30,14 +37,122 @@ import errno
 import glob
 import hashlib
 import os
+import pickle
 import shutil
 import warnings
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from train_utils import checkpoint as ckpt
 
 SHARDED_DIR = "dcp"
+
+
+# What DCP's `.metadata` pickle may name: its metadata records, a path, sizes; dtypes, layouts and
+# memory formats are checked by type below. Nothing that runs code (no functions besides torch's
+# layout lookup by name, no builtins).
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise ckpt.refusal(self.path, f"a reference to {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise ckpt.refusal(self.path, "a persistent reference")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with `.metadata` unpickled through the allow-list above, and its storage
+    entries checked to name files of this directory."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        shown = os.path.join(os.path.basename(os.path.dirname(str(path))), os.path.basename(str(path)))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+            except ckpt.RefusedFile:
+                raise
+            except Exception as err:  # noqa: BLE001 - any malformed pickle: refused, named
+                raise ckpt.refusal(str(path), f"a malformed pickle ({type(err).__name__}: {err})") from err
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise ckpt.refusal(str(path), f"a {type(metadata).__name__} where DCP metadata belongs")
+        for info in metadata.storage_data.values():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ckpt.refusal(str(path), f"a storage entry naming {str(name)[:80]!r}, not a file of {shown}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor items loaded as plain data only."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+
+        item = ckpt.torch_load(value, f"{self.where} (item {read_item.dest_index.fqn})")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = item
+
+
+def _refused_in(err: BaseException) -> ckpt.RefusedFile | None:
+    """The refusal behind a failed DCP load (DCP gathers every rank's exception into one)."""
+    if isinstance(err, ckpt.RefusedFile):
+        return err
+    for exc, _trace in getattr(err, "failures", {}).values():
+        if isinstance(exc, ckpt.RefusedFile):
+            return exc
+    cause = err.__cause__ or err.__context__
+    return _refused_in(cause) if cause is not None else None
+
+
+def _read(state: dict, ckpt_dir: str, **kwargs) -> None:
+    """dcp.load of `state` from the checkpoint's DCP files, data only (see the module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = os.path.join(ckpt_dir, SHARDED_DIR)
+    # Checked here first: inside dcp.load a failed metadata read is logged with tracebacks and
+    # re-raised as text, and DCP then tries per-rank metadata files.
+    try:
+        _SafeReader(path).read_metadata()
+    except FileNotFoundError as err:
+        raise ckpt.CheckpointError(f"{err.filename} is missing: {ckpt_dir} is not a complete sharded checkpoint") from err
+    try:
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(path), **kwargs)
+    except (CheckpointException, ckpt.RefusedFile) as err:
+        refused = _refused_in(err)
+        if refused is not None:
+            raise ckpt.RefusedFile(str(refused)) from err
+        raise
 
 
 def rank_file(rank: int) -> str:
@@ -160,7 +275,6 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     """Load a sharded checkpoint into a freshly built (sharded or not) model and optimizer
     (collective). `hyperparameters`: param-group settings that replace the checkpoint's (a named
     change on resume). Returns how many tensors' per-rank state started fresh (another process count)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -171,7 +285,7 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     # one, and FRUGAL.load_state_dict gives every group the same count.
     for group_sd in optim_sd["param_groups"][1:]:
         group_sd.pop("step", None)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR))
+    _read({"model": model_sd, "optim": optim_sd}, ckpt_dir)
     set_model_state_dict(model, model_sd)
     if hyperparameters is not None:
         for saved, current in zip(optim_sd["param_groups"], hyperparameters):
@@ -180,7 +294,7 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     if fresh:
         path = os.path.join(ckpt_dir, rank_file(rank))
         if same_world_size and os.path.exists(path):
-            optim_sd["state"].update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            optim_sd["state"].update(ckpt.torch_load(path, path, map_location="cpu", mmap=True))
         else:  # no state for them: their next step starts it afresh (frugal.state_management)
             reset = len(fresh)
     # strict=False: FRUGAL's state-free tensors own no state (torch's check expects every tensor to).
@@ -190,7 +304,6 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
 
 def load_model(ckpt_dir: str, model) -> None:
     """Only the weights of a sharded checkpoint, into any model (eval.py: a whole model in one process)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = {"model": get_model_state_dict(model)}
@@ -198,5 +311,5 @@ def load_model(ckpt_dir: str, model) -> None:
     alone = not torch.distributed.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, SHARDED_DIR), no_dist=alone)
+        _read(state, ckpt_dir, no_dist=alone)
     set_model_state_dict(model, state["model"])

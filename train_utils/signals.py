@@ -6,9 +6,12 @@ included: those ignore it, see data/); SLURM's warning before the time limit is 
 writes a checkpoint after the current step and exits with 75; a second Ctrl-C stops at once.
 
 `STOP` is the process's one flag. train.py installs it before its heavy imports when run as a
-script, so a signal during start-up is remembered too (the run then stops before its first step,
-with a message); `train.train()` installs it if nobody has and restores the previous handlers when
-it returns, so in-process callers (tests, notebooks) get their handlers back.
+script (loading this module by its path: it imports nothing but `signal`, and importing the
+train_utils package would import torch first), so a signal during start-up is remembered too (the
+run then stops before its first step, with a message); when the script is done it ignores them
+(`ignore`: a signal during the interpreter's shutdown changes no exit code). `train.train()`
+installs it if nobody has and restores the previous handlers when it returns, so in-process
+callers (tests, notebooks) get their handlers back.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopFlag:
+    def __reduce__(self):
+        # The process's one flag, never a copy: a launcher that pickles train.py's functions by value
+        # (submitit's cloudpickle, with the globals they use) must not carry this process's installed
+        # flag into the job, where it would look installed and no handler would catch the signals.
+        return _process_flag, ()
+
     def __init__(self):
         self.received: str | None = None
         self.previous: dict | None = None
@@ -35,6 +44,14 @@ class StopFlag:
         self.previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return True
 
+    def ignore(self) -> None:
+        """Ignore the stop signals from now on: the process's work is done (its exit code decided).
+        Python resets the handlers it installed to the default action (death by the signal) when the
+        interpreter shuts down, and tearing down torch takes about a second; an ignored signal stays
+        ignored, so a SIGTERM in that second no longer turns exit 0 (or 75) into -15."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
     def restore(self) -> None:
         for s, handler in (self.previous or {}).items():
             signal.signal(s, handler)
@@ -42,3 +59,7 @@ class StopFlag:
 
 
 STOP = StopFlag()
+
+
+def _process_flag() -> StopFlag:
+    return STOP

@@ -1,0 +1,105 @@
+"""Divergence: which checkpoint is from before the loss blew up, kept, and named when the run stops.
+
+A non-finite loss is the end of a divergence, not its start: with `optimizer.lr=1e6` the first
+update already sends the weights to ~1e6, the losses computed with them are finite but huge, and a
+few steps later they are NaN. Every checkpoint written in between is finite (non-finite state is
+never written) and useless: resuming from it fails again at the same step, whatever the remedy.
+
+A checkpoint's weights are judged by the first loss computed with them, the next step's (before
+that step's update). That loss is healthy when it is finite and at most SPIKE_FACTOR times the
+median of the last WINDOW healthy losses (spikes do not enter the window, so a diverging run cannot
+raise its own bar). A checkpoint whose next loss is healthy becomes `last_good` (a pointer beside
+`latest`, checkpoint.LAST_GOOD): `checkpoint.keep` rotation never removes it, so at most `keep` + 1
+checkpoints remain. The window starts empty when a run starts or resumes (the first loss is taken as
+it is). When the loss or gradient norm turns non-finite, the run stops before applying it and the
+message names `last_good`, the step the loss first spiked, and a command that continues from there
+with a lower learning rate (the one `last_good` was trained with, when it was lower), or, with no
+checkpoint from before the divergence, how to start over.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import deque
+
+from omegaconf import OmegaConf
+
+from train_utils import checkpoint as ckpt
+from train_utils.loop import NonFiniteError
+
+SPIKE_FACTOR = 3.0
+WINDOW = 100
+
+
+def suggested_lr(current: float, optimizer_name: str, good_dir: str | None) -> float:
+    """A learning rate to retry with: the one `good_dir` was trained with if lower than the current,
+    else the optimizer's registry default if lower, else a tenth of the current one."""
+    if good_dir:
+        try:
+            trained = float(OmegaConf.load(os.path.join(good_dir, "config.yaml")).optimizer.lr)
+            if trained < current:
+                return trained
+        except Exception:  # noqa: BLE001 - a suggestion only: fall through to the others
+            pass
+    try:
+        from frugal import registry
+
+        default = float(registry.defaults(optimizer_name)["lr"])
+        if default < current:
+            return default
+    except Exception:  # noqa: BLE001
+        pass
+    return current / 10
+
+
+class LossWatch:
+    """Follows the training loss to confirm checkpoints (`last_good`) and to word the stop on a
+    non-finite loss. `check` every step before the update, `saved` after every checkpoint."""
+
+    def __init__(self, ckpt_root: str, is_main: bool, cfg, resumed_from: str | None):
+        self.root, self.is_main, self.cfg = ckpt_root, is_main, cfg
+        self.losses: deque[float] = deque(maxlen=WINDOW)
+        self.pending = resumed_from  # the checkpoint whose weights the next loss is computed with
+        self.spike: tuple[int, float, float] | None = None  # (step, loss, median) of the first spike
+
+    def saved(self, ckpt_dir: str | None) -> None:
+        self.pending = ckpt_dir
+
+    def check(self, step: int, loss: float, grad_norm: float) -> None:
+        """Judge step `step`'s loss (computed with the current weights); raise NonFiniteError if it
+        or the gradient norm is not finite."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        median = statistics.median(self.losses) if self.losses else None
+        if finite and (median is None or loss <= SPIKE_FACTOR * median):
+            self.losses.append(loss)
+            self.spike = None
+            if self.pending and self.is_main:
+                ckpt.point_latest(self.root, self.pending, pointer=ckpt.LAST_GOOD)
+            self.pending = None
+            return
+        self.pending = None  # its weights gave a spike (or worse): never `last_good`
+        if self.spike is None:
+            self.spike = (step, loss, median if median is not None else float("nan"))
+        if not finite:
+            raise NonFiniteError(self.message(step, loss, grad_norm))
+
+    def message(self, step: int, loss: float, grad_norm: float) -> str:
+        good = ckpt.last_good(self.root)
+        first, spiked, median = self.spike
+        began = ("" if first == step else
+                 f" The loss first spiked at step {first} ({spiked:.4g}, over {SPIKE_FACTOR:g}x the running median "
+                 f"{median:.4g}).")
+        lr = suggested_lr(float(self.cfg.optimizer.lr), str(self.cfg.optimizer.name), good)
+        head = (f"non-finite training loss or gradient norm (loss {loss}, gradient norm {grad_norm}) at step {step}; "
+                f"stopped before applying it.{began}")
+        if good is None:
+            return (f"{head} No checkpoint from before the divergence exists. Start over in a new run dir with a "
+                    f"lower learning rate: the same command with hydra.run.dir=<new dir> optimizer.lr={lr:g} "
+                    f"(or also train.grad_clip=1.0, or train.precision=fp32).")
+        named = list(self.cfg.train.resume_changes or [])
+        changes = ",".join(named + [k for k in ("optimizer.lr",) if k not in named])
+        return (f"{head} Last checkpoint from before the divergence: {good} (kept; later checkpoints hold diverging "
+                f"weights). To continue from it with a lower learning rate, run the same command with "
+                f"train.resume={good} optimizer.lr={lr:g} train.resume_changes=[{changes}] (train.grad_clip=1.0 "
+                f"or train.precision=fp32 may help too; name them in train.resume_changes as well).")
