@@ -61,7 +61,8 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, memory_check, report, resume
 from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
+from train_utils.validation import (AUTO, ConfigError, auto_micro_batch, check_loop_settings, stop_with_error,
+                                   validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
@@ -90,6 +91,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = None
     try:
+        if tc.micro_batch_size == AUTO:  # rank 0 chooses (from its free memory), every rank uses its choice
+            tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, device) if is_main else 0])[0]
         accum = validate_config(cfg, world)
         precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
@@ -152,7 +155,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
         if accelerator.reduce(torch.tensor([float(STOP.received is not None)], device=device), "sum").item():
             say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
-                f"nothing new to save. To continue, run the same command with hydra.run.dir={run_dir}.")
+                f"nothing new to save. {report.continue_hint(run_dir)}")
             requeue(STOP.previous or {}, STOP.received)
             return EXIT_PREEMPTED
 
@@ -170,19 +173,23 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
             settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
                       "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
-                      "accumulation": accum, "resumed_from": plan["ckpt_dir"],
+                      "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
+                      "accumulation": accum, "resumed_from": plan["ckpt_dir"], "device": str(device),
+                      "precision": precision,
                       "flops_per_position": flops, "peak_flops": peak,
                       "activation_checkpointing": activation_checkpointing_on(raw_model),
                       "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
                       "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
                       "compiled": compiled, "tf32": tf32, **memory})
+        say(report.start_block(start_row, run_dir, tc.steps, tc.batch_size * cfg.data.seq_len))
 
         # ---- the loop
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
-        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=not (is_main and tc.progress_bar))
+        shown = is_main and tc.progress_bar  # the bar on the console; train.log gets progress lines instead
+        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not shown)
+        eval_dm, first_step, every = report.EvalProgress(dm, shown), step, max(1, tc.steps // 20)
         model.train()
         while step < tc.steps:
             t0 = time.perf_counter()
@@ -219,9 +226,18 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
+            if step == first_step + 3:  # a measured pace: warn once if the plan is absurd for this device
+                pace = report.eta_warning(tc.steps - step, (time.perf_counter() - started) / 3, device)
+                if pace:
+                    say(pace)
+            if step % every == 0 and step < tc.steps:
+                say(f"step {step:,}/{tc.steps:,}: loss {loss:.4f}, {time.perf_counter() - started:.0f} s", console=not shown)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
+                last_eval = {"step": step, **evaluate(raw_model, eval_dm, tc.eval_tokens, precision, accelerator,
+                                                      loss_fn)}
                 metrics.log(last_eval)
+                if step < tc.steps:  # the last one is in the summary
+                    say(report.eval_line(step, tc.steps, last_eval))
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 ckpt.save_checkpoint(ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
@@ -240,7 +256,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
         report.finish(metrics, say, step=step, tokens=tokens, last_eval=last_eval, raw_model=raw_model,
-                      optimizer=optimizer, dm=dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
+                      optimizer=optimizer, dm=eval_dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
                       started=started, model_name=cfg.model.name, option=optimizer_option(cfg), run_dir=run_dir,
                       name=name, adamw_bytes=start_row["adamw_state_bytes"])
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo

@@ -63,10 +63,10 @@ def test_local_launchers_own_example_runs(tmp_path):
 
 
 def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
-    """The example without its micro-batch fix: 8 sequences cannot split over 2 x 8. The sweep ends
-    with the job's one clear line, not submitit's traceback of the job runner."""
-    example = [a for a in _local_example() if not a.startswith("train.micro_batch_size")]
-    cmd = [sys.executable, "train.py", *example, *TOY, f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    """The example with an explicit micro-batch that does not fit the processes: 8 sequences cannot split
+    over 2 x 8. The sweep ends with the job's one clear line, not submitit's traceback of the job runner."""
+    cmd = [sys.executable, "train.py", *_local_example(), *TOY, "train.batch_size=8", "train.micro_batch_size=8",
+           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

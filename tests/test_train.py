@@ -337,3 +337,55 @@ def test_density_schedule_and_growing_gap_events_reach_the_log(tmp_path):
                          "optimizer.density_steps=3") == 0
     events = [(r["step"], r["window"], r["density"]) for r in rows(tmp_path) if r.get("event") == "density"]
     assert events and events[0][2] == 0.0  # from the second window on, the schedule's end value
+
+
+# ------------------------------------------------------------------------ micro-batch `auto`
+def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from train_utils import memory_check, memory_plan
+    from train_utils.validation import AUTO, auto_micro_batch, validate_config
+
+    cfg = compose_cfg()
+    assert cfg.train.micro_batch_size == AUTO and cfg.train.batch_size == 8  # the quickstart default
+    assert [auto_micro_batch(cfg, world, "cpu") for world in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert validate_config(cfg, 2) == 1  # `auto` passes start-up validation (train.py resolves it first)
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 cannot be split over 3 processes.*3, 6, 9, 12"):
+        auto_micro_batch(cfg, 3, "cpu")
+    # The memory plan decides: a host with room for micro-batch 2 (but not 4) of 8 gets 2, accumulating 4.
+    opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    tc = cfg.train
+    need = {m: memory_plan.plan_memory(cfg.model, opt, micro_batch_size=m, seq_len=cfg.data.seq_len,
+                                       vocab_size=cfg.model.vocab_size, precision=tc.precision,
+                                       parallelism=tc.parallelism, device_type="cpu").required for m in (2, 4)}
+    assert need[2] < need[4]
+    monkeypatch.setattr(memory_plan, "device_memory", lambda d: need[2] + memory_check.PROCESS_BYTES)
+    assert auto_micro_batch(cfg, 1, "cpu") == 2
+    monkeypatch.setattr(memory_plan, "device_memory", lambda d: 1)
+    assert auto_micro_batch(cfg, 1, "cpu") == 1  # nothing fits: the smallest, and the memory check says why
+
+
+def test_an_explicit_micro_batch_is_kept_and_a_bad_one_still_refused(tmp_path):
+    assert run_inprocess(tmp_path / "ok", "train.steps=1", "train.micro_batch_size=2") == 0
+    assert rows(tmp_path / "ok")[0]["accumulation"] == 4 and rows(tmp_path / "ok")[0]["micro_batch_size"] == 2
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 must equal train.micro_batch_size \(3\)"):
+        run_inprocess(tmp_path / "bad", "train.micro_batch_size=3")
+
+
+@pytest.mark.slow
+def test_quickstart_runs_on_two_processes_and_a_bad_micro_batch_ends_torchruns_output(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` on the default config (micro-batch auto: 8 = 4 x 1 x 2), and
+    an explicit micro-batch that does not divide: its one line is torchrun's last word on the failure."""
+    from _train_helpers import torchrun_cmd
+
+    quick = ["train.steps=2", "data.seq_len=64", "train.eval_tokens=512", "train.progress_bar=false",
+             "train.plot=false", "wandb.mode=disabled"]
+    proc = run_cli(torchrun_cmd(tmp_path / "ok", *quick, base=[]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start = rows(tmp_path / "ok")[0]
+    assert (start["world_size"], start["micro_batch_size"], start["accumulation"]) == (2, 4, 1)
+    bad = run_cli(torchrun_cmd(tmp_path / "bad", *quick, "train.micro_batch_size=8", base=[]))
+    assert bad.returncode != 0
+    lines = [ln.strip() for ln in bad.stderr.splitlines() if ln.strip() and not ln.startswith("=====")]
+    assert lines[-1].startswith("traceback : error: train.batch_size=8 must equal train.micro_batch_size (8)"), \
+        bad.stderr[-3000:]
