@@ -60,7 +60,7 @@ import frugal
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, memory_check, report, resume
-from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
+from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
 from train_utils.validation import (AUTO, ConfigError, auto_micro_batch, check_loop_settings, stop_with_error,
                                    validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
@@ -172,7 +172,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             changes=plan["changes"], fresh_state=fresh_state, world=world,
             saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
             settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
-                      "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
+                      "model": cfg.model.name, "debug": debug_option(), "loss_floor": dm.loss_floor, "world_size": world,
                       "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
                       "accumulation": accum, "resumed_from": plan["ckpt_dir"], "device": str(device),
                       "precision": precision,

@@ -389,3 +389,39 @@ def test_quickstart_runs_on_two_processes_and_a_bad_micro_batch_ends_torchruns_o
     lines = [ln.strip() for ln in bad.stderr.splitlines() if ln.strip() and not ln.startswith("=====")]
     assert lines[-1].startswith("traceback : error: train.batch_size=8 must equal train.micro_batch_size (8)"), \
         bad.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------- debug=toy
+@pytest.mark.parametrize("overrides", [
+    ["experiment=table2", "model=llama_1b"], ["experiment=table13_gpt2"], ["experiment=table5_3b"],
+    ["experiment=tables6_7_schedules", "schedule=cosine"], ["experiment=table16_density", "optimizer.density=0.5"],
+])
+def test_debug_toy_wins_over_every_preset_and_keeps_the_runs_shape(overrides):
+    from train_utils.validation import validate_config
+
+    paper, toy = compose_cfg(*overrides), compose_cfg(*overrides, "debug=toy")
+    assert (toy.model.name, toy.model.family, toy.optimizer, toy.schedule.name, toy.train.precision) == \
+        (paper.model.name, paper.model.family, paper.optimizer, paper.schedule.name, paper.train.precision)
+    assert (toy.model.num_hidden_layers, toy.model.hidden_size, toy.data.name, toy.data.num_workers) == \
+        (4, 128, "synthetic", 0)
+    assert (toy.train.steps, toy.train.batch_size, toy.train.eval_every, toy.train.eval_tokens) == (200, 8, 0, 16384)
+    assert toy.schedule.warmup_steps < toy.train.steps and not toy.train.require_eval_tokens
+    assert toy.wandb.mode == "disabled" and toy.train.parallelism == "ddp" and toy.train.compile is False
+    validate_config(toy, 1)
+    # what the command line names still wins over it
+    assert compose_cfg(*overrides, "debug=toy", "data=local", "train.steps=50").train.steps == 50
+
+
+@pytest.mark.slow
+def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path):
+    """A paper preset's cell under debug=toy, as the README shows it, unchanged: it finishes and the loss
+    falls far below a fresh model's (uniform over the 512 symbols: ln 512 = 6.24)."""
+    proc = run_cli([*train_cmd(tmp_path, "experiment=table2", "model=llama_130m", "optimizer=galore", "debug=toy",
+                               "train.progress_bar=false", base=[])], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = rows(tmp_path)
+    train_rows = [r for r in log if "loss" in r]
+    assert len(train_rows) == 200 and log[0]["debug"] == "toy" and log[0]["params"] < 2e6
+    assert train_rows[0]["loss"] == pytest.approx(math.log(512), abs=0.3)
+    assert sum(r["loss"] for r in train_rows[-10:]) / 10 < 3.0 and log[-1]["val_loss"] < 3.0
+    assert "shrunk by debug=toy" in (tmp_path / "train.log").read_text()

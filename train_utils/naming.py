@@ -102,6 +102,13 @@ def optimizer_option(cfg: DictConfig, hydra_cfg=None) -> str:
     return str(choice or cfg.optimizer.name)
 
 
+def debug_option(hydra_cfg=None) -> str | None:
+    """The configs/debug option of the run (`toy`), or None."""
+    hc = _hydra(hydra_cfg)
+    choice = OmegaConf.select(hc, "runtime.choices.debug", default=None) if hc is not None else None
+    return str(choice) if choice else None
+
+
 def parse_overrides(lines) -> dict[str, str]:
     """{key or group: value text} of Hydra override strings ('optimizer.density=0.25', '+x=1')."""
     from hydra.core.override_parser.overrides_parser import OverridesParser

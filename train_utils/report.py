@@ -105,7 +105,8 @@ def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> st
                    f"(state-full share of the projectable weights)")
     processes = row["world_size"]
     lines = [f"run dir {run_dir}",
-             f"  model {row['model']} ({_size(row['params'])} parameters), optimizer {option}{density}",
+             f"  model {row['model']}" + (f" shrunk by debug={row['debug']}" if row.get("debug") else "") +
+             f" ({_size(row['params'])} parameters), optimizer {option}{density}",
              f"  batch {row['batch_size']} sequences per step = micro-batch {row['micro_batch_size']} x accumulation "
              f"{row['accumulation']} x {processes} process{'es' if processes > 1 else ''}; {steps:,} steps, "
              f"~{_size(steps * tokens_per_step)} tokens"]
