@@ -182,6 +182,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                       "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
                       "compiled": compiled, "tf32": tf32, **memory})
         say(report.start_block(start_row, run_dir, tc.steps, tc.batch_size * cfg.data.seq_len))
+        if metrics.note:  # where wandb's run is, and how to upload it
+            say(metrics.note)
 
         # ---- the loop
         train_iter = training_batches(dm)

@@ -1,5 +1,6 @@
 """train.py end to end on CPU: the quickstart config learns and logs every field; precision modes;
 wandb offline; bad input fails early with a message naming the bad value."""
+import glob
 import math
 import os
 
@@ -97,6 +98,20 @@ def test_wandb_offline_writes_readable_run(tmp_path, monkeypatch):
     assert {"run", "history", "summary"} <= kinds
     local = {r["step"]: r["loss"] for r in rows(tmp_path) if "loss" in r}
     assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(local)
+
+
+@pytest.mark.slow
+def test_wandb_offline_says_one_line_where_its_run_is(tmp_path):
+    """wandb stays the logger but keeps quiet: of the console, one line names the offline run and how to
+    upload it (wandb's own banner, hints and summary were ~34 lines per run)."""
+    proc = run_cli(train_cmd(tmp_path, "train.steps=2", "wandb.mode=offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [ln for ln in (proc.stdout + proc.stderr).replace(str(tmp_path), "<run dir>").splitlines()
+            if "wandb" in ln.lower()]
+    assert len(said) == 1, said
+    sync_dir = said[0].rsplit("`wandb sync ", 1)[1].rstrip("`").replace("<run dir>", str(tmp_path))
+    assert said[0].replace("<run dir>", str(tmp_path)).startswith(f"wandb: offline run in {sync_dir}")
+    assert glob.glob(os.path.join(sync_dir, "run-*.wandb")), sync_dir
 
 
 # ------------------------------------------------------------------------------------ bad input
