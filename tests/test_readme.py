@@ -188,7 +188,9 @@ def test_readme_command_block_runs(block, example_paths, tmp_path):
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"line{b['line']}" for b in PYTHON_BLOCKS])
-def test_readme_python_block_runs(block):
+def test_readme_python_block_runs(block, tmp_path, monkeypatch):
+    """Run in a fresh working directory (the HF Trainer block writes its output_dir there)."""
+    monkeypatch.chdir(tmp_path)
     import torch
     import yaml
 
