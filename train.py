@@ -151,7 +151,6 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]),
                 shapes_may_differ=any(not k.startswith("train.") for k in plan["changes"]))  # model, optimizer, data
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
-            say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
         if accelerator.reduce(torch.tensor([float(STOP.received is not None)], device=device), "sum").item():
             say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
