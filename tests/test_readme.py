@@ -40,8 +40,8 @@ PROGRAMS = ("python", "torchrun", "accelerate", "sbatch", "pip")
 SKIP_REASONS = {"hub": "needs the Hugging Face Hub", "gpu": "needs GPUs", "slurm": "needs a SLURM cluster"}
 MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s+(\w+)\s*-->")
 DEBUG = "debug=toy"
-TOY = ["train.steps=2", "train.batch_size=4", "train.eval_tokens=64", "data.seq_len=32", "train.plot=false",
-       "train.progress_bar=false"]
+TOY = ["train.steps=2", "schedule.warmup_steps=1", "train.batch_size=4", "train.eval_tokens=64", "data.seq_len=32",
+       "train.plot=false", "train.progress_bar=false"]
 SCRIPT_ARGS = {
     "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
     "scripts/memory_table.py": ["--measure-max-params", "0"],
