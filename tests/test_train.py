@@ -440,3 +440,10 @@ def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path)
     assert train_rows[0]["loss"] == pytest.approx(math.log(512), abs=0.3)
     assert sum(r["loss"] for r in train_rows[-10:]) / 10 < 3.0 and log[-1]["val_loss"] < 3.0
     assert "shrunk by debug=toy" in (tmp_path / "train.log").read_text()
+
+
+def test_memory_plan_script_plans_the_default_auto_micro_batch():
+    import sys as _sys
+
+    proc = run_cli([_sys.executable, "scripts/memory_plan.py", "model=llama_tiny"], timeout=120)
+    assert proc.returncode == 0 and "micro-batch 8" in proc.stdout, proc.stdout + proc.stderr
