@@ -68,6 +68,7 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, optimizer_state_bytes, peak_flops
+from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
@@ -134,6 +135,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
+        hooks = OptimizerHooks(optimizer)  # FRUGAL's loop hooks; no-ops for a plain torch optimizer
         try:
             scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
                                                **OmegaConf.to_container(cfg.schedule, resolve=True))
@@ -205,18 +207,17 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if not report.finite(loss, grad_norm):
                 raise NonFiniteError(report.nonfinite_message(loss, grad_norm, step + 1, ckpt.latest(ckpt_root)))
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
-            blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
+            blocks = hooks.active_blocks()
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
-            if hasattr(optimizer, "observe_loss"):  # optimizers that adapt to the loss see the global one
-                optimizer.observe_loss(loss)
+            hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
             step, tokens = step + 1, tokens + targets
             events = gather_events(data_events, n_events)  # every rank's (optimizer events are the same on all)
-            for event in [*events, *(optimizer.pop_events() if hasattr(optimizer, "pop_events") else [])]:
+            for event in [*events, *hooks.pop_events()]:
                 metrics.log({**event, "step": step})
             interval.add(targets, sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)

@@ -207,3 +207,32 @@ def test_a_stopped_sweep_job_says_rerun_the_sweep(monkeypatch, tmp_path):
     assert f"rerun the same -m command with hydra.sweep.dir={tmp_path}" in msg and "remaining jobs did not run" in msg
     monkeypatch.setattr(naming, "is_multirun", lambda hydra_cfg=None: False)
     assert f"hydra.run.dir={tmp_path / '3'}" in report.stopped_message("SIGTERM", 5, "c", str(tmp_path / "3"))
+
+
+def test_optimizer_hooks_are_frugals_own_or_no_ops():
+    import frugal
+    from train_utils.hooks import OptimizerHooks
+
+    w = torch.nn.Parameter(torch.ones(3))
+    plain = OptimizerHooks(torch.optim.AdamW([w]))
+    plain.observe_loss(1.0)
+    assert (plain.active_blocks(), plain.pop_events(), plain.state_full_fraction(), plain.density_report()) == \
+        (None, [], None, None)
+
+    class Seen(torch.optim.SGD):
+        losses = []
+
+        def observe_loss(self, loss):
+            self.losses.append(loss)
+
+        def pop_events(self):
+            return [{"event": "x"}]
+
+    own = OptimizerHooks(Seen([w], lr=0.1))
+    own.observe_loss(2.5)
+    assert Seen.losses == [2.5] and own.pop_events() == [{"event": "x"}]
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    opt = frugal.FRUGAL(model, density=0.25)
+    hooks = OptimizerHooks(opt)
+    assert hooks.density_report() == opt.density_report() and hooks.state_full_fraction() == 0.25
+    assert hooks.active_blocks() == opt.active_blocks()

@@ -10,13 +10,14 @@ import os
 import time
 
 import frugal
+from train_utils.hooks import OptimizerHooks
 from train_utils.loop import evaluate, ranks_in_sync
 from train_utils.measure import optimizer_state_bytes
 from train_utils.metrics import plot_losses
 
 
 def state_full_fraction(optimizer) -> float | None:
-    return optimizer.state_full_fraction() if hasattr(optimizer, "state_full_fraction") else None
+    return OptimizerHooks(optimizer).state_full_fraction()
 
 
 def density_message(report: dict) -> str | None:
@@ -38,7 +39,7 @@ def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, setti
     """The start row (what this run is: sizes, the optimizer's realised density, the memory
     estimates, the loop's settings in `settings`) and the console's notes on a resume: settings
     changed on purpose, optimizer state that starts fresh, another process count. Returns the row."""
-    density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
+    density = OptimizerHooks(optimizer).density_report()
     row = {"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
            "state_full_fraction": state_full_fraction(optimizer),
            **({f"density_{k}": v for k, v in density.items()} if density else {}),
