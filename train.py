@@ -66,13 +66,15 @@ import frugal
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
-from train_utils.naming import is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import ConfigError, check_loop_settings, stop_with_error, validate_config
+from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
+from train_utils.validation import (AUTO, ConfigError, auto_micro_batch, check_loop_settings, stop_with_error,
+                                    validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import Interval, flops_per_position, input_demand, optimizer_state_bytes, peak_flops
+from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
@@ -96,6 +98,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = lock = None
     try:
+        if tc.micro_batch_size == AUTO:  # rank 0 chooses (from its free memory), every rank uses its choice
+            tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, device) if is_main else 0])[0]
         accum = validate_config(cfg, world)
         precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
@@ -139,6 +143,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
+        hooks = OptimizerHooks(optimizer)  # FRUGAL's loop hooks; no-ops for a plain torch optimizer
         try:
             scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
                                                **OmegaConf.to_container(cfg.schedule, resolve=True))
@@ -156,11 +161,10 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]),
                 shapes_may_differ=any(not k.startswith("train.") for k in plan["changes"]))  # model, optimizer, data
             step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
-            say(f"resuming from {plan['ckpt_dir']} (step {step})")
         # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
         if accelerator.reduce(torch.tensor([float(STOP.received is not None)], device=device), "sum").item():
             say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
-                f"nothing new to save. To continue, run the same command with hydra.run.dir={run_dir}.")
+                f"nothing new to save. {report.continue_hint(run_dir)}")
             requeue(STOP.previous or {}, STOP.received)
             return EXIT_PREEMPTED
 
@@ -180,21 +184,27 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             changes=plan["changes"], fresh_state=fresh_state, world=world,
             saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
             settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
-                      "model": cfg.model.name, "loss_floor": dm.loss_floor, "world_size": world,
-                      "accumulation": accum, "resumed_from": plan["ckpt_dir"],
+                      "model": cfg.model.name, "debug": debug_option(), "loss_floor": dm.loss_floor, "world_size": world,
+                      "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
+                      "accumulation": accum, "resumed_from": plan["ckpt_dir"], "device": str(device),
+                      "precision": precision,
                       "flops_per_position": flops, "peak_flops": peak,
                       "activation_checkpointing": activation_checkpointing_on(raw_model),
                       "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
                       "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
                       "compiled": compiled, "tf32": tf32, **memory, **inputs})
+        say(report.start_block(start_row, run_dir, tc.steps, tc.batch_size * cfg.data.seq_len))
+        if metrics.note:  # where wandb's run is, and how to upload it
+            say(metrics.note)
 
         # ---- the loop
         watch = divergence.LossWatch(ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
-        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True,
-                   disable=not (is_main and tc.progress_bar))
+        shown = is_main and tc.progress_bar  # the bar on the console; train.log gets progress lines instead
+        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not shown)
+        eval_dm, first_step, every = report.EvalProgress(dm, shown), step, max(1, tc.steps // 20)
         model.train()
         while step < tc.steps:
             t0 = time.perf_counter()
@@ -208,18 +218,17 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                                                          STOP.received, len(data_events))
             watch.check(step + 1, loss, grad_norm)  # non-finite: NonFiniteError naming the last good checkpoint
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
-            blocks = optimizer.active_blocks() if hasattr(optimizer, "active_blocks") else None
+            blocks = hooks.active_blocks()
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
-            if hasattr(optimizer, "observe_loss"):  # optimizers that adapt to the loss see the global one
-                optimizer.observe_loss(loss)
+            hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
             step, tokens = step + 1, tokens + targets
             events = gather_events(data_events, n_events)  # every rank's (optimizer events are the same on all)
-            for event in [*events, *(optimizer.pop_events() if hasattr(optimizer, "pop_events") else [])]:
+            for event in [*events, *hooks.pop_events()]:
                 metrics.log({**event, "step": step})
             interval.add(targets, sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
@@ -230,9 +239,18 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
             bar.update(1)
+            if step == first_step + 3:  # a measured pace: warn once if the plan is absurd for this device
+                pace = report.eta_warning(tc.steps - step, (time.perf_counter() - started) / 3, device)
+                if pace:
+                    say(pace)
+            if step % every == 0 and step < tc.steps:
+                say(f"step {step:,}/{tc.steps:,}: loss {loss:.4f}, {time.perf_counter() - started:.0f} s", console=not shown)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, precision, accelerator, loss_fn)}
+                last_eval = {"step": step, **evaluate(raw_model, eval_dm, tc.eval_tokens, precision, accelerator,
+                                                      loss_fn)}
                 metrics.log(last_eval)
+                if step < tc.steps:  # the last one is in the summary
+                    say(report.eval_line(step, tc.steps, last_eval))
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 saved = resume.save_checkpoint(
@@ -253,7 +271,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
         bar.close()
         report.finish(metrics, say, step=step, tokens=tokens, last_eval=last_eval, raw_model=raw_model,
-                      optimizer=optimizer, dm=dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
+                      optimizer=optimizer, dm=eval_dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
                       started=started, model_name=cfg.model.name, option=optimizer_option(cfg), run_dir=run_dir,
                       name=name, adamw_bytes=start_row["adamw_state_bytes"])
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo

@@ -19,8 +19,34 @@ from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
 from .summary import describe
 
+
+
+def unwrap(optimizer):
+    """The optimizer inside wrappers that keep it as `.optimizer` (accelerate's AcceleratedOptimizer,
+    which HF Trainer's `trainer.optimizer` is after `train()`); the optimizer itself otherwise."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def density_report(optimizer) -> dict:
+    """`FRUGAL.density_report()` of `optimizer`, through wrappers (see `unwrap`)."""
+    return unwrap(optimizer).density_report()
+
+
+def state_full_fraction(optimizer) -> float:
+    """`FRUGAL.state_full_fraction()` of `optimizer`, through wrappers (see `unwrap`)."""
+    return unwrap(optimizer).state_full_fraction()
+
+
 __all__ = [
     "FRUGAL",
+    "density_report",
+    "state_full_fraction",
+    "unwrap",
     "HyperparameterError",
     "OPTIMIZERS",
     "build_optimizer",

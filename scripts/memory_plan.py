@@ -53,8 +53,11 @@ def run_settings(cfg, args) -> dict:
     def pick(option, key: str, default=None):
         return option if option is not None else OmegaConf.select(cfg, key, default=default)
 
+    micro = pick(args.micro_batch, "train.micro_batch_size")
+    if micro == "auto":  # train.py's default: the whole per-process share when it fits (--search: what fits)
+        micro = max(1, int(cfg.train.batch_size) // args.world_size)
     return dict(
-        micro_batch_size=pick(args.micro_batch, "train.micro_batch_size"),
+        micro_batch_size=micro,
         seq_len=pick(args.seq_len, "data.seq_len"),
         precision=pick(args.precision, "train.precision"),
         parallelism=pick(args.parallelism, "train.parallelism", "ddp"),

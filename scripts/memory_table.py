@@ -79,16 +79,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     rows, all_match = [], True
-    for label, opt_name in TABLE2_OPTIMIZERS.items():
+    cells = [(label, opt_name, m) for label, opt_name in TABLE2_OPTIMIZERS.items() for m in args.models]
+    for done, (label, opt_name, m) in enumerate(cells, 1):
         opt = optimizer_config(opt_name)
-        for m in args.models:
-            n_params = sum(p.numel() for p in build(m, "meta").parameters())
-            est = estimate(m, opt) / GIB
-            meas = measure(m, opt) / GIB if n_params <= args.measure_max_params else None
-            paper = TABLE2_MEMORY_GIB.get(label, {}).get(SIZE.get(m, m))
-            if paper is not None and round(est, 2) != paper:
-                all_match = False
-            rows.append((label, m, n_params, est, meas, paper))
+        # one line per cell on stderr: measuring a model takes minutes on a CPU
+        n_params = sum(p.numel() for p in build(m, "meta").parameters())
+        measured = n_params <= args.measure_max_params
+        print(f"[{done}/{len(cells)}] {label} {SIZE.get(m, m)}: " + ("estimating and measuring (one real step)..."
+              if measured else "estimating..."), file=sys.stderr, flush=True)
+        est = estimate(m, opt) / GIB
+        meas = measure(m, opt) / GIB if measured else None
+        paper = TABLE2_MEMORY_GIB.get(label, {}).get(SIZE.get(m, m))
+        if paper is not None and round(est, 2) != paper:
+            all_match = False
+        rows.append((label, m, n_params, est, meas, paper))
 
     sizes = [SIZE.get(m, m) for m in args.models]
     print("Optimizer-state memory, GiB: estimate (frugal.estimate_state_bytes) / measured (after one step) "

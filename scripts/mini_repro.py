@@ -1,8 +1,16 @@
 """A CPU-sized reproduction of Table 2: AdamW, FRUGAL 0.25, FRUGAL 0.0, GaLore 0.25, BAdam 0.25, signSGD.
 
-    python scripts/mini_repro.py --corpus path/to/text.txt --out results.json \\
-        --md docs/mini_repro.md --plot docs/mini_repro.png
-    python scripts/mini_repro.py --corpus path/to/text.txt --extras all     # + the optional rows
+    python scripts/mini_repro.py --corpus input.txt                # results in runs/mini_repro/
+    python scripts/mini_repro.py --corpus input.txt --extras all   # + the optional rows
+
+The corpus: any text file or directory of them. The documented figures (README, docs/mini_repro.md) use
+tinyshakespeare (1.1 MB, public domain), which the repository does not ship:
+
+    curl -O https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
+
+(tests/assets/tinyshakespeare_slice.txt, 40 kB of it, runs the script in seconds, too small to compare
+methods.) Results go to --workdir (runs/mini_repro/: results.json, mini_repro.md, mini_repro.png); pass
+--out/--md/--plot to write them elsewhere, e.g. docs/ to update the documented report.
 
 Optional rows (--extras, a comma list or "all"; off by default, each costs one more run): the concurrent
 methods of Tables 9 and 17 as FRUGAL instances (fira, ldadam, adamem) and what users pick instead
@@ -106,11 +114,15 @@ def parse_extras(text: str) -> list[str]:
     return keys
 
 
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
 def read_text(corpus: Path) -> str:
     files = [corpus] if corpus.is_file() else sorted(p for p in corpus.rglob("*") if p.is_file()
                                                    and p.suffix in (".txt", ".md", ".text"))
     if not files:
-        raise SystemExit(f"mini_repro: no text files at {corpus}")
+        raise SystemExit(f"mini_repro: no text files at {corpus}. The documented run uses tinyshakespeare: "
+                         f"curl -O {TINYSHAKESPEARE_URL}, then --corpus input.txt")
     return "\n\n".join(f.read_text(errors="replace") for f in files)
 
 
@@ -234,9 +246,9 @@ def _end_row(metrics: Path) -> dict | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", required=True, type=Path, help="a text file or a directory of them")
-    ap.add_argument("--out", type=Path, help="JSON results")
-    ap.add_argument("--md", type=Path, help="markdown report (table + settings + command)")
-    ap.add_argument("--plot", type=Path, help="PNG of the runs' curves")
+    ap.add_argument("--out", type=Path, help="JSON results (default: <workdir>/results.json)")
+    ap.add_argument("--md", type=Path, help="markdown report: table + settings + command (default: <workdir>/mini_repro.md)")
+    ap.add_argument("--plot", type=Path, help="PNG of the runs' curves (default: <workdir>/mini_repro.png)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mini_repro")
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=128)
@@ -255,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="retrain the tokenizer and rerun every run, even if cached")
     ap.add_argument("--extras", default="", help=f"optional rows: a comma list of {', '.join(EXTRAS)}, or all")
     args = ap.parse_args(argv)
+    args.out = args.out or args.workdir / "results.json"  # never into the tracked docs/ unless asked
+    args.md = args.md or args.workdir / "mini_repro.md"
+    args.plot = args.plot or args.workdir / "mini_repro.png"
     extras = parse_extras(args.extras)
     args.corpus = args.corpus.resolve()
     started = time.time()
@@ -323,6 +338,7 @@ def main(argv=None) -> int:
                f"unigram-stage loss {unigram:.3f} nats; measured order (val loss): {order}\n"
                f"total time {time.time() - started:.0f} s")
     print("\n" + table + "\n\n" + summary)
+    print(f"results: {args.out}, {args.md}, {args.plot}")
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,21 @@ def main(argv=None) -> dict:
     if train["rows"] < rows:
         print(f"note: the source holds {train['rows']:,} training rows in one epoch, fewer than {rows:,}: a run "
               f"of that length repeats them {rows / max(train['rows'], 1):.2f} times (logged as epoch events)")
+    message = short_validation_warning(meta["splits"].get("validation", {}).get("scored_tokens"), val_tokens)
+    if message:
+        print(message, file=sys.stderr)
     return meta
+
+
+def short_validation_warning(scored: int | None, wanted: int) -> str | None:
+    """A warning when the source's validation split came out shorter than asked for (a paper preset,
+    train.require_eval_tokens=true, would then stop before training)."""
+    if scored is None or scored >= wanted:
+        return None
+    return (f"warning: the validation split holds {scored:,} scored tokens, fewer than the {wanted:,} asked for "
+            f"(--val-tokens): the source's validation data ran out. A run with train.eval_tokens={wanted} and "
+            f"train.require_eval_tokens=true (the paper presets) stops before training; give the source more "
+            f"validation data, or run with train.eval_tokens={scored} train.require_eval_tokens=false")
 
 
 if __name__ == "__main__":

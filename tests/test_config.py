@@ -222,7 +222,7 @@ def test_run_dirs_are_unique_per_launch_and_shared_by_its_ranks():
         assert run_dir.startswith("outputs/") and sweep_dir.startswith("multirun/")
     # Two ranks of one torchrun launch (same TORCHELASTIC_RUN_ID, same parent): one directory.
     ranks = _run_dirs({"TORCHELASTIC_RUN_ID": "3f9a1c2e-77b0-4d7e-9a55-0123456789ab"})
-    assert ranks[0] == ranks[1] and ranks[0].split()[0].endswith("-3f9a1c2e77b0")
+    assert ranks[0] == ranks[1] and ranks[0].split()[0].endswith("-llama_tiny-frugal-3f9a")
     job = _run_dirs({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
     assert job[0] == job[1] and job[0].split()[0].endswith("-4242.0")
 
@@ -257,6 +257,9 @@ def test_single_runs_are_named_by_option_and_run_dir():
     cfg = _compose("optimizer=frugal_rho0")
     single = OmegaConf.create({"mode": "RUN", "runtime": {"choices": {"optimizer": "frugal_rho0"}}})
     assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-77-ab12", single) == "llama_tiny-frugal_rho0-12-00-00-77-ab12"
+    # the default run dir already says model and option: the name does not repeat them
+    assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-llama_tiny-frugal_rho0-ab12", single) == \
+        "llama_tiny-frugal_rho0-12-00-00-ab12"
     assert naming.run_group(cfg, single) is None
     assert naming.run_group(_compose("experiment=table2"), single) == "table2"
     # Without Hydra's runtime information (configs composed in tests): the registry entry.

@@ -94,3 +94,15 @@ def test_block_shuffle_is_a_seeded_permutation():
         part = np.array([999, 0, 500, 63, 64])
         assert np.array_equal(BlockShuffle(n, 3, 0, block=block)(part), a[part])  # random access
     assert np.array_equal(BlockShuffle(n, 3, 0, enabled=False)(np.arange(n)), np.arange(n))
+
+
+def test_pretokenize_warns_when_the_validation_split_comes_out_short(tmp_path, c4_dir, t5_tokenizer_dir, capsys):
+    mod = script()
+    meta = mod.main(["--data", "c4", "--out", str(tmp_path / "c4"), "--train-rows", "8", "--val-tokens", "1000000000",
+                     f"data.path={c4_dir}", f"data.tokenizer={t5_tokenizer_dir}"])
+    scored = meta["splits"]["validation"]["scored_tokens"]
+    err = capsys.readouterr().err
+    assert 0 < scored < 10**9
+    assert f"warning: the validation split holds {scored:,} scored tokens, fewer than the 1,000,000,000" in err
+    assert f"train.eval_tokens={scored} train.require_eval_tokens=false" in err
+    assert mod.short_validation_warning(1000, 1000) is None and mod.short_validation_warning(None, 5) is None

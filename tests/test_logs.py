@@ -155,3 +155,84 @@ def test_every_row_has_a_finite_grad_norm_without_clipping(tmp_path):
     assert run_inprocess(tmp_path, "train.steps=2") == 0
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows(tmp_path) if "loss" in r)
     assert "grad_clip=null" not in str(TINY)  # the default: no clipping, yet the norm is logged
+
+
+# ------------------------------------------------------------- what the console (and train.log) says
+def test_start_block_progress_and_evaluations_reach_the_console_and_train_log(tmp_path, capsys):
+    assert run_inprocess(tmp_path, "train.steps=8", "train.eval_every=4") == 0
+    log = (tmp_path / "train.log").read_text()
+    start = rows(tmp_path)[0]
+    for text in (f"run dir {tmp_path}", f"model llama_tiny ({start['params'] / 1e3:.3g}k parameters), optimizer frugal",
+                 "density 0.25 requested, 0.25 realised",
+                 "batch 8 sequences per step = micro-batch 4 x accumulation 2 x 1 process; 8 steps",
+                 "device cpu, bf16-mixed, ddp; planned memory", "step 4/8: validation loss"):
+        assert text in log, (text, log)
+    # no bar here (train.progress_bar=false): the progress lines go to the console too
+    assert "step 2/8: loss" in log and "step 2/8: loss" in capsys.readouterr().out
+    assert start["micro_batch_size"] == 4 and start["batch_size"] == 8 and start["device"] == "cpu"
+    assert log.index("run dir") < log.index("step 2/8") < log.index("validation loss")
+
+
+def test_evaluation_shows_progress_over_the_same_batches():
+    from train_utils.report import EvalProgress
+
+    class DM:
+        loss_floor = 1.5
+
+        def val_batches(self, n):
+            return [{"n": i} for i in range(n)]
+
+    shown, hidden = EvalProgress(DM(), enabled=True), EvalProgress(DM(), enabled=False)
+    bar = shown.val_batches(3)
+    assert len(bar) == 3 and list(bar) == DM().val_batches(3) and type(bar).__name__ == "tqdm"
+    assert hidden.val_batches(3) == DM().val_batches(3) and shown.loss_floor == 1.5
+
+
+def test_an_absurd_eta_for_the_device_is_warned_once(tmp_path, monkeypatch, capsys):
+    from train_utils import report
+
+    assert report.eta_warning(100, 0.5, "cpu") is None
+    msg = report.eta_warning(200_000, 400.0, "cpu")
+    assert "22,222 hours" in msg and "debug=toy" in msg
+    monkeypatch.setattr(report, "ABSURD_ETA_S", 1e-3)  # the mechanism in a real run: any pace is absurd now
+    assert run_inprocess(tmp_path, "train.steps=8") == 0
+    assert (tmp_path / "train.log").read_text().count("warning: at ") == 1
+
+
+def test_a_stopped_sweep_job_says_rerun_the_sweep(monkeypatch, tmp_path):
+    from train_utils import naming, report
+
+    monkeypatch.setattr(naming, "is_multirun", lambda hydra_cfg=None: True)
+    msg = report.stopped_message("SIGTERM", 5, str(tmp_path / "3" / "checkpoints"), str(tmp_path / "3"))
+    assert f"rerun the same -m command with hydra.sweep.dir={tmp_path}" in msg and "remaining jobs did not run" in msg
+    monkeypatch.setattr(naming, "is_multirun", lambda hydra_cfg=None: False)
+    assert f"hydra.run.dir={tmp_path / '3'}" in report.stopped_message("SIGTERM", 5, "c", str(tmp_path / "3"))
+
+
+def test_optimizer_hooks_are_frugals_own_or_no_ops():
+    import frugal
+    from train_utils.hooks import OptimizerHooks
+
+    w = torch.nn.Parameter(torch.ones(3))
+    plain = OptimizerHooks(torch.optim.AdamW([w]))
+    plain.observe_loss(1.0)
+    assert (plain.active_blocks(), plain.pop_events(), plain.state_full_fraction(), plain.density_report()) == \
+        (None, [], None, None)
+
+    class Seen(torch.optim.SGD):
+        losses = []
+
+        def observe_loss(self, loss):
+            self.losses.append(loss)
+
+        def pop_events(self):
+            return [{"event": "x"}]
+
+    own = OptimizerHooks(Seen([w], lr=0.1))
+    own.observe_loss(2.5)
+    assert Seen.losses == [2.5] and own.pop_events() == [{"event": "x"}]
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    opt = frugal.FRUGAL(model, density=0.25)
+    hooks = OptimizerHooks(opt)
+    assert hooks.density_report() == opt.density_report() and hooks.state_full_fraction() == 0.25
+    assert hooks.active_blocks() == opt.active_blocks()

@@ -27,7 +27,8 @@ def test_metadata_and_one_torch_policy():
     assert meta["tool"]["setuptools"]["packages"] == ["frugal"]
     assert project["dynamic"] == ["version"] and "version" not in project
     assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "frugal.__version__"}
-    assert project["dependencies"] == ["torch>=2.4"]  # the library: a floor, no cap
+    # the library: a floor, no cap; numpy only so that `import torch` (hence `import frugal`) does not warn
+    assert project["dependencies"] == ["torch>=2.4", "numpy>=1.21"]
     assert all(">=" in req for reqs in project["optional-dependencies"].values() for req in reqs)
     assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
     assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
@@ -67,7 +68,7 @@ def test_build_wheel_holds_only_frugal_and_imports_with_torch_alone(tmp_path):
         metadata = email.message_from_bytes(archive.read(f"{dist_info}METADATA"))
         archive.extractall(tmp_path / "site")
     assert metadata["Version"] == version and metadata["License-Expression"] == "Apache-2.0"
-    assert metadata.get_all("Requires-Dist")[0] == "torch>=2.4"
+    assert metadata.get_all("Requires-Dist")[:2] == ["torch>=2.4", "numpy>=1.21"]
     assert {"apollo", "adam-mini"} <= set(metadata.get_all("Provides-Extra"))
     assert any(url.startswith("Paper, https://arxiv.org/abs/") for url in metadata.get_all("Project-URL"))
 

@@ -13,9 +13,11 @@ The convention (README authors: this is all there is to it):
   (needs the Hugging Face Hub), `gpu` (needs GPUs) or `slurm` (needs a SLURM cluster). Nothing else may
   be skipped. `pip install` (the tests run in the installed environment) and `python -m pytest` (this
   suite) are never run.
-- Toy scale: `TOY` is appended to every train.py command (Hydra: the last value of a key wins), so a
-  command keeps its own preset, optimizer and swept keys but trains llama_tiny for 2 steps on small
-  batches, on the synthetic corpus unless it names a data path; the scripts get `SCRIPT_ARGS`
+- Toy scale: `debug=toy` (configs/debug/toy.yaml, the README's own switch) is added to every train.py
+  command that does not name it, then `TOY` shortens it further for the suite (Hydra: the last value of a
+  key wins): a command keeps its own preset, optimizer and swept keys, and trains a 4-layer model of its
+  family for 2 steps, on the synthetic corpus unless it names its data (`data=...`; a `data.path` alone
+  is an error here: debug=toy would replace the preset's data); the scripts get `SCRIPT_ARGS`
   (argparse: the last value wins).
 - Example paths: `EXAMPLE_PATHS` maps the README's placeholder paths to data built by the test (a C4-
   format corpus and a T5-style tokenizer from tests/conftest.py); a runnable command with any other
@@ -37,9 +39,9 @@ README = ROOT / "README.md"
 PROGRAMS = ("python", "torchrun", "accelerate", "sbatch", "pip")
 SKIP_REASONS = {"hub": "needs the Hugging Face Hub", "gpu": "needs GPUs", "slurm": "needs a SLURM cluster"}
 MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s+(\w+)\s*-->")
-TOY = ["model=llama_tiny", "train.steps=2", "train.batch_size=4", "train.micro_batch_size=2",
-       "train.eval_every=0", "train.eval_tokens=64", "data.seq_len=32", "checkpoint.every=0", "train.plot=false",
-       "train.progress_bar=false", "wandb.mode=disabled"]
+DEBUG = "debug=toy"
+TOY = ["train.steps=2", "schedule.warmup_steps=1", "train.batch_size=4", "train.eval_tokens=64", "data.seq_len=32",
+       "train.plot=false", "train.progress_bar=false"]
 SCRIPT_ARGS = {
     "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
     "scripts/memory_table.py": ["--measure-max-params", "0"],
@@ -153,8 +155,10 @@ def toy_command(command: str, paths: dict) -> list[str]:
     script = args[script_at]
     args[script_at] = str(ROOT / script)
     if script == "train.py":
-        names_data = any(a.startswith(("data=", "data.path=")) for a in args)
-        args += TOY + ([] if names_data else ["data=synthetic"])
+        names_path, names_data = (any(a.startswith(p) for a in args) for p in ("data.path=", "data="))
+        assert names_data or not names_path, \
+            f"{command!r}: name the data option with its path (data=c4 data.path=...): debug=toy would replace it"
+        args += ([] if DEBUG in args else [DEBUG]) + TOY
     args += SCRIPT_ARGS.get(script, [])
     return [program, *args]
 
@@ -184,7 +188,9 @@ def test_readme_command_block_runs(block, example_paths, tmp_path):
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"line{b['line']}" for b in PYTHON_BLOCKS])
-def test_readme_python_block_runs(block):
+def test_readme_python_block_runs(block, tmp_path, monkeypatch):
+    """Run in a fresh working directory (the HF Trainer block writes its output_dir there)."""
+    monkeypatch.chdir(tmp_path)
     import torch
     import yaml
 
@@ -204,11 +210,13 @@ def test_block_parser():
     assert commands(got[0]["lines"]) == ["python train.py a=1 b=2", "pip install x", "python eval.py"]
     assert commands(got[2]["lines"]) is None
     paths = {"/data/c4": "/tmp/c4", "/data/c4_t5": "/tmp/t5"}
-    argv = toy_command("python train.py data.path=/data/c4 x=/data/c4_t5", paths)
-    assert argv[2:4] == ["data.path=/tmp/c4", "x=/tmp/t5"] and "data=synthetic" not in argv
-    assert toy_command("python train.py experiment=table2", paths)[-1] == "data=synthetic"
+    argv = toy_command("python train.py data=c4 data.path=/data/c4 x=/data/c4_t5", paths)
+    assert argv[3:5] == ["data.path=/tmp/c4", "x=/tmp/t5"] and argv[5:] == [DEBUG, *TOY]
+    assert toy_command("python train.py -m experiment=table2 debug=toy", paths)[-len(TOY) - 1:] == [DEBUG, *TOY]
+    with pytest.raises(AssertionError, match="name the data option"):
+        toy_command("python train.py data.path=/data/c4", paths)
     with pytest.raises(AssertionError, match="not in EXAMPLE_PATHS"):
-        toy_command("python train.py data.path=/somewhere/else", paths)
+        toy_command("python train.py data=local data.path=/somewhere/else", paths)
 
 
 # ------------------------------------------------------------------ the commands as written, composed
@@ -273,3 +281,14 @@ def test_readme_train_command_is_valid_as_written(line, command):
             cfg = compose(config_name="config", overrides=job_overrides)
             check_loop_settings(cfg.train)
             validate_config(cfg, world)
+
+
+def test_ci_runs_the_readmes_setup_and_test_commands():
+    """.ci/run: an explicit optional set-up step (Slurm for tests/test_slurm.py), then exactly the README's
+    set-up command and exactly its test command."""
+    quick = README.read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    setup, test = [c for b in blocks(quick) for c in (commands(b["lines"]) and [" ".join(b["lines"]).strip()] or [])][:2]
+    ci = [ln.split("#")[0].strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ci = [ln for ln in ci if ln]
+    assert ci[-2:] == [setup, test], ci
+    assert any("slurm_localhost.sh install" in ln for ln in ci[:-2])

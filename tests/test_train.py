@@ -1,5 +1,6 @@
 """train.py end to end on CPU: the quickstart config learns and logs every field; precision modes;
 wandb offline; bad input fails early with a message naming the bad value."""
+import glob
 import math
 import os
 
@@ -97,6 +98,20 @@ def test_wandb_offline_writes_readable_run(tmp_path, monkeypatch):
     assert {"run", "history", "summary"} <= kinds
     local = {r["step"]: r["loss"] for r in rows(tmp_path) if "loss" in r}
     assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(local)
+
+
+@pytest.mark.slow
+def test_wandb_offline_says_one_line_where_its_run_is(tmp_path):
+    """wandb stays the logger but keeps quiet: of the console, one line names the offline run and how to
+    upload it (wandb's own banner, hints and summary were ~34 lines per run)."""
+    proc = run_cli(train_cmd(tmp_path, "train.steps=2", "wandb.mode=offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [ln for ln in (proc.stdout + proc.stderr).replace(str(tmp_path), "<run dir>").splitlines()
+            if "wandb" in ln.lower()]
+    assert len(said) == 1, said
+    sync_dir = said[0].rsplit("`wandb sync ", 1)[1].rstrip("`").replace("<run dir>", str(tmp_path))
+    assert said[0].replace("<run dir>", str(tmp_path)).startswith(f"wandb: offline run in {sync_dir}")
+    assert glob.glob(os.path.join(sync_dir, "run-*.wandb")), sync_dir
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -337,3 +352,98 @@ def test_density_schedule_and_growing_gap_events_reach_the_log(tmp_path):
                          "optimizer.density_steps=3") == 0
     events = [(r["step"], r["window"], r["density"]) for r in rows(tmp_path) if r.get("event") == "density"]
     assert events and events[0][2] == 0.0  # from the second window on, the schedule's end value
+
+
+# ------------------------------------------------------------------------ micro-batch `auto`
+def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from train_utils import memory_check, memory_plan
+    from train_utils.validation import AUTO, auto_micro_batch, validate_config
+
+    cfg = compose_cfg()
+    assert cfg.train.micro_batch_size == AUTO and cfg.train.batch_size == 8  # the quickstart default
+    assert [auto_micro_batch(cfg, world, "cpu") for world in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert validate_config(cfg, 2) == 1  # `auto` passes start-up validation (train.py resolves it first)
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 cannot be split over 3 processes.*3, 6, 9, 12"):
+        auto_micro_batch(cfg, 3, "cpu")
+    # The memory plan decides: a host with room for micro-batch 2 (but not 4) of 8 gets 2, accumulating 4.
+    opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    tc = cfg.train
+    need = {m: memory_plan.plan_memory(cfg.model, opt, micro_batch_size=m, seq_len=cfg.data.seq_len,
+                                       vocab_size=cfg.model.vocab_size, precision=tc.precision,
+                                       parallelism=tc.parallelism, device_type="cpu").required for m in (2, 4)}
+    assert need[2] < need[4]
+    monkeypatch.setattr(memory_plan, "device_memory", lambda d: need[2] + memory_check.PROCESS_BYTES)
+    assert auto_micro_batch(cfg, 1, "cpu") == 2
+    monkeypatch.setattr(memory_plan, "device_memory", lambda d: 1)
+    assert auto_micro_batch(cfg, 1, "cpu") == 1  # nothing fits: the smallest, and the memory check says why
+
+
+def test_an_explicit_micro_batch_is_kept_and_a_bad_one_still_refused(tmp_path):
+    assert run_inprocess(tmp_path / "ok", "train.steps=1", "train.micro_batch_size=2") == 0
+    assert rows(tmp_path / "ok")[0]["accumulation"] == 4 and rows(tmp_path / "ok")[0]["micro_batch_size"] == 2
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 must equal train.micro_batch_size \(3\)"):
+        run_inprocess(tmp_path / "bad", "train.micro_batch_size=3")
+
+
+@pytest.mark.slow
+def test_quickstart_runs_on_two_processes_and_a_bad_micro_batch_ends_torchruns_output(tmp_path):
+    """`torchrun --nproc_per_node 2 train.py` on the default config (micro-batch auto: 8 = 4 x 1 x 2), and
+    an explicit micro-batch that does not divide: its one line is torchrun's last word on the failure."""
+    from _train_helpers import torchrun_cmd
+
+    quick = ["train.steps=2", "data.seq_len=64", "train.eval_tokens=512", "train.progress_bar=false",
+             "train.plot=false", "wandb.mode=disabled"]
+    proc = run_cli(torchrun_cmd(tmp_path / "ok", *quick, base=[]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start = rows(tmp_path / "ok")[0]
+    assert (start["world_size"], start["micro_batch_size"], start["accumulation"]) == (2, 4, 1)
+    bad = run_cli(torchrun_cmd(tmp_path / "bad", *quick, "train.micro_batch_size=8", base=[]))
+    assert bad.returncode != 0
+    lines = [ln.strip() for ln in bad.stderr.splitlines() if ln.strip() and not ln.startswith("=====")]
+    assert lines[-1].startswith("traceback : error: train.batch_size=8 must equal train.micro_batch_size (8)"), \
+        bad.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------- debug=toy
+@pytest.mark.parametrize("overrides", [
+    ["experiment=table2", "model=llama_1b"], ["experiment=table13_gpt2"], ["experiment=table5_3b"],
+    ["experiment=tables6_7_schedules", "schedule=cosine"], ["experiment=table16_density", "optimizer.density=0.5"],
+])
+def test_debug_toy_wins_over_every_preset_and_keeps_the_runs_shape(overrides):
+    from train_utils.validation import validate_config
+
+    paper, toy = compose_cfg(*overrides), compose_cfg(*overrides, "debug=toy")
+    assert (toy.model.name, toy.model.family, toy.optimizer, toy.schedule.name, toy.train.precision) == \
+        (paper.model.name, paper.model.family, paper.optimizer, paper.schedule.name, paper.train.precision)
+    assert (toy.model.num_hidden_layers, toy.model.hidden_size, toy.data.name, toy.data.num_workers) == \
+        (4, 128, "synthetic", 0)
+    assert (toy.train.steps, toy.train.batch_size, toy.train.eval_every, toy.train.eval_tokens) == (200, 8, 0, 16384)
+    assert toy.schedule.warmup_steps < toy.train.steps and not toy.train.require_eval_tokens
+    assert toy.wandb.mode == "disabled" and toy.train.parallelism == "ddp" and toy.train.compile is False
+    validate_config(toy, 1)
+    # what the command line names still wins over it
+    assert compose_cfg(*overrides, "debug=toy", "data=local", "train.steps=50").train.steps == 50
+
+
+@pytest.mark.slow
+def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path):
+    """A paper preset's cell under debug=toy, as the README shows it, unchanged: it finishes and the loss
+    falls far below a fresh model's (uniform over the 512 symbols: ln 512 = 6.24)."""
+    proc = run_cli([*train_cmd(tmp_path, "experiment=table2", "model=llama_130m", "optimizer=galore", "debug=toy",
+                               "train.progress_bar=false", base=[])], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = rows(tmp_path)
+    train_rows = [r for r in log if "loss" in r]
+    assert len(train_rows) == 200 and log[0]["debug"] == "toy" and log[0]["params"] < 2e6
+    assert train_rows[0]["loss"] == pytest.approx(math.log(512), abs=0.3)
+    assert sum(r["loss"] for r in train_rows[-10:]) / 10 < 3.0 and log[-1]["val_loss"] < 3.0
+    assert "shrunk by debug=toy" in (tmp_path / "train.log").read_text()
+
+
+def test_memory_plan_script_plans_the_default_auto_micro_batch():
+    import sys as _sys
+
+    proc = run_cli([_sys.executable, "scripts/memory_plan.py", "model=llama_tiny"], timeout=120)
+    assert proc.returncode == 0 and "micro-batch 8" in proc.stdout, proc.stdout + proc.stderr

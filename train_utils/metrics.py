@@ -69,7 +69,7 @@ class MetricsLog:
                  name: str = "run", group: str | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self.wandb = None
+        self.wandb, self.note = None, None  # note: wandb's one console line (where its run is)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -84,10 +84,18 @@ class MetricsLog:
                 run_id = secrets.token_hex(4)  # os.urandom: leaves the seeded RNGs untouched
                 with open(id_file, "w") as f:
                     f.write(run_id)
+            # Quiet: wandb's own banner, sync hints and run summary (~34 lines per run) stay out of the
+            # console, and it does not capture it (train.log keeps the console); `note` is its one line.
             self.wandb = wandb.init(
                 project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, group=group,
                 mode=wandb_cfg.mode, dir=run_dir, config=run_config, id=run_id, resume="allow",
+                settings=wandb.Settings(silent=True, console="off"),
             )
+            sync_dir = os.path.join(run_dir, "wandb", os.path.basename(self.wandb.settings.sync_dir))
+            if not os.path.relpath(sync_dir).startswith(".."):
+                sync_dir = os.path.relpath(sync_dir)
+            self.note = (f"wandb: offline run in {sync_dir}; upload it later with `wandb sync {sync_dir}`"
+                         if wandb_cfg.mode == "offline" else f"wandb: {self.wandb.url or self.wandb.name}")
 
     def truncate_after(self, step: int) -> list[dict]:
         """Drop rows newer than `step` (logged after the checkpoint a run resumes from), the `end` row

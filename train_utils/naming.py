@@ -2,12 +2,14 @@
 
 Run directories. `outputs/<date>/<time>` alone is shared by two runs started in the same second, which
 then append to one metrics.jsonl. configs/config.yaml names them
-`outputs/${launch_time:%Y-%m-%d}/${launch_time:%H-%M-%S}-${launch_id:}`, two resolvers registered
+`outputs/${launch_time:%Y-%m-%d}/${launch_time:%H-%M-%S}-<model>-<optimizer option>-${launch_id:}`
+(`12-00-00-llama_60m-frugal-3fa1`: readable, and unique with the time), two resolvers registered
 here. Hydra resolves the run dir in every process before train() runs, so under torchrun (or a SLURM
 step of several tasks) every rank must compute the same name on its own:
 
     launch_id    TORCHELASTIC_RUN_ID (torchrun: a uuid with --standalone, the --rdzv-id otherwise),
-                 else the SLURM job (array task, step) id, else this process's pid and a random suffix
+                 (4 hex digits of a --standalone uuid), else the SLURM job (array task, step) id, else 4
+                 random hex digits
     launch_time  for ranks of one launch, the start time of their parent (the torchrun agent or the
                  SLURM step daemon of the node); otherwise the first call's time in this process
 
@@ -41,14 +43,16 @@ def launch_id() -> str:
     """An id every process of one launch computes alike, different for every launch."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return re.sub(r"[^A-Za-z0-9_.]", "", run_id)[:12]
+        if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", run_id):
+            return run_id[:4]  # torchrun --standalone's uuid: 4 hex digits, like a plain run's
+        return re.sub(r"[^A-Za-z0-9_.]", "", run_id)[:12]  # a --rdzv-id someone chose
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         step = os.environ.get("SLURM_STEP_ID")
         return f"{job}.{step}" if step else job
-    return f"{os.getpid()}-{secrets.token_hex(2)}"  # os.urandom: the seeded RNGs stay untouched
+    return secrets.token_hex(2)  # os.urandom: the seeded RNGs stay untouched
 
 
 def _one_of_several_ranks() -> bool:
@@ -100,6 +104,13 @@ def optimizer_option(cfg: DictConfig, hydra_cfg=None) -> str:
     hc = _hydra(hydra_cfg)
     choice = OmegaConf.select(hc, "runtime.choices.optimizer", default=None) if hc is not None else None
     return str(choice or cfg.optimizer.name)
+
+
+def debug_option(hydra_cfg=None) -> str | None:
+    """The configs/debug option of the run (`toy`), or None."""
+    hc = _hydra(hydra_cfg)
+    choice = OmegaConf.select(hc, "runtime.choices.debug", default=None) if hc is not None else None
+    return str(choice) if choice else None
 
 
 def parse_overrides(lines) -> dict[str, str]:
@@ -161,7 +172,7 @@ def run_name(cfg: DictConfig, run_dir: str, hydra_cfg=None) -> str:
     base = f"{cfg.model.name}-{optimizer_option(cfg, hydra_cfg)}"
     values = {k: v for k, v in sweep_values(hydra_cfg).items() if k not in GROUP_KEYS}
     if not values:
-        return f"{base}-{os.path.basename(os.path.normpath(run_dir))}"
+        return f"{base}-{os.path.basename(os.path.normpath(run_dir)).replace(f'-{base}-', '-')}"  # not twice
     labels = short_labels(list(values))
     return "-".join([base] + [f"{labels[k]}={v}" for k, v in values.items()])
 

@@ -10,13 +10,14 @@ import os
 import time
 
 import frugal
+from train_utils.hooks import OptimizerHooks
 from train_utils.loop import evaluate, ranks_in_sync
 from train_utils.measure import optimizer_state_bytes
 from train_utils.metrics import plot_losses
 
 
 def state_full_fraction(optimizer) -> float | None:
-    return optimizer.state_full_fraction() if hasattr(optimizer, "state_full_fraction") else None
+    return OptimizerHooks(optimizer).state_full_fraction()
 
 
 def density_message(report: dict) -> str | None:
@@ -38,7 +39,7 @@ def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, setti
     """The start row (what this run is: sizes, the optimizer's realised density, the memory
     estimates, the loop's settings in `settings`) and the console's notes on a resume: settings
     changed on purpose, optimizer state that starts fresh, another process count. Returns the row."""
-    density = optimizer.density_report() if hasattr(optimizer, "density_report") else None
+    density = OptimizerHooks(optimizer).density_report()
     row = {"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
            "state_full_fraction": state_full_fraction(optimizer),
            **({f"density_{k}": v for k, v in density.items()} if density else {}),
@@ -72,9 +73,87 @@ def last_eval_at(rows: list[dict], step: int) -> dict | None:
     return evals[-1] if evals else None
 
 
+def continue_hint(run_dir: str) -> str:
+    """How to continue a stopped run: the same command in the same run dir, or, for a job of a sweep,
+    the same -m command in the same sweep dir (its finished jobs end at once, this one resumes, the
+    ones after it start)."""
+    from train_utils.naming import is_multirun
+
+    if is_multirun():
+        sweep_dir = os.path.dirname(os.path.abspath(run_dir))
+        return (f"This job is part of a sweep whose remaining jobs did not run: to continue, rerun the same -m "
+                f"command with hydra.sweep.dir={sweep_dir} (finished jobs end at once, this one resumes from its "
+                f"checkpoint, the rest start).")
+    return f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto)."
+
+
 def stopped_message(signame: str, step: int, ckpt_root: str, run_dir: str) -> str:
-    return (f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. "
-            f"To continue, run the same command with hydra.run.dir={run_dir} (train.resume=auto).")
+    return f"stopped by {signame} at step {step}; checkpoint saved in {ckpt_root}. {continue_hint(run_dir)}"
+
+
+def _size(n: float) -> str:
+    return next(f"{n / d:.3g}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, "")) if n >= d or d == 1)
+
+
+def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> str:
+    """The console's first lines, from the start row: where the run writes, what it trains with what,
+    the batch as micro-batch x accumulation x processes, the device and the planned memory."""
+    gib = 2.0 ** 30
+    option = row.get("optimizer_option") or row.get("optimizer")
+    density = ""
+    if row.get("density_requested") is not None:
+        density = (f", density {row['density_requested']:g} requested, {row['density_realised']:.4g} realised "
+                   f"(state-full share of the projectable weights)")
+    processes = row["world_size"]
+    lines = [f"run dir {run_dir}",
+             f"  model {row['model']}" + (f" shrunk by debug={row['debug']}" if row.get("debug") else "") +
+             f" ({_size(row['params'])} parameters), optimizer {option}{density}",
+             f"  batch {row['batch_size']} sequences per step = micro-batch {row['micro_batch_size']} x accumulation "
+             f"{row['accumulation']} x {processes} process{'es' if processes > 1 else ''}; {steps:,} steps, "
+             f"~{_size(steps * tokens_per_step)} tokens"]
+    memory = (f"planned memory {row['memory_planned_bytes'] / gib:.1f} GiB of {row['memory_available_bytes'] / gib:.1f} "
+              f"GiB available" if "memory_planned_bytes" in row else f"memory check {row.get('memory_check', 'off')}")
+    lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}; {memory}")
+    if row.get("resumed_from"):
+        lines.append(f"  resuming from {row['resumed_from']} (step {row['step']})")
+    return "\n".join(lines)
+
+
+# An ETA beyond this on the device at hand is a plan for another machine (a paper preset on a laptop).
+ABSURD_ETA_S = 48 * 3600
+
+
+def eta_warning(steps_left: int, seconds_per_step: float, device) -> str | None:
+    """One warning when the measured pace makes the run absurdly long for this device, else None."""
+    eta = steps_left * seconds_per_step
+    if eta <= ABSURD_ETA_S:
+        return None
+    return (f"warning: at {seconds_per_step:.2f} s per step on {device}, the remaining {steps_left:,} steps take "
+            f"about {eta / 3600:,.0f} hours. This plan is for other hardware: to try it out here, add debug=toy "
+            f"(any preset or sweep at toy scale, about a minute per job).")
+
+
+def eval_line(step: int, steps: int, ev: dict) -> str:
+    return f"step {step:,}/{steps:,}: validation loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.3f}"
+
+
+class EvalProgress:
+    """The data module as `evaluate` sees it, with a progress bar over the validation batches (a 10M-token
+    evaluation takes minutes); everything else is the data module's own."""
+
+    def __init__(self, dm, enabled: bool):
+        self._dm, self._enabled = dm, enabled
+
+    def __getattr__(self, name):
+        return getattr(self._dm, name)
+
+    def val_batches(self, eval_tokens: int):
+        from tqdm import tqdm
+
+        batches = self._dm.val_batches(eval_tokens)
+        if not self._enabled:
+            return batches
+        return tqdm(batches, desc="evaluating", unit="batch", leave=False, dynamic_ncols=True)
 
 
 def finish(metrics, say, *, step: int, tokens: int, last_eval: dict | None, raw_model, optimizer, dm, tc,

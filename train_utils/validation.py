@@ -87,9 +87,53 @@ def check_loop_settings(tc) -> None:
                           f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
 
 
+AUTO = "auto"
+
+
+def _check_auto_batch(cfg: DictConfig, world_size: int) -> int:
+    """train.micro_batch_size=auto: the batch must split evenly over the processes; return it."""
+    batch = _integer(cfg, "train.batch_size", 1)
+    if batch % world_size:
+        valid = ", ".join(str(world_size * k) for k in range(1, 5))
+        raise ConfigError(f"train.batch_size={batch} cannot be split over {world_size} processes "
+                          f"(train.micro_batch_size=auto): valid train.batch_size values: {valid}, ...")
+    return batch
+
+
+def auto_micro_batch(cfg: DictConfig, world_size: int, device) -> int:
+    """The micro-batch `auto` stands for: the largest divisor of train.batch_size / world_size whose
+    memory plan fits the device (a GPU's capacity; on CPU this host's available RAM shared by the local
+    processes), so no accumulation when the whole share fits. If the planner cannot plan the run, the
+    whole share; if nothing fits, 1 (the memory check then says why)."""
+    import torch
+
+    from .memory_check import PROCESS_BYTES
+    from .memory_plan import device_memory, largest_micro_batch
+
+    batch = _check_auto_batch(cfg, world_size)
+    tc, device = cfg.train, torch.device(device)
+    if device.type == "cuda":
+        budget = device_memory(device)
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        budget = device_memory("cpu") // local - PROCESS_BYTES
+    try:
+        micro, _ = largest_micro_batch(
+            cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), device_bytes=max(budget, 1),
+            seq_len=cfg.data.seq_len, world_size=world_size, global_batch=batch, parallelism=tc.parallelism,
+            precision=tc.precision, activation_checkpointing=tc.activation_checkpointing,
+            vocab_size=cfg.model.vocab_size, device_type=device.type)
+    except (ValueError, NotImplementedError, RuntimeError, TypeError, KeyError):
+        return batch // world_size
+    return micro or 1
+
+
 def validate_config(cfg: DictConfig, world_size: int) -> int:
-    """Check the run's config; return the number of gradient-accumulation micro-steps."""
+    """Check the run's config; return the number of gradient-accumulation micro-steps (1 for a
+    train.micro_batch_size still `auto`: train.py resolves it first, with `auto_micro_batch`)."""
     check_known_keys(cfg)
+    if cfg.train.micro_batch_size == AUTO:
+        cfg = OmegaConf.merge(cfg, {"train": {"micro_batch_size": _check_auto_batch(cfg, world_size) // world_size}})
     for key in ("train.steps", "train.batch_size", "train.micro_batch_size", "train.eval_tokens",
                 "train.log_every", "checkpoint.keep"):
         _integer(cfg, key, 1)
@@ -134,6 +178,14 @@ def stop_with_error(err: BaseException, exit_code: int) -> None:
     """
     if is_multirun():
         raise JobError(f"error: {err}") from None
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun: its failure summary then shows this line, not "To enable traceback see ..."
+        import json
+        import time
+
+        with open(error_file, "w") as f:  # torch.distributed.elastic's error-file format
+            json.dump({"message": {"message": f"error: {err}", "extraInfo": {
+                "py_callstack": f"error: {err}", "timestamp": str(int(time.time()))}}}, f)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {err}", file=sys.stderr)
     sys.exit(exit_code)
