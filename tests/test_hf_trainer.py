@@ -8,7 +8,7 @@ from transformers import Trainer, TrainingArguments
 
 import frugal
 import models
-from _train_helpers import REPO, one_thread  # noqa: F401
+from _train_helpers import REPO
 
 
 @pytest.fixture
