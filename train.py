@@ -96,7 +96,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                     accelerator.is_main_process, accelerator.device)
     tf32 = allow_tf32(tc.tf32, device)
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
-    metrics = bar = lock = None
+    metrics = bar = lock = model = None
     try:
         if tc.micro_batch_size == AUTO:  # rank 0 chooses (from its free memory), every rank uses its choice
             tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, device) if is_main else 0])[0]
@@ -294,6 +294,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             lock.release()
         if installed:
             STOP.restore()
+        if world > 1:  # see distributed.park: the DDP reducer's gloo group is not torn down in this frame
+            distributed.park(accelerator, model)
         accelerator.end_training()  # destroy the process group before the interpreter exits
 
 
@@ -322,7 +324,14 @@ if __name__ == "__main__":
     # A plain override of a key no YAML declares (optimizer.densty=0.3) reaches the start-up check,
     # which names the valid keys (exit 2), instead of stopping Hydra with advice to append it with +.
     sys.argv[1:] = schema.force_add_key_overrides(sys.argv[1:])
+    code = None
     try:
         main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+        raise
     finally:
         STOP.ignore()  # the run is over: a stop signal during the interpreter's shutdown changes nothing
+        if code is not None:
+            distributed.leave(code)  # returns unless a multi-process run parked its process group

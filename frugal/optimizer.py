@@ -450,14 +450,14 @@ class FRUGAL(Optimizer):
 
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window."""
-        from .summary import density_report  # late: summary builds FRUGAL optimizers
+        from .density import density_report
 
         return density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:
         """The density requested and the one realised in the next step's window (keys
-        ``requested``, ``realised``, ``unit``, ``state_full_share``, ``blocks``: ``frugal.summary.density_report``)."""
-        from .summary import density_report
+        ``requested``, ``realised``, ``unit``, ``state_full_share``, ``blocks``: ``frugal.density.density_report``)."""
+        from .density import density_report
 
         return density_report(self)
 

@@ -44,7 +44,8 @@ def test_reporting_helpers_look_through_accelerates_wrapper(tiny, tmp_path):
     inner = wrapped.optimizer
     assert frugal.unwrap(wrapped) is inner and frugal.unwrap(inner) is inner
     assert frugal.density_report(wrapped) == inner.density_report() == {"requested": 0.25, "realised": 0.25,
-                                                                          "unit": 0.25}
+                                                                          "unit": 0.25, "state_full_share": 0.25,
+                                                                          "blocks": [1, 4]}
     assert frugal.state_full_fraction(wrapped) == inner.state_full_fraction() == 0.25
     assert str(frugal.describe(wrapped, model=tiny)) == str(frugal.describe(inner, model=tiny))
     assert frugal.state_bytes(wrapped) == frugal.state_bytes(inner) > 0

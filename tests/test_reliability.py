@@ -82,6 +82,17 @@ def test_with_no_checkpoint_before_the_divergence_the_message_says_how_to_start_
     assert ckpt.last_good(str(tmp_path)) is None
 
 
+def test_a_resume_from_another_runs_checkpoint_confirms_nothing_of_its(tmp_path):
+    """train.resume=<another run dir's checkpoint> into a fresh run dir: the healthy first loss must
+    not point this run's last_good at the other run's checkpoint (it raised FileNotFoundError on a
+    missing checkpoints/ directory of the new run, the preflight's resume check)."""
+    assert run_inprocess(tmp_path / "a", "train.steps=2", "checkpoint.every=2") == 0
+    two = os.path.join(_root(tmp_path / "a"), ckpt.step_dir_name(2))
+    assert run_inprocess(tmp_path / "b", "train.steps=4", f"train.resume={two}",
+                         "train.resume_changes=[train.steps]") == 0
+    assert ckpt.last_good(_root(tmp_path / "b")) != two
+
+
 def test_divergence_names_and_keeps_the_checkpoint_from_before_it(tmp_path):
     """4 healthy steps, then optimizer.lr=1e6 (named on resume): the weights of every checkpoint
     written after the first 1e6 update are finite but diverged, and a resume from them fails again.

@@ -165,3 +165,38 @@ def torchrun_multirun_error(multirun: bool) -> str | None:
                 "hydra.launcher.tasks_per_node=N ...; a cluster: hydra/launcher=slurm), or run one torchrun command "
                 "per job")
     return None
+
+
+# ---- leaving a multi-process run -------------------------------------------------------------------
+# Freeing a DDP model frees its reducer, which drops the last reference to its process group; gloo's
+# destructor joins its worker threads while the interpreter lock is held, and on a loaded CPU machine
+# that join can wait forever after a run that finished and wrote everything (seen in the test
+# suite's torchrun runs on a 2-core machine: a rank sat in ~ProcessGroupGloo under c10d::Reducer's
+# dealloc for hours). A finished multi-process run therefore keeps these objects until the process ends and
+# leaves with os._exit once its output is flushed: the operating system closes the connections.
+_PARKED: list = []
+
+
+def park(*objects) -> None:
+    """Keep `objects` (the accelerator, the wrapped model) alive until `leave`."""
+    _PARKED.extend(o for o in objects if o is not None)
+
+
+def leave(code) -> None:
+    """End the process with `code` (a SystemExit code) without freeing what `park` kept; returns
+    at once when nothing was parked (single-process runs leave the usual way)."""
+    if not _PARKED:
+        return
+    import logging
+    import sys
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)

@@ -60,7 +60,10 @@ class LossWatch:
     def __init__(self, ckpt_root: str, is_main: bool, cfg, resumed_from: str | None):
         self.root, self.is_main, self.cfg = ckpt_root, is_main, cfg
         self.losses: deque[float] = deque(maxlen=WINDOW)
-        self.pending = resumed_from  # the checkpoint whose weights the next loss is computed with
+        # The checkpoint whose weights the next loss is computed with; a resume from another run's
+        # checkpoint (train.resume=<elsewhere>) has none of this run's to confirm.
+        inside = resumed_from and os.path.dirname(os.path.abspath(resumed_from)) == os.path.abspath(ckpt_root)
+        self.pending = resumed_from if inside else None
         self.spike: tuple[int, float, float] | None = None  # (step, loss, median) of the first spike
 
     def saved(self, ckpt_dir: str | None) -> None:

@@ -1,0 +1,71 @@
+"""The density census: what the next step's window of a FRUGAL optimizer makes state-full
+(`FRUGAL.density_report`, `FRUGAL.state_full_fraction`) of a FRUGAL optimizer. It imports no optimizer
+module, so `optimizer` depends on it one way."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from . import projections as proj
+from .adaptive import effective
+
+
+
+def _census(optimizer) -> tuple[int, int, int, float]:
+    """(projectable elements, state-full ones next step, one selection unit, density asked)."""
+    layout = optimizer._get_layout()
+    clock = optimizer._clock(layout, optimizer.step_count, commit=False)
+    active = optimizer._active(layout, optimizer.step_count, clock)
+    total = full = units = asked = 0
+    block_sizes: dict = defaultdict(int)
+    for gi, group in enumerate(optimizer.param_groups):
+        if not group["projectable"] or group["always_state_free"]:
+            continue
+        group = effective(group, clock)
+        for pi, p in enumerate(group["params"]):
+            n = p.numel()
+            total += n
+            asked += group["density"] * n
+            if group["projection"] == "block":
+                block_sizes[layout.block_of[gi][pi]] += n
+                full += n if layout.block_of[gi][pi] in active else 0
+                continue
+            shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"], group["density"])
+            full += math.prod(shape)
+            if group["projection"] == "randk":
+                units += 1
+            elif group["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
+                units += shape[0] if proj.matrix_side(p.shape, group["transposed"]) == "right" else shape[1]
+            else:  # one more column (row): the elements across the other dimension
+                units += n // p.shape[proj.coordinate_dim(group["projection"], p.shape, group["transposed"])]
+    units += max(block_sizes.values(), default=0)
+    return total, full, units, (asked / total if total else optimizer.defaults["density"])
+
+
+def density_report(optimizer) -> dict:
+    """The density asked for and the one realised in the next step's window (``FRUGAL.density_report``):
+
+    - ``requested``: the ``density`` setting (averaged over projectable elements);
+    - ``realised``: the density as the paper defines it for this projection. Block projection
+      (every projectable group): k / L, the share of state-full blocks (Appendix D: "the ratio of
+      the number of active blocks to the total number of blocks"); so with
+      ``block_granularity="tensor"`` on LLaMA-130M, density 1/16 realises 5/84 exactly. Other
+      projections: the state-full share of projectable elements;
+    - ``unit``: the share one selection unit moves (one block: 1/L; column/row/randk/rank: one
+      column/row/element/rank of every tensor); rounding to whole units is expected, more than
+      half a unit off is worth a warning;
+    - ``state_full_share``: the state-full share of projectable elements (``state_full_fraction()``;
+      for blocks of unequal size it differs from ``realised``);
+    - ``blocks``: ``[k, L]`` for block projection, else None.
+    """
+    total, full, units, asked = _census(optimizer)
+    share = full / total if total else 0.0
+    report = {"requested": asked, "realised": share, "unit": units / total if total else 0.0,
+              "state_full_share": share, "blocks": None}
+    layout = optimizer._get_layout()
+    blockwise = all(g["projection"] == "block" for g in optimizer.param_groups
+                    if g["projectable"] and not g["always_state_free"])
+    if layout.blocks and blockwise:
+        k, n = len(optimizer.active_blocks()), len(layout.blocks)
+        report.update(realised=k / n, unit=1 / n, blocks=[k, n])
+    return report
