@@ -60,9 +60,20 @@ def _precision_flags():
 @contextlib.contextmanager
 def full_fp32():
     """float32 matmuls at full precision inside (no TF32, no bf16), the global settings restored on
-    exit. Nothing is touched when they already are full precision."""
+    exit. Nothing is touched when they already are full precision.
+
+    The switches are changed through the API the caller's settings are readable with: torch >= 2.9
+    refuses to read the legacy ones (RuntimeError "mix of the legacy and new APIs") once a setting made
+    with ``allow_tf32`` / ``set_float32_matmul_precision`` is changed through the per-backend
+    ``fp32_precision``, and cuBLAS reads them before an fp32 matmul: a loop that sets
+    ``allow_tf32 = True`` (train.tf32 does) would stop at the first projection on a GPU (tested)."""
     flags = _precision_flags()
-    if flags is not None:
+    try:
+        torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+        legacy = True
+    except RuntimeError:  # the caller set the per-backend switches
+        legacy = False
+    if flags is not None and not legacy:
         saved = [(obj, name, getattr(obj, name)) for obj, name, _ in flags]
         if all(value == full for (_, _, value), (_, _, full) in zip(saved, flags)):
             yield
@@ -84,8 +95,8 @@ def full_fp32():
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(precision)
         torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.set_float32_matmul_precision(precision)  # last: it sets every backend's switch consistently
 
 
 def round_half_up(x: float) -> int:

@@ -126,3 +126,29 @@ def test_projection_math_runs_in_full_fp32_under_global_tf32(kw, monkeypatch):
         assert ("tf32", "bf16") in {(cuda, cpu) for _, cuda, cpu in unguarded.seen}
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("api", ["legacy", "new"])
+def test_full_fp32_leaves_the_tf32_flags_readable_whichever_api_set_them(api):
+    """train.tf32 (and many user loops) set ``torch.backends.cuda.matmul.allow_tf32 = True``, the
+    legacy switch. If the guard then changed the new per-backend ``fp32_precision``, torch >= 2.9
+    refuses to read the legacy flag ("mix of the legacy and new APIs"), and cuBLAS reads it before
+    every fp32 matmul: every SVD-based run would stop at its first projection on a GPU. Inside and
+    after the guard, both views must read, agree, and be restored."""
+    matmul = torch.backends.cuda.matmul
+    before = torch.get_float32_matmul_precision()
+    try:
+        if api == "legacy":
+            matmul.allow_tf32 = True
+        else:
+            matmul.fp32_precision = "tf32"
+        with P.full_fp32():
+            assert matmul.fp32_precision == "ieee"
+            if api == "legacy":  # what cuBLAS reads before an fp32 matmul
+                assert matmul.allow_tf32 is False and torch.get_float32_matmul_precision() == "highest"
+        assert matmul.fp32_precision == "tf32"
+        if api == "legacy":
+            assert matmul.allow_tf32 is True
+    finally:
+        torch.set_float32_matmul_precision(before)
+        matmul.allow_tf32 = False
