@@ -155,7 +155,8 @@ def test_activation_checkpointing_saves_activations_in_every_combination(process
 # ---- one host sync per step
 def test_a_step_has_one_host_sync_and_only_non_blocking_copies(monkeypatch):
     """forward_backward, the gradient norm and step_totals: every host-to-device copy is
-    non-blocking, the target count is computed from the labels already on the device (not counted on
+    non-blocking (no torch.tensor(host data, device=...) either: step_totals fills its vector on the
+    device), the target count is computed from the labels already on the device (not counted on
     the host and copied over), and the only value read back to the host is step_totals' one
     `.tolist()`. Reads back from the loop's code (train_utils/) are counted by their call site."""
     import os
@@ -199,7 +200,16 @@ def test_a_step_has_one_host_sync_and_only_non_blocking_copies(monkeypatch):
             return real(self, *args, **kwargs)
         return read
 
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):  # host data made into a device tensor: a blocking copy on CUDA
+        caller = sys._getframe(1).f_code
+        if os.path.dirname(caller.co_filename) == ours:
+            copies.append((caller.co_name, "torch.tensor"))
+        return real_tensor(*args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch, "tensor", tensor)
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, reader(name))
     loss_sum, n_global = loop.forward_backward(model, batches, OneProcess, "bf16-mixed")

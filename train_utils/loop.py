@@ -189,9 +189,13 @@ def step_totals(accelerator, loss_sum: torch.Tensor, norm: torch.Tensor, n_globa
     """The step's one host sync: (global mean loss, gradient norm, global target count, the number of
     ranks that received a stop signal, the number of data events on all ranks). One all-reduce of
     [this rank's loss sum, its stop vote, its count of data events]."""
-    device = accelerator.device
-    mine = torch.tensor([float(stop_received is not None), float(events)], dtype=torch.float64, device=device)
-    summed = accelerator.reduce(torch.cat([loss_sum.view(1), mine]), reduction="sum")
+    # Filled on the device: torch.tensor([...], device=cuda) would be a blocking copy from host memory,
+    # a second sync per step. Scalar fills are kernels; loss_sum is copied device to device.
+    mine = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    mine[0] = loss_sum
+    mine[1] = float(stop_received is not None)
+    mine[2] = float(events)
+    summed = accelerator.reduce(mine, reduction="sum")
     loss_total, votes, all_events, grad_norm, targets = torch.cat(
         [summed, norm.double().view(1), n_global.double().view(1)]).tolist()
     return loss_total / targets, grad_norm, int(targets), int(votes), int(all_events)
