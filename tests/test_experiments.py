@@ -199,7 +199,7 @@ def test_paper_presets_run_the_authors_algorithm():
     for preset in PRESETS:
         for overrides in _sweep_runs(preset):
             opt = _compose([f"experiment={preset}", *overrides]).optimizer
-            if opt.name in ("frugal", "badam"):
+            if opt.name in ("frugal", "badam", "frugal_muon"):
                 assert (opt.reset_state, opt.block_granularity) == ("reset_all", "tensor"), (preset, overrides)
             if opt.name == "galore":
                 assert opt.reset_state == "keep" and opt.projectable_lr_scale == 0.25, (preset, overrides)
