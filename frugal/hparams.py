@@ -48,16 +48,17 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "density": (0.0, 1.0, False),
     "state_free_lr_scale": (0.0, None, False),
     "projectable_lr_scale": (0.0, None, False),
-    "momentum": (0.0, 1.0, True),
     "subspace_momentum": (0.0, 1.0, True),
     "density_end": (0.0, 1.0, False),
     "update_gap_growth": (1.0, None, False),
     "plateau_threshold": (0.0, 1.0, True),
 }
-# Numeric keys that may also be None (off / no limit).
+# Numeric keys that may also be None, and what None means.
 _OPTIONAL_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "fira_gamma": (1.0, None, False),
+    "momentum": (0.0, 1.0, True),
 }
+_NONE_MEANS = {"fira_gamma": "off", "momentum": "the state-full rule's default: 0.95 for muon, 0.9 otherwise"}
 # Integer keys: lowest value, and whether None is allowed.
 _INTEGERS: dict[str, tuple[int | None, bool]] = {
     "update_gap": (1, False),
@@ -105,7 +106,7 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
             try:
                 out[key] = _number(key, out[key], low, high, high_open)
             except HyperparameterError as err:
-                raise HyperparameterError(f"{err} or None (off)") from None
+                raise HyperparameterError(f"{err} or None ({_NONE_MEANS[key]})") from None
     for key in BOOLEANS:
         if key in out and not isinstance(out[key], bool):
             raise HyperparameterError(f"Invalid {key}: {out[key]!r} (expected True or False)")

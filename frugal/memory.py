@@ -5,7 +5,8 @@ tensor the optimizer holds in `optimizer.state` (moments, projection matrices, i
 counters). `estimate_state_bytes` is the analytic count of Appendix D, computed from parameter
 shapes alone, so it works on a model built on the `meta` device (a 7B model costs nothing):
 
-- AdamW: two moments per parameter (8 bytes/param in fp32).
+- AdamW: two moments per parameter (8 bytes/param in fp32); Lion, SGDM and Muon (beyond the
+  paper; ``frugal/muon.py``) one buffer per state-full element, and no step counter for Muon.
 - blockwise: the non-projectable tensors' moments plus those of round(density * L) whole layers.
 - column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
   columns (rows; elements for randk), and their indices (randk's, int32, are half the moments'

@@ -67,6 +67,7 @@ from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
+SGDM_MOMENTUM, MUON_MOMENTUM = 0.9, 0.95  # momentum=None resolves per group to its rule's default
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
 
 
@@ -195,7 +196,7 @@ class FRUGAL(Optimizer):
             round(:math:`\rho\min(m, n)`) on the smaller side.
         update_gap: T, the steps of one subspace window.
         projection: block, column, row, randk, randperm, svd, random, power.
-        state_full: adamw, adamw_hf (Hugging Face's form), lion, sgdm, adafactor_momentum.
+        state_full: adamw, adamw_hf (Hugging Face's form), lion, sgdm, adafactor_momentum, muon.
         state_free: signsgd, sgd, none (BAdam / GaLore), fira, one_sided_adafactor.
         state_free_lr_scale, projectable_lr_scale: :math:`\gamma` and :math:`\kappa`.
         reset_state: the state after a change of subspace (``frugal.state_management``): reset,
@@ -211,12 +212,12 @@ class FRUGAL(Optimizer):
         block_order: descending (the paper's), ascending, mirror, random.
         block_granularity: layer (the paper's text) or tensor (the authors' code: single weights,
             Python's ``round``).
-        momentum: sgdm's. seed: the subspace draws.
+        momentum: sgdm's and muon's; None (the default) takes the rule's own: 0.9 for sgdm (the
+            paper's), 0.95 for muon (torch's). seed: the subspace draws.
 
     Beyond the paper, ``state_full="muon"`` (frugal/muon.py) is torch.optim.Muon's rule with its keys
-    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, ``eps``;
-    pass ``momentum=0.95``, torch's Muon default, as the registry entries ``muon``/``frugal_muon`` do),
-    on block, column and row projections.
+    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, 0.95 unless
+    given, and ``eps``), on block, column and row projections.
 
     Args (concurrent methods, module docstring):
         fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
@@ -253,7 +254,7 @@ class FRUGAL(Optimizer):
                  density=0.25, update_gap=200, projection="block", state_full="adamw",
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
-                 momentum=0.9, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
+                 momentum=None, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
                  density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
                  nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
@@ -293,6 +294,8 @@ class FRUGAL(Optimizer):
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
         group.update(validate({k: group[k] for k in self.defaults}))
+        if group["momentum"] is None:  # each rule's own default: torch's Muon 0.95, the paper's SGDM 0.9
+            group["momentum"] = MUON_MOMENTUM if group["state_full"] == "muon" else SGDM_MOMENTUM
         try:
             check_group(group)
             check_shared(self.param_groups)  # one block walk and one window clock: shared settings

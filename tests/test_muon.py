@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -71,6 +72,28 @@ def test_density_one_is_torch_muon_plus_adamw(nesterov, adjust_lr_fn, foreach):
     assert moved > 1e-2  # the steps did something
     for p in blocks:
         assert set(t_muon.state[p]) == {"momentum_buffer"}
+
+
+def test_momentum_defaults_to_torchs_for_muon_and_the_papers_for_sgdm():
+    # No momentum given: FRUGAL's muon rule takes torch.optim.Muon's own default (0.95), sgdm the paper's 0.9.
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2)]
+    ref = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # plain tensors, no blocks found: every tensor state-full (muon)
+        ours = frugal.FRUGAL(weights, lr=1e-2, weight_decay=0.1, state_full="muon", density=1.0,
+                             adjust_lr_fn="original")
+    theirs = torch.optim.Muon(ref, lr=1e-2, weight_decay=0.1, adjust_lr_fn="original")
+    assert ours.param_groups[0]["momentum"] == theirs.param_groups[0]["momentum"] == 0.95
+    for step in range(4):
+        for ps, opt in ((weights, ours), (ref, theirs)):
+            for i, p in enumerate(ps):
+                p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (step + i + 1))
+            opt.step()
+    for p, q in zip(weights, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert frugal.FRUGAL([torch.nn.Parameter(torch.zeros(3))], state_full="sgdm").param_groups[0]["momentum"] == 0.9
+    assert frugal.FRUGAL([torch.nn.Parameter(torch.zeros(3))], momentum=0.5).param_groups[0]["momentum"] == 0.5
 
 
 def test_muon_entry_is_muon_on_every_block_weight():
