@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sign_update": SIGN_UPDATES,
     "density_schedule": DENSITY_KINDS,
     "adjust_lr_fn": muon.ADJUST_LR_FNS,
+    "svd_signs": proj.SVD_SIGNS,
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).

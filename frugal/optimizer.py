@@ -67,7 +67,6 @@ from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 from .sharding import is_dtensor, local, shard_key
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
-SGDM_MOMENTUM, MUON_MOMENTUM = 0.9, 0.95  # momentum=None resolves per group to its rule's default
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
 
 
@@ -164,6 +163,12 @@ def check_group(group: dict) -> None:
             "its layer index as group key 'block' (or use block_granularity='tensor')")
 
 
+
+def _resolve_momentum(group: dict) -> None:
+    """``momentum=None``: the state-full rule's own default, torch's Muon 0.95, the paper's SGDM 0.9."""
+    if group["momentum"] is None:
+        group["momentum"] = 0.95 if group["state_full"] == "muon" else 0.9
+
 class FRUGAL(Optimizer):
     r"""FRUGAL (Full-Rank Updates with GrAdient spLitting), Algorithm 1 of the paper.
 
@@ -223,6 +228,10 @@ class FRUGAL(Optimizer):
         fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
         subspace_momentum, error_feedback: LDAdam (with ``projection="power"``,
             ``reset_state="transport"``).
+        svd_signs: the sign of each singular vector of an svd basis, which matters where the state
+            is kept across a change of basis (GaLore, Fira): canonical (largest entry positive, so
+            CPU and GPU runs agree) or raw (``torch.linalg.svd``'s, backend-dependent, as the
+            galore-torch and fira packages; the registry's ``galore`` and ``fira`` take it).
 
     Args (schedules, opt-in, off by default):
         density_schedule, density_end, density_steps: the density goes from ``density`` to
@@ -255,7 +264,7 @@ class FRUGAL(Optimizer):
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer",
                  momentum=None, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
-                 density_schedule="constant", density_end=0.0, density_steps=None,
+                 svd_signs="canonical", density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
                  nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
                  adjust_lr_fn="match_rms_adamw",
@@ -269,7 +278,7 @@ class FRUGAL(Optimizer):
                         block_order=block_order, block_granularity=block_granularity,
                         momentum=momentum, seed=seed, fira_gamma=fira_gamma,
                         subspace_momentum=subspace_momentum, error_feedback=error_feedback,
-                        density_schedule=density_schedule, density_end=density_end,
+                        svd_signs=svd_signs, density_schedule=density_schedule, density_end=density_end,
                         density_steps=density_steps, update_gap_growth=update_gap_growth,
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
                         max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
@@ -294,8 +303,7 @@ class FRUGAL(Optimizer):
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
         group.update(validate({k: group[k] for k in self.defaults}))
-        if group["momentum"] is None:  # each rule's own default: torch's Muon 0.95, the paper's SGDM 0.9
-            group["momentum"] = MUON_MOMENTUM if group["state_full"] == "muon" else SGDM_MOMENTUM
+        _resolve_momentum(group)
         try:
             check_group(group)
             check_shared(self.param_groups)  # one block walk and one window clock: shared settings
@@ -316,6 +324,10 @@ class FRUGAL(Optimizer):
         exact = {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
                  for key, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a checkpoint from before a key existed: the key's default
+            for key, default in self.defaults.items():
+                group.setdefault(key, default)
+            _resolve_momentum(group)
         self._set_step(self.param_groups[0]["step"])  # state dicts that kept it in the first group only
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved["params"], group["params"]):

@@ -257,6 +257,9 @@ def matrix_rank(shape, density: float) -> int:
     return round_half_up(density * min(shape[0], shape[1]))
 
 
+SVD_SIGNS = ("canonical", "raw")
+
+
 def canonical_signs(q: torch.Tensor) -> torch.Tensor:
     """``q`` with each column's sign chosen so that its largest-magnitude entry is positive."""
     idx = q.abs().argmax(dim=0, keepdim=True)
@@ -264,9 +267,10 @@ def canonical_signs(q: torch.Tensor) -> torch.Tensor:
     return q * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
-def matrix_projection(projection, grad, transposed, density, seed, window, ident) -> torch.Tensor:
+def matrix_projection(projection, grad, transposed, density, seed, window, ident, signs="canonical") -> torch.Tensor:
     """The ``s x r`` orthonormal-column matrix Q. svd (and power's first basis): the top-r singular
-    vectors of the current gradient on the smaller side (GaLore), signs fixed (module docstring);
+    vectors of the current gradient on the smaller side (GaLore), signs fixed (module docstring)
+    unless ``signs="raw"`` (the SVD's own, as galore-torch);
     random: QR of a seeded Gaussian (gradient-free)."""
     g = grad.t() if transposed else grad
     side = matrix_side(grad.shape, transposed)
@@ -276,7 +280,8 @@ def matrix_projection(projection, grad, transposed, density, seed, window, ident
         work = g.to(torch.promote_types(g.dtype, torch.float32))
         with full_fp32():
             U, _, Vh = torch.linalg.svd(work, full_matrices=False)
-        q = canonical_signs(Vh[:r].t() if side == "right" else U[:, :r])
+        q = Vh[:r].t() if side == "right" else U[:, :r]
+        q = q if signs == "raw" else canonical_signs(q)
     elif projection == "random":
         s = g.shape[1] if side == "right" else g.shape[0]
         # drawn on the CPU in float64 so every device and dtype gets the same basis

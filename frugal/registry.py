@@ -86,7 +86,7 @@ _ENTRIES: dict[str, _Entry] = {
     "frugal": _Entry("frugal", "FRUGAL, Algorithm 1"),
     "galore": _Entry("frugal", "GaLore: SVD projection, no state-free update",
                      {"projection": "svd", "state_free": "none", "reset_state": "keep",
-                      "projectable_lr_scale": 0.25, "update_gap": 200}),
+                      "projectable_lr_scale": 0.25, "update_gap": 200, "svd_signs": "raw"}),
     "badam": _Entry("frugal", "BAdam: blockwise, inactive blocks frozen",
                     {"projection": "block", "state_free": "none", "block_order": "descending"}),
     # The pure baselines are FRUGAL with one group: every tensor state-free (no state at all) or
@@ -105,7 +105,7 @@ _ENTRIES: dict[str, _Entry] = {
     # (Hugging Face's form, eps 1e-6 its default) on every tensor, residual G - alpha * lift(R).
     "fira": _Entry("frugal", "Fira: SVD + AdamW, residual with norm-based scaling and the norm-growth limiter",
                    {"projection": "svd", "state_free": "fira", "reset_state": "keep", "state_full": "adamw_hf",
-                    "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200,
+                    "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200, "svd_signs": "raw",
                     "lr": 1e-2}),  # Fira's pre-training scripts (LLaMA 60M-1B on C4), alpha 0.25 as GaLore's
     "ldadam": _Entry("frugal", "LDAdam: power-iteration basis every step, moment transport, error feedback",
                      {"projection": "power", "update_gap": 1, "reset_state": "transport", "state_free": "none",

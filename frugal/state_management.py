@@ -135,7 +135,8 @@ def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, gro
     if projection == "power" and q_old is not None and q_old.shape[1] == rank:
         q = _power_step(state, grad.t() if transposed else grad, q_old, side, group)
     else:
-        q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident)
+        q = proj.matrix_projection(projection, grad, transposed, density, group["seed"], window, ident,
+                                    group["svd_signs"])
     mode = group["reset_state"] if "window" in state else "reset"
     if mode == "keep" and q_old is not None and q_old.shape != q.shape:
         mode = "reset"  # another rank (a density schedule): the old state does not fit

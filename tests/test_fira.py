@@ -28,8 +28,8 @@ to ours it is `fira_step_`. The items:
    ``(1 - alpha) P P^T G``; we scale only the state-full part and use the exact residual.
 5. SVD signs: on a projection change both keep the old moments (GaLore's "keep") and read them in
    the new basis, so the result depends on the sign of each singular vector. The package takes the
-   raw `torch.linalg.svd` signs (backend- and dtype-dependent); we fix them (largest entry positive)
-   so CPU and GPU runs agree.
+   raw `torch.linalg.svd` signs (backend- and dtype-dependent); FRUGAL's default fixes them (largest
+   entry positive) so CPU and GPU runs agree; the registry's ``fira`` takes ``svd_signs="raw"``.
 
 FRUGAL's own state management (reset on a projection change) is a further, intended difference:
 `fira_step_(reset_state="reset")`, compared with the float64 reference in both modes below.
@@ -256,23 +256,28 @@ def _tiny_llama():
     return models.build_model(cfg).float()
 
 
-@pytest.mark.parametrize("foreach", [True, False])
-def test_optimizer_fira_follows_the_fira_package_over_20_steps(foreach):
+@pytest.mark.parametrize("foreach,gap", [(True, None), (False, None), (True, 4)])
+def test_optimizer_fira_follows_the_fira_package_over_20_steps(foreach, gap):
     """A LLaMA (4 layers, 28 projected Linear weights) trained 20 steps by ``build_optimizer(model,
     "fira")`` and by the package's FiraAdamW (its ``divide_params`` grouping: the layers' Linear
     weights projected with rank density * hidden, alpha, gap; the rest its plain AdamW), at the
     preset's lr (1e-2) and weight decay (0.1), with real backward passes: every parameter agrees to
     float32 rounding, relative to the distance travelled. (Measured: ~1.5e-5; the code before this
-    change, exact residual and torch's AdamW, was off by more than the distance travelled.)"""
+    change, exact residual and torch's AdamW, was off by more than the distance travelled.)
+    ``gap=4``: five projection changes, across which both keep the moments in the new basis; this
+    holds only with the SVD's raw signs (``svd_signs="raw"``, the entry's; canonical signs were off
+    by 0.42 of the distance travelled)."""
     import frugal
 
     package = fira_package()
     hp = _preset()
     assert (hp["lr"], hp["weight_decay"]) == (1e-2, 0.1)
+    hp["update_gap"] = gap or hp["update_gap"]
     ours = _tiny_llama()
     theirs = _tiny_llama()
     theirs.load_state_dict(ours.state_dict())
-    opt = frugal.build_optimizer(ours, "fira", lr=hp["lr"], weight_decay=hp["weight_decay"], foreach=foreach)
+    opt = frugal.build_optimizer(ours, "fira", lr=hp["lr"], weight_decay=hp["weight_decay"], foreach=foreach,
+                                 update_gap=hp["update_gap"])
     projected = [m.weight for n, m in theirs.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     assert len(projected) == 28
     rest = [p for p in theirs.parameters() if all(p is not q for q in projected)]

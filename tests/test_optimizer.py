@@ -181,13 +181,15 @@ def test_block_orders_and_rounding():
 
 
 # ---- the galore preset against galore-torch ------------------------------------------------------
-def test_galore_configuration_matches_galore_torch(monkeypatch):
+@pytest.mark.parametrize("signs", ["raw", "canonical"])
+def test_galore_configuration_matches_galore_torch(monkeypatch, signs):
     """galore-torch's AdamW adds eps to sqrt(v) before bias correction and decays the weights
     after the update; FRUGAL uses torch's AdamW. With weight_decay 0 and a negligible eps the two
     are the same update; what remains is float rounding (different operation order).
-    FRUGAL fixes the sign of every singular vector (largest entry positive, so that the moments
-    GaLore keeps across a change of basis read the same on every backend); galore-torch takes
-    LAPACK's signs, so it is given the same convention here."""
+    galore-torch takes LAPACK's signs for the singular vectors: ``svd_signs="raw"`` (the registry's
+    galore) follows it as it is. FRUGAL's default fixes every sign (largest entry positive, so that
+    the moments GaLore keeps across a change of basis read the same on every backend); for that
+    case galore-torch is given the same convention."""
     galore_torch = pytest.importorskip("galore_torch")
     from galore_torch.galore_projector import GaLoreProjector
 
@@ -197,13 +199,15 @@ def test_galore_configuration_matches_galore_torch(monkeypatch):
         q = lapack_basis(self, weights, rank, type)
         return P.canonical_signs(q.t()).t() if type == "right" else P.canonical_signs(q)
 
-    monkeypatch.setattr(GaLoreProjector, "get_orthogonal_matrix", fixed_signs)
+    if signs == "canonical":
+        monkeypatch.setattr(GaLoreProjector, "get_orthogonal_matrix", fixed_signs)
     density, gap, eps = 0.25, 5, 1e-12
     params = make_params([(32, 16), (12, 20), (16,)])
     ref_params = clone(params)
     opt = FRUGAL([{"params": [params[0]], "projectable": True}, {"params": [params[1]], "projectable": True},
                   {"params": [params[2]]}], lr=1e-2, eps=eps, density=density, update_gap=gap,
-                 projection="svd", state_free="none", reset_state="keep", projectable_lr_scale=0.25)
+                 projection="svd", state_free="none", reset_state="keep", projectable_lr_scale=0.25,
+                 svd_signs=signs)
     ref = galore_torch.GaLoreAdamW(
         [{"params": [ref_params[0]], "rank": round(density * 16), "update_proj_gap": gap, "scale": 0.25,
           "proj_type": "std"},
