@@ -289,7 +289,7 @@ def preset_run(root: Path, name: str, preset: str, overrides: list[str], ppl: fl
 
 # Paper rows that no preset can run: Table 3's 175M model (its shape is not published).
 NOT_RUNNABLE = {"table3_precision": {"175M Mixed Precision"}}
-ROW_PRESETS = ["table1_projection", "table10_pure_bf16", "table11_state_free_rule", "table12_lion", "table13_gpt2",
+ROW_PRESETS = ["table1_projection", "table3_precision", "table10_pure_bf16", "table11_state_free_rule", "table12_lion", "table13_gpt2",
                "table14_block_order", "table15_update_gap", "table16_density", "table2", "table4_state_free_modules",
                "table5_3b", "table8_beta2", "table9_adamem", "table17_concurrent", "tables6_7_schedules"]
 
@@ -333,7 +333,7 @@ def test_table3_prints_read_out_point_and_memory(tmp_path, capsys):
     learning rate there is 0.37x the peak (the table says so); its memory column is the paper's 4.2 GB
     beside ours, fp32 weights + AdamW's 8 bytes per parameter of optimizer state."""
     params = 367_970_304  # LLaMA-350M
-    preset_run(tmp_path, "m", "table3_precision", ["model=llama_350m"], 15.5, state_bytes=8 * params)
+    preset_run(tmp_path, "m", "table3_precision", ["setup/table3=mixed_350m"], 15.5, state_bytes=8 * params)
     assert make_tables.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "175M model's shape is not published" in out
