@@ -619,9 +619,12 @@ def test_materialize_state_matches_a_checkpoint_of_that_step(projection, reset_s
 def pseudocode_block_step_run(w0, grads, *, blocks, indices_of, update_gap, lr, betas, eps):
     """The appendix's ``block_step`` (Simplified algorithms pseudocode), in float64, one tensor per
     block, plus tensors that are not blocks (AdamW, never reset). At every step % update_gap == 0
-    ``indices_full = update_indices(...)``; each selected block gets ``exp_avg = exp_avg_sq = 0``
-    (its Adam count restarts with them: bias correction since the state was made), every other
-    block's state is cleared; then selected blocks take an Adam step, the others a signSGD step."""
+    ``indices_full = update_indices(...)``; each selected block gets ``exp_avg = exp_avg_sq = 0``,
+    every other block's state is cleared; then selected blocks take an Adam step, the others a
+    signSGD step. One reading is ours: the pseudocode's Adam step takes ``step = self.step``, a
+    counter that ``block_step`` never advances, so it does not say which count the bias correction
+    uses after a reset. Here the count restarts with the moments (bias correction since the state
+    was made, as for a state torch's AdamW creates), which is what the library's reset_all does."""
     b1, b2 = betas
     w = [x.clone() for x in w0]
     state = [dict(t=0, m=torch.zeros_like(x), v=torch.zeros_like(x)) for x in w]
