@@ -73,7 +73,7 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
-from train_utils.measure import Interval, flops_per_position, input_demand, optimizer_state_bytes, peak_flops
+from train_utils.measure import Interval, StateBytes, flops_per_position, input_demand, peak_flops
 from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.signals import STOP
@@ -202,6 +202,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         interval, started = Interval(device, flops, peak, world), time.perf_counter()
+        state_size = StateBytes(optimizer, sharded, device)  # sharded: one all-reduce per change, not per row
         shown = is_main and tc.progress_bar  # the bar on the console; train.log gets progress lines instead
         bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not shown)
         eval_dm, first_step, every = report.EvalProgress(dm, shown), step, max(1, tc.steps // 20)
@@ -222,6 +223,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
+                state_size.stale()
             hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
             optimizer.step()
             scheduler.step()
@@ -230,11 +232,12 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             events = gather_events(data_events, n_events)  # every rank's (optimizer events are the same on all)
             for event in [*events, *hooks.pop_events()]:
                 metrics.log({**event, "step": step})
+                state_size.stale()  # e.g. a density change: the state's size may follow
             interval.add(targets, sum(b["input_ids"].numel() for b in batches) * world,
                          time.perf_counter() - t0, data_wait)
             if step % tc.log_every == 0 or step == tc.steps:
                 row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                       **interval.row(), "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
+                       **interval.row(), "optimizer_state_bytes": state_size(),
                        "state_full_fraction": report.state_full_fraction(optimizer)}
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)

@@ -180,6 +180,24 @@ class Interval:
         return out
 
 
+class StateBytes:
+    """The logged rows' `optimizer_state_bytes`, re-counted only when the state can have changed
+    size: at the first read and after `stale()` (a window switch or an optimizer event, the same
+    steps on every rank). Sharded, a count is an all-reduce and a host read: once per change, not
+    once per logged row."""
+
+    def __init__(self, optimizer, sharded: bool, device: torch.device):
+        self.optimizer, self.sharded, self.device, self.value = optimizer, sharded, device, None
+
+    def stale(self) -> None:
+        self.value = None
+
+    def __call__(self) -> int:
+        if self.value is None:
+            self.value = optimizer_state_bytes(self.optimizer, self.sharded, self.device)
+        return self.value
+
+
 def optimizer_state_bytes(optimizer, sharded: bool, device: torch.device) -> int:
     """`frugal.state_bytes` of the whole run: summed over the ranks when the state is sharded (a
     collective: every rank calls it at the same rows)."""
