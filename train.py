@@ -67,7 +67,7 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
 from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import (AUTO, ConfigError, auto_micro_batch, check_loop_settings, stop_with_error,
+from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings, stop_with_error,
                                     validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
@@ -333,6 +333,9 @@ if __name__ == "__main__":
         code = 0
     except SystemExit as exit_:
         code = exit_.code
+        if code == 1 and JobError.exit_code != 1:  # a sweep stopped by a job's error: that job's code
+            code = JobError.exit_code
+            raise SystemExit(code) from None
         raise
     finally:
         STOP.ignore()  # the run is over: a stop signal during the interpreter's shutdown changes nothing

@@ -148,6 +148,14 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
         assert not (tmp_path / str(i) / "metrics.jsonl").exists()
 
 
+def test_a_sweep_stopped_by_a_mistyped_key_exits_2(tmp_path):
+    """In a multirun the job's one line is the last thing printed and the sweep exits as that job
+    would alone: 2 for a config error (Hydra's own exit is 1; a run's own failure stays 1)."""
+    out = _train_py("-m", "optimizer.densty=0.3,0.5", f"hydra.sweep.dir={tmp_path / 'a'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: optimizer.densty is not a config key (did you mean optimizer.density?)" in out.stderr
+
+
 def test_only_overrides_that_may_name_an_undeclared_key_are_forced():
     """Keys a node has whatever its option stay as typed (Hydra's sweep listing shows them so)."""
     from train_utils.schema import force_add_key_overrides

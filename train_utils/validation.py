@@ -32,7 +32,10 @@ class ConfigError(ValueError):
 
 
 class JobError(CompactHydraException):
-    """An expected error of a multirun job; Hydra prints its message alone."""
+    """An expected error of a multirun job; Hydra prints its message alone. `exit_code` is the
+    code the job would have had alone (2: a config error); the sweep exits with it (train.py's
+    __main__), not with Hydra's 1."""
+    exit_code = 1
 
 
 def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
@@ -177,6 +180,7 @@ def stop_with_error(err: BaseException, exit_code: int) -> None:
     on rank 0 and exit with `exit_code`.
     """
     if is_multirun():
+        JobError.exit_code = exit_code
         raise JobError(f"error: {err}") from None
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun: its failure summary then shows this line, not "To enable traceback see ..."
