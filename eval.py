@@ -35,7 +35,7 @@ import data
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
-from train_utils.validation import ConfigError, check_precision
+from train_utils.validation import ConfigError, check_precision, resolve_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
 
@@ -68,7 +68,7 @@ def load_config(ckpt_dir: str, overrides: list[str]):
             raise ConfigError(f"unknown argument {o!r}: expected key=value with a key of the checkpoint's "
                               f"config (e.g. train.eval_tokens=100000), data=<option> or out=<file>")
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o]))
-    check_precision(cfg.train.precision)
+    check_precision(cfg.train.precision, allow_auto=True)
     return cfg
 
 
@@ -85,6 +85,7 @@ def main(argv: list[str]) -> dict:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     tc = cfg.train
+    tc.precision = resolve_precision(tc.precision, accelerator.device)  # train.precision=auto given here
     try:  # e.g. data=c4 offline without a local tokenizer, or a data.path that does not exist
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=accelerator.process_index,
                              world_size=accelerator.num_processes, seed=tc.seed,

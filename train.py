@@ -67,8 +67,8 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
 from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings, stop_with_error,
-                                    validate_config)
+from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings, resolve_precision,
+                                    stop_with_error, validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
@@ -95,6 +95,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     tf32 = allow_tf32(tc.tf32, device)
+    tc.precision = resolve_precision(tc.precision, device)  # auto: bf16-mixed where bf16 is native, else fp32
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = lock = model = None
     try:

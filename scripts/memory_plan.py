@@ -59,7 +59,8 @@ def run_settings(cfg, args) -> dict:
     return dict(
         micro_batch_size=micro,
         seq_len=pick(args.seq_len, "data.seq_len"),
-        precision=pick(args.precision, "train.precision"),
+        # auto (the quickstart's default) is bf16-mixed on the GPUs this script plans for
+        precision=(lambda p: "bf16-mixed" if p == "auto" else p)(pick(args.precision, "train.precision")),
         parallelism=pick(args.parallelism, "train.parallelism", "ddp"),
         activation_checkpointing=pick(args.activation_checkpointing, "train.activation_checkpointing", False),
         world_size=args.world_size,
