@@ -285,3 +285,21 @@ def test_stop_with_error_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(naming, "_hydra", lambda hc=None: OmegaConf.create({"mode": "MULTIRUN"}))
     with pytest.raises(JobError, match=r"^error: train.steps=0 is invalid$"):
         stop_with_error(ConfigError("train.steps=0 is invalid"), 2)
+
+
+def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
+    """train.precision=auto: bf16-mixed on a CPU whose flags list AVX512-BF16 or AMX (read here from
+    /proc/cpuinfo on its own), fp32 on other CPUs; a set value is kept; a bad one names the choices."""
+    from train_utils.validation import ConfigError, resolve_precision
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(" ".join(line for line in f if line.startswith("flags")).split())
+    except OSError:
+        flags = set()
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "fp32")
+    for kept in ("bf16-mixed", "bf16", "fp32"):
+        assert resolve_precision(kept, "cpu") == kept
+    with pytest.raises(ConfigError, match="train.precision='fp16' is invalid; choose one of bf16-mixed, bf16, fp32, auto"):
+        resolve_precision("fp16", "cpu")
