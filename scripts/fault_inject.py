@@ -225,7 +225,7 @@ def disk_full_trial(reference: str, run_dir: str, rng: random.Random, resumed: b
             "ok": clean and ok}
 
 
-def _catches(pid: int, sig: int) -> bool:
+def catches_signal(pid: int, sig: int) -> bool:
     """The process has a handler for `sig` (its SigCgt mask in /proc)."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -238,7 +238,7 @@ def _catches(pid: int, sig: int) -> bool:
 def early_signal_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
     proc = start(run_dir)
     deadline = time.time() + 60
-    while proc.poll() is None and time.time() < deadline and not _catches(proc.pid, signal.SIGTERM):
+    while proc.poll() is None and time.time() < deadline and not catches_signal(proc.pid, signal.SIGTERM):
         time.sleep(0.001)  # the interpreter itself starts without any handler: from train.py's first lines on
     delay = rng.uniform(0.0, 3.0)
     time.sleep(delay)

@@ -14,6 +14,7 @@ import pytest
 from _train_helpers import (REPO, TINY, assert_same_weights, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
+from scripts.fault_inject import catches_signal
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -30,16 +31,6 @@ def _wait_for(predicate, proc, timeout=180.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _catches(pid: int, sig: int) -> bool:
-    """The process has a handler installed for `sig` (its SigCgt mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(mask & (1 << (sig - 1)))
-
-
 def _steps_logged(run_dir) -> int:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -52,7 +43,7 @@ def test_signal_during_startup_exits_cleanly(tmp_path):
     exit 75 with a message, nothing trained or written (no checkpoint, no metrics)."""
     proc = subprocess.Popen(train_cmd(tmp_path, "train.steps=5"), cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: _catches(proc.pid, signal.SIGTERM), proc, what="the early signal handler")
+    _wait_for(lambda: catches_signal(proc.pid, signal.SIGTERM), proc, what="the early signal handler")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 75, err[-3000:]
