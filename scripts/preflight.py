@@ -238,7 +238,7 @@ def _model(name: str, device: torch.device, vocab: int):
 
 def check_activation_checkpointing(table: Table, device: torch.device, model_name: str, compiled: bool,
                                    parallelism: str, seq: int, batch: int) -> None:
-    from train_utils.distributed import transformer_blocks
+    from frugal.grouping import transformer_blocks
     from train_utils.loop import (activation_checkpointing_on, compile_model, enable_activation_checkpointing,
                                   saved_tensor_bytes, token_loss_sum)
 
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
             guarded(table, "bf16 autocast (CPU)")(check_bf16_cpu)(table)
 
         # train.py on llama_tiny: each parallelism, eager and compiled
-        batch = [f"train.micro_batch_size=2", f"train.batch_size={2 * nproc}", f"train.steps={args.steps}"]
+        batch = ["train.micro_batch_size=2", f"train.batch_size={2 * nproc}", f"train.steps={args.steps}"]
         for parallelism in ("ddp", "fsdp"):
             for compiled in (False, True):
                 label = f"llama_tiny {parallelism} {'compiled' if compiled else 'eager'} x{nproc}"

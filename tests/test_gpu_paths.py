@@ -106,7 +106,7 @@ def tiny_llama(checkpointing: bool, compiled: bool, parallelism: str):
     from omegaconf import OmegaConf
 
     import models
-    from train_utils.distributed import transformer_blocks
+    from frugal.grouping import transformer_blocks
     from train_utils.loop import compile_model, enable_activation_checkpointing
 
     torch.manual_seed(0)

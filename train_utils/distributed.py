@@ -58,7 +58,7 @@ PARALLELISMS = ("ddp", "fsdp")
 
 
 # The transformer blocks (FSDP2 units, compiled layers): frugal's one rule, from the module structure.
-from frugal.grouping import transformer_blocks  # noqa: E402,F401
+from frugal.grouping import transformer_blocks  # noqa: E402
 
 
 def wrap_model(accelerator, model, parallelism: str = "ddp", precision: str = "bf16-mixed"):

@@ -39,3 +39,10 @@ class OptimizerHooks:
     def density_report(self) -> dict | None:
         own = self._own("density_report")
         return own() if own else None
+
+    def materialize_state(self, step: int) -> None:
+        """Create the state a checkpoint of `step` holds, before torch.distributed.checkpoint loads
+        into it (FRUGAL: which tensors hold state depends on the window); others: nothing to do."""
+        own = self._own("materialize_state")
+        if own:
+            own(step)

@@ -223,7 +223,7 @@ def compile_model(model):
     """Compile each transformer block's forward in place (module docstring); return the compiled loss.
     Parameter names and hooks are unchanged, so checkpoints and FSDP2 see the same model. Call it
     before `wrap_model`, before or after `enable_activation_checkpointing`."""
-    from train_utils.distributed import transformer_blocks
+    from frugal.grouping import transformer_blocks
 
     for block in transformer_blocks(model):
         block._compiled_forward = torch.compile(block.forward)
@@ -282,7 +282,7 @@ def enable_activation_checkpointing(model) -> None:
     (transformers' per-block checkpointing; our own around compiled blocks, see `_install_forward`).
     Non-reentrant: works with autocast, and restores the RNG state for the recomputation, so dropout
     masks are those of the forward pass."""
-    from train_utils.distributed import transformer_blocks
+    from frugal.grouping import transformer_blocks
 
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name warns there)
@@ -305,7 +305,7 @@ def block_checkpointed(block) -> bool:
 
 def activation_checkpointing_on(model) -> bool:
     """True when every transformer block is checkpointed (block_checkpointed), whatever the flags say."""
-    from train_utils.distributed import transformer_blocks
+    from frugal.grouping import transformer_blocks
 
     return all(block_checkpointed(block) for block in transformer_blocks(model))
 

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from train_utils import checkpoint as ckpt
+from train_utils.hooks import OptimizerHooks
 
 SHARDED_DIR = "dcp"
 
@@ -191,8 +192,7 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
         for group, group_sd, saved in zip(optimizer.param_groups, optim_sd["param_groups"], kept):
             group.update(saved)
             group_sd.update(copy.deepcopy(saved))
-        if hasattr(optimizer, "pop_events"):
-            optimizer.pop_events()  # nothing happened: drop what the lr-0 step reported
+        OptimizerHooks(optimizer).pop_events()  # nothing happened: drop what the lr-0 step reported
     per_rank = {k: optim_sd["state"].pop(k) for k in _per_rank_keys(optim_sd) if k in optim_sd["state"]}
     return model_sd, optim_sd, per_rank
 
@@ -278,8 +278,7 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    if hasattr(optimizer, "materialize_state"):  # FRUGAL: which tensors hold state depends on the window
-        optimizer.materialize_state(step)
+    OptimizerHooks(optimizer).materialize_state(step)  # FRUGAL: which tensors hold state depends on the window
     model_sd, optim_sd, fresh = _state_dicts(model, optimizer)
     # Checkpoints of earlier versions keep FRUGAL's step counter in the first group only: load that
     # one, and FRUGAL.load_state_dict gives every group the same count.
