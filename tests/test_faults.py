@@ -175,6 +175,37 @@ def test_one_run_per_run_dir(tmp_path):
     assert steps == list(range(1, 7))
 
 
+def test_a_killed_runs_lock_is_free_at_once_though_its_forked_children_live_on(tmp_path):
+    """The run's process forks a child (as DataLoader workers are forked) and is SIGKILLed: the
+    child, alive, does not keep the run dir locked (it closed its copy of the lock at the fork; the
+    code before this kept the lock until the child ended, ~5 s for a worker)."""
+    from train_utils.run_lock import RunDirInUse, RunLock
+
+    script = ("import os, sys, time\n"
+              f"sys.path.insert(0, {REPO!r})\n"
+              "from train_utils.run_lock import RunLock\n"
+              "RunLock(sys.argv[1]).acquire()\n"
+              "child = os.fork()\n"
+              "if child == 0:\n"
+              "    time.sleep(120); os._exit(0)\n"
+              "print(child, flush=True)\n"
+              "time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(RunDirInUse, match=f"pid {holder.pid} on host"):
+            RunLock(str(tmp_path)).acquire()  # held while the run lives
+        holder.kill()
+        holder.wait()
+        assert psutil.pid_exists(child)
+        lock = RunLock(str(tmp_path))
+        lock.acquire()  # free although the child lives on
+        lock.release()
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
+
+
 def test_the_stop_handler_is_installed_before_torch_is_imported(tmp_path):
     """train.py's early handler comes before any heavy import: at the moment `torch` is first
     imported, SIGTERM already has a handler (it used to come after torch: 2-10 s of start-up in which

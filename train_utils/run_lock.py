@@ -10,8 +10,10 @@ checkpoint files only into the temporary directory rank 0 creates) takes `fcntl.
 
 The kernel releases a flock when its process ends, however it ends (SIGKILL, OOM kill, a crash), so
 a lock is never stale: the file a dead run leaves behind is taken over by the next run. The lock
-belongs to the open file, which forked DataLoader workers share; `release` unlocks explicitly, so a
-run that returns (an in-process caller) frees the directory even while workers wind down. On a
+belongs to the open file, which a forked child would share and keep locked after the run died (a
+DataLoader worker lives ~5 s past a SIGKILLed parent): every child forked while the lock is held
+closes its copy at once (`os.register_at_fork`), so the run's own process alone holds it. `release`
+unlocks explicitly, so a run that returns (an in-process caller) frees the directory at once. On a
 cluster file system, flock works across nodes where the file system supports it (NFSv4, Lustre
 with `flock` mounted, GPFS); where it does not, the lock protects against a second run on the same
 node only.
@@ -27,6 +29,22 @@ import socket
 from train_utils.validation import ConfigError
 
 LOCK_FILE = "run.lock"
+_HELD: set[int] = set()  # lock file descriptors this process holds
+
+
+def _close_in_child() -> None:
+    """In a forked child: close the inherited lock descriptors (closing, not unlocking: an unlock
+    would release the parent's lock, which is the same open file)."""
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunDirInUse(ConfigError):
@@ -63,10 +81,12 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode(), 0)
         self.fd = fd
+        _HELD.add(fd)
 
     def release(self) -> None:
         if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)  # also for the forked workers that share the open file
+            _HELD.discard(self.fd)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
 
