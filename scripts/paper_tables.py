@@ -144,8 +144,8 @@ def _modules(cfg, start=None) -> str:
 
 def _precision(cfg, start=None) -> str:
     size = {"llama_1b": "1.3B"}.get(cfg["model"]["name"], _size(cfg))
-    prec = {"bf16": "Pure bf16", "bf16-mixed": "Mixed Precision", "fp32": "fp32"}.get(
-        cfg["train"]["precision"], cfg["train"]["precision"])
+    used = (start or {}).get("precision") or cfg["train"]["precision"]  # the start row's: auto resolved
+    prec = {"bf16": "Pure bf16", "bf16-mixed": "Mixed Precision", "fp32": "fp32"}.get(used, used)
     return f"{size} {prec}"
 
 
