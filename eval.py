@@ -14,7 +14,8 @@ Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and wr
 <checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
 and with the same code as train.py's evaluations, so the two agree. `eval.mode=authors` evaluates as
 the paper's code did instead (C4 only: the validation split shuffled with seed 42, the mean of
-per-batch mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers. Runs under torchrun too (the
+per-batch mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers.
+Runs under torchrun too (the
 ranks split the validation set). A checkpoint of a sharded run (train.parallelism=fsdp) is read
 whole into each process, on any number of processes. Exit codes: 0 done; 2 bad arguments, or a missing or damaged
 checkpoint (verified against its manifest; a run directory falls back to its newest intact one).

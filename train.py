@@ -67,8 +67,8 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
 from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings, resolve_precision,
-                                    stop_with_error, validate_config)
+from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings,
+                                    resolve_precision, stop_with_error, validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
@@ -185,8 +185,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             changes=plan["changes"], fresh_state=fresh_state, world=world,
             saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
             settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
-                      "model": cfg.model.name, "debug": debug_option(), "loss_floor": dm.loss_floor, "world_size": world,
-                      "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
+                      "model": cfg.model.name, "debug": debug_option(), "loss_floor": dm.loss_floor,
+                      "world_size": world, "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
                       "accumulation": accum, "resumed_from": plan["ckpt_dir"], "device": str(device),
                       "precision": precision,
                       "flops_per_position": flops, "peak_flops": peak,
@@ -248,7 +248,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 if pace:
                     say(pace)
             if step % every == 0 and step < tc.steps:
-                say(f"step {step:,}/{tc.steps:,}: loss {loss:.4f}, {time.perf_counter() - started:.0f} s", console=not shown)
+                say(f"step {step:,}/{tc.steps:,}: loss {loss:.4f}, {time.perf_counter() - started:.0f} s",
+                    console=not shown)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 last_eval = {"step": step, **evaluate(raw_model, eval_dm, tc.eval_tokens, precision, accelerator,
                                                       loss_fn)}

@@ -211,7 +211,8 @@ class DataModule:
             f"workers per rank (data.num_workers={self.num_workers}, counted as {slots}) = {multiple}. "
             + (f"Valid data.num_workers for {self.world_size} process(es): {workers}. " if workers else
                f"No worker count fits {self.world_size} processes. ")
-            + f"Or set data.readers to a multiple of {multiple} (e.g. {multiple * max(1, -(-self.readers // multiple))}); "
+            + f"Or set data.readers to a multiple of {multiple} "
+            f"(e.g. {multiple * max(1, -(-self.readers // multiple))}); "
             "that changes the order of the training data, so keep it fixed across runs you compare."
         )
 
@@ -226,7 +227,8 @@ class DataModule:
         if mismatch:
             raise DataConfigError(
                 f"the {self.source.name} data holds finished rows of seq_len={spec['seq_len']} "
-                f"(truncation={spec.get('truncation')}, no packing), but this run asks for data.seq_len={self.seq_len}, "
+                f"(truncation={spec.get('truncation')}, no packing), but this run asks for "
+                f"data.seq_len={self.seq_len}, "
                 f"data.truncation={self.truncation}, data.packing={self.packing}. Use those settings, or write "
                 "token files with `scripts/pretokenize.py --layout documents` (any seq_len, packing or not)."
             )

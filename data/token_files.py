@@ -96,7 +96,8 @@ class TokenSource(IndexedSource):
         self.prefix, self.suffix = tuple(self.meta.get("prefix", ())), tuple(self.meta.get("suffix", ()))
         layout = self.meta["layout"]
         self.layout = layout["kind"]
-        self.rows = {"seq_len": layout["seq_len"], "truncation": layout["truncation"]} if self.layout == "rows" else None
+        self.rows = ({"seq_len": layout["seq_len"], "truncation": layout["truncation"]}
+                     if self.layout == "rows" else None)
         embed = self.vocab_size or model_vocab_size
         for split, info in self.meta["splits"].items():
             if embed is not None and info.get("max_id", -1) >= embed:

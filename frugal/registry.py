@@ -98,7 +98,8 @@ _ENTRIES: dict[str, _Entry] = {
     # Lion's authors run it 3-10x below AdamW's rate (Chen et al., 2023): 1e-4.
     "lion": _Entry("frugal", "Lion on every parameter", {"state_full": "lion", "betas": (0.9, 0.99), "lr": 1e-4},
                    ("betas",) + IMPLEMENTATION_KEYS, "all_state_full"),
-    "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"}, ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
+    "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"},
+                   ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
     # The concurrent methods of the paper's Appendix "Comparison with Concurrent Methods", as the
     # FRUGAL instances it describes (docs/concurrent_methods.md).
     # Fira as the `fira` package runs it (the paper's Fira numbers come from that code): its AdamW

@@ -1,4 +1,5 @@
-"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``, ``muon``: frugal/muon.py) and state-free (``signsgd``, ``sgd``, ``none``).
+"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``, ``muon``: frugal/muon.py) and state-free
+(``signsgd``, ``sgd``, ``none``).
 
 Every rule has two forms over the same math:
 

@@ -91,7 +91,8 @@ def make_tokenizer(root: str, shard_root: str) -> str:
     import sentencepiece as spm
 
     corpus = os.path.join(root, "corpus.txt")
-    with gzip.open(os.path.join(shard_root, "en", "c4-train.00000-of-01024.json.gz"), "rt") as f, open(corpus, "w") as out:
+    with gzip.open(os.path.join(shard_root, "en", "c4-train.00000-of-01024.json.gz"), "rt") as f, \
+            open(corpus, "w") as out:
         for i, line in enumerate(f):
             if i >= 800:
                 break
@@ -192,8 +193,9 @@ def main(argv=None):
         rows.append(("c4-local streaming + tokenize, truncate-and-pad",
                      *rate(build_data(c4, micro_batch_size=args.batch, model_vocab_size=32000), n_stream)))
         stream_rate = rows[-1][2]
-        rows.append(("c4-local streaming + tokenize, packing", *rate(build_data(dict(c4, packing=True), micro_batch_size=args.batch, model_vocab_size=32000),
-                        n_stream // 2)))
+        rows.append(("c4-local streaming + tokenize, packing",
+                     *rate(build_data(dict(c4, packing=True), micro_batch_size=args.batch, model_vocab_size=32000),
+                           n_stream // 2)))
         t0 = time.perf_counter()
         meta = pretokenize(c4, os.path.join(tmp, "rows"), train_rows=args.docs, val_tokens=100_000,
                            model_vocab_size=32000)
@@ -202,7 +204,8 @@ def main(argv=None):
                     model_vocab_size=32000)
         tcfg = {"name": "tokens", "seq_len": SEQ_LEN, "readers": 1}
         rows.append(("tokens, rows layout (memmap)",
-                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "rows")), micro_batch_size=args.batch), 2000, 2)))
+                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "rows")),
+                                      micro_batch_size=args.batch), 2000, 2)))
         rows.append(("tokens, documents layout, packing (memmap)",
                      *rate(build_data(dict(tcfg, path=os.path.join(tmp, "docs"), packing=True),
                                       micro_batch_size=args.batch), 2000, 2)))
@@ -215,7 +218,8 @@ def main(argv=None):
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
     print(f"machine: {cores} CPU cores, load average {load[0]:.1f} (SHARED with other jobs: +-30% or worse); "
           f"torch {torch.__version__}; tokenizer: "
-          f"{'given' if args.tokenizer else 'sentencepiece unigram 8000, T5 ids, trained here'}; batch {args.batch} x {SEQ_LEN}")
+          f"{'given' if args.tokenizer else 'sentencepiece unigram 8000, T5 ids, trained here'}; "
+          f"batch {args.batch} x {SEQ_LEN}")
     print(f"pretokenize (rows layout) wrote {pre:,.0f} documents/s")
     print()
     print("| path (one worker, one reader) | positions per CPU second | positions per wall second | non-pad share |")

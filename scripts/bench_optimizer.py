@@ -156,7 +156,8 @@ def methods(sign_update: str) -> list:
         return lambda m: frugal.build_optimizer(m, name, **hp)
     return [
         ("adamw fused", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, fused=True), "plain"),
-        ("adamw foreach", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, foreach=True), "plain"),
+        ("adamw foreach", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0, foreach=True),
+         "plain"),
         ("frugal block 0.25", build("frugal", density=0.25), "plain"),
         ("frugal block 0.0", build("frugal", density=0.0), "plain"),
         ("frugal column 0.25", build("frugal", density=0.25, projection="column"), "coordinate"),

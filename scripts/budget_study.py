@@ -165,7 +165,8 @@ def report(summary: dict, methods: list[str], min_seeds: int) -> str:
     budgets = [b for b in summary if all(summary[b].get(m, {}).get("seeds", 0) >= min_seeds for m in methods)]
     partial = [b for b in summary if b not in budgets]
     cols = budgets + partial
-    lines = ["| method | " + " | ".join(f"{b:g} tok/param" + ("" if b in budgets else " (partial)") for b in cols) + " |",
+    lines = ["| method | " + " | ".join(f"{b:g} tok/param" + ("" if b in budgets else " (partial)")
+                                        for b in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for m in methods:
         cells = []
@@ -178,7 +179,8 @@ def report(summary: dict, methods: list[str], min_seeds: int) -> str:
     for b in budgets:
         out.append(f"- {b:g} tokens/param: " + " < ".join(METHODS[m][2] for m in orders[b]))
     for b0, b1 in zip(budgets, budgets[1:]):
-        out.append(f"- rank correlation (Spearman) {b0:g} -> {b1:g} tokens/param: {spearman(orders[b0], orders[b1]):.2f}")
+        out.append(f"- rank correlation (Spearman) {b0:g} -> {b1:g} tokens/param: "
+                   f"{spearman(orders[b0], orders[b1]):.2f}")
     for b in budgets:
         paper = [m for m in PAPER_ORDER if m in methods]
         out.append(f"- {b:g} tokens/param, rank correlation with the paper's order of its {len(paper)} methods "
@@ -211,7 +213,8 @@ def plot(summary: dict, methods: list[str], path: Path, title: str) -> None:
             lo = [s["mean"] - s["min"] for _, s in pts]
             hi = [s["max"] - s["mean"] for _, s in pts]
             ax.errorbar(xs, mean, yerr=[lo, hi], marker=markers[i % len(markers)], capsize=3,
-                        label=f"{METHODS[m][2]}" + ("" if all(s["seeds"] > 1 for _, s in pts) else " (1 seed at some budgets)"))
+                        label=f"{METHODS[m][2]}"
+                        + ("" if all(s["seeds"] > 1 for _, s in pts) else " (1 seed at some budgets)"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per parameter (log scale)")
         ax.grid(alpha=0.3)

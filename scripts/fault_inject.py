@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         print(done.stderr[-3000:], file=sys.stderr)
         return 1
     trials, damages = [], list(DAMAGES)
-    plan = ([("kill", i % 2 == 1) for i in range(args.kills)] + [("signal", SIGNALS[i % 4]) for i in range(args.signals)]
+    plan = ([("kill", i % 2 == 1) for i in range(args.kills)]
+            + [("signal", SIGNALS[i % 4]) for i in range(args.signals)]
             + [("damage", damages[i % len(damages)]) for i in range(args.damage)]
             + [("disk", i % 2 == 1) for i in range(args.disk_full)] + [("early", None) for _ in range(args.early)]
             + [("writer", None) for _ in range(args.writers)]

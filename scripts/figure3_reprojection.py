@@ -12,7 +12,8 @@ into the new basis, M <- M (P_old^T P_new) (Flora, Hao et al. 2024, Algorithm 2)
 to its previous norm (the paper's addition: it preserves the momentum's mass). Ranks 3 and 6; mean
 and standard deviation over `--runs` (5) random initialisations, drawn with shared seeds so both
 variants start from the same matrices. The statistics are taken over log10 of the loss (the plot's
-scale, where the runs spread multiplicatively; a linear std would reach below zero). The momentum update follows the paper's
+scale, where the runs spread multiplicatively; a linear std would reach below zero).
+The momentum update follows the paper's
 exponential-average form of SGD with momentum (its Algorithm 2), the same as FRUGAL's sgdm rule.
 """
 from __future__ import annotations

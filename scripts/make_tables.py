@@ -442,8 +442,8 @@ def _gib_text(x):
 
 CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
               "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs",
-              "density_requested", "density_realised", "density_blocks", "eval_mode", "lr_at_readout", "memory_gb", "paper_memory_gb",
-              "run"]
+              "density_requested", "density_realised", "density_blocks", "eval_mode", "lr_at_readout", "memory_gb",
+              "paper_memory_gb", "run"]
 
 
 def to_csv(records: list[dict]) -> str:

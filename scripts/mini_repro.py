@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", required=True, type=Path, help="a text file or a directory of them")
     ap.add_argument("--out", type=Path, help="JSON results (default: <workdir>/results.json)")
-    ap.add_argument("--md", type=Path, help="markdown report: table + settings + command (default: <workdir>/mini_repro.md)")
+    ap.add_argument("--md", type=Path,
+                    help="markdown report: table + settings + command (default: <workdir>/mini_repro.md)")
     ap.add_argument("--plot", type=Path, help="PNG of the runs' curves (default: <workdir>/mini_repro.png)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mini_repro")
     ap.add_argument("--vocab", type=int, default=1024)
@@ -332,7 +333,8 @@ def main(argv=None) -> int:
     labels = {key: label for key, label, _ in rows}
     order = " < ".join(labels[k] for k in sorted(results, key=lambda k: results[k]["val_loss"]))
     summary = (f"model: LLaMA, {args.layers} layers, hidden {args.hidden}, {params:,} parameters "
-               f"(embeddings + output layer {emb_share:.0%}); vocabulary {args.vocab} (sentencepiece, trained on the corpus)\n"
+               f"(embeddings + output layer {emb_share:.0%}); vocabulary {args.vocab} "
+               "(sentencepiece, trained on the corpus)\n"
                f"budget: {args.steps} steps x {args.batch} x {args.seq_len} tokens = {tokens:,} tokens per run; "
                f"update gap T={args.update_gap}; AdamW lr grid {grid} -> {best_lr:g}, reused for all\n"
                f"unigram-stage loss {unigram:.3f} nats; measured order (val loss): {order}\n"

@@ -190,7 +190,8 @@ SPECS: dict[str, dict] = {
             "AdamW": {"4k": 33.95, "40k": 20.56, "200k": 18.13},
         }),
     "table2": dict(
-        title="Table 2: validation perplexity (optimizer-state memory)", row=lambda c, s=None: method(c["optimizer"], s),
+        title="Table 2: validation perplexity (optimizer-state memory)",
+        row=lambda c, s=None: method(c["optimizer"], s),
         columns=("model",), paper=TABLE2, memory=TABLE2_MEMORY_GIB),
     "table3_precision": dict(
         title="Table 3: pure bf16 vs mixed precision (AdamW, 100k iterations). The 175M model's shape is not "
@@ -243,7 +244,8 @@ SPECS: dict[str, dict] = {
         paper={"signSGD": {"200k": 18.60}, "SGD": {"200k": 19.11}, "AdamW": {"200k": 18.13}}),
     "table12_lion": dict(
         model="llama_130m",
-        title="Table 12: Lion as the state-full rule (LLaMA-130M, 200k)", row=lambda c, s=None: method(c["optimizer"], s),
+        title="Table 12: Lion as the state-full rule (LLaMA-130M, 200k)",
+        row=lambda c, s=None: method(c["optimizer"], s),
         columns=("final", "200k"),
         paper={"AdamW": {"200k": 18.13}, "Lion": {"200k": 18.55},
                "GaLore (+Lion), rho=0.25": {"200k": 21.65}, "FRUGAL (+Lion), rho=0.25": {"200k": 18.89}}),
@@ -269,10 +271,14 @@ SPECS: dict[str, dict] = {
         title="Tables 6 and 7: constant and one-cycle cosine schedules (LLaMA-130M)",
         row=lambda c, s=None: method(c["optimizer"], s), columns=("schedule_steps", [100000, 200000]),
         paper={"AdamW": {"constant 100k": 19.51, "constant 200k": 18.51, "cosine 100k": 19.38, "cosine 200k": 17.95},
-               "GaLore, rho=0.25": {"constant 100k": 22.63, "constant 200k": 21.03, "cosine 100k": 22.30, "cosine 200k": 20.60},
-               "BAdam, rho=0.25": {"constant 100k": 22.31, "constant 200k": 20.66, "cosine 100k": 22.35, "cosine 200k": 20.07},
-               "FRUGAL, rho=0.25": {"constant 100k": 19.97, "constant 200k": 18.85, "cosine 100k": 19.62, "cosine 200k": 18.16},
-               "FRUGAL, rho=0.0": {"constant 100k": 20.33, "constant 200k": 19.14, "cosine 100k": 19.83, "cosine 200k": 18.34}}),
+               "GaLore, rho=0.25": {"constant 100k": 22.63, "constant 200k": 21.03,
+                                    "cosine 100k": 22.30, "cosine 200k": 20.60},
+               "BAdam, rho=0.25": {"constant 100k": 22.31, "constant 200k": 20.66,
+                                   "cosine 100k": 22.35, "cosine 200k": 20.07},
+               "FRUGAL, rho=0.25": {"constant 100k": 19.97, "constant 200k": 18.85,
+                                    "cosine 100k": 19.62, "cosine 200k": 18.16},
+               "FRUGAL, rho=0.0": {"constant 100k": 20.33, "constant 200k": 19.14,
+                                   "cosine 100k": 19.83, "cosine 200k": 18.34}}),
     "table16_density": dict(
         model="llama_130m",
         title="Table 16: density rho (LLaMA-130M, 200k)", row=_density, columns=("final", "200k"),
@@ -283,7 +289,8 @@ SPECS: dict[str, dict] = {
         title="Table 17: Fira and LDAdam, with clipping (Fira: its norm-growth limiter) and weight decay; "
               "approximate slowdown vs AdamW (the paper, from the methods' papers): Fira 10%, LDAdam 15%, "
               "FRUGAL 0%",
-        row=lambda c, s=None: method(c["optimizer"], s), columns=("model",), paper=TABLE17, estimate=TABLE17_OPTIMIZERS),
+        row=lambda c, s=None: method(c["optimizer"], s), columns=("model",), paper=TABLE17,
+        estimate=TABLE17_OPTIMIZERS),
     "lr_grid_adamw": dict(
         title="Appendix A.1: AdamW's learning-rate grid {1e-4, 3e-4, 1e-3, 3e-3} (the best rate, 1e-3, is "
               "every method's in the paper's tables); the paper prints no numbers for it",

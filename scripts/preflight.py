@@ -74,7 +74,8 @@ def guarded(table: Table, check: str):
             try:
                 return fn(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 (the table reports it)
-                table.add(check, f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}",
+                table.add(check, f"{type(err).__name__}: "
+                                 f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}",
                           "FAIL")
         return run
     return wrap
@@ -95,7 +96,8 @@ def check_environment(table: Table, gpus: int) -> None:
     free, total = torch.cuda.mem_get_info(0)
     table.add("device", f"{gpus} x {names[0]}, {total / GIB:.0f} GiB"
               + (f", peak {peak[1] / 1e12:.0f} TFLOP/s bf16 ({peak[0]})" if peak else
-                 ", not in the MFU table: pass train.peak_flops") + ("" if len(set(names)) == 1 else f"; MIXED: {names}"),
+                 ", not in the MFU table: pass train.peak_flops")
+              + ("" if len(set(names)) == 1 else f"; MIXED: {names}"),
               "pass" if len(set(names)) == 1 else "FAIL")
     driver = "?"
     if shutil.which("nvidia-smi"):
@@ -105,7 +107,8 @@ def check_environment(table: Table, gpus: int) -> None:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
     table.add("driver / CUDA / NCCL", f"driver {driver}, CUDA {torch.version.cuda}, NCCL {nccl}", "pass")
     bf16 = torch.cuda.is_bf16_supported()
-    table.add("bf16 (GPU)", "supported" if bf16 else "NOT supported: the presets compute in bf16", "pass" if bf16 else "FAIL")
+    table.add("bf16 (GPU)", "supported" if bf16 else "NOT supported: the presets compute in bf16",
+              "pass" if bf16 else "FAIL")
     major, minor = torch.cuda.get_device_capability(0)
     table.add("TF32", f"available (compute capability {major}.{minor})" if major >= 8 else
               f"not available (compute capability {major}.{minor} < 8.0): fp32 matmuls stay fp32", "pass")
@@ -116,7 +119,8 @@ def check_bf16_cpu(table: Table) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = a @ a
     ok = out.dtype == torch.bfloat16 and torch.allclose(out.float(), a @ a, rtol=0.05, atol=0.5)
-    table.add("bf16 autocast (CPU)", "matmul in bf16, close to fp32" if ok else f"got {out.dtype}", "pass" if ok else "FAIL")
+    table.add("bf16 autocast (CPU)", "matmul in bf16, close to fp32" if ok else f"got {out.dtype}",
+              "pass" if ok else "FAIL")
 
 
 # ---- train.py runs
@@ -177,7 +181,8 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
     mfu = f", MFU {last['mfu']:.0%}" if last.get("mfu") is not None else ""
     hung = "; HUNG AT EXIT (stopped)" if "hung at exit" in stderr else ""
     table.add(f"train {label}", f"{len(steps)} steps, loss {steps[0]['loss']:.3f} -> {last['loss']:.3f}, "
-              f"{last['step_time_s'] * 1e3:.0f} ms/step{mfu} ({time.perf_counter() - started:.0f} s with start-up){hung}",
+              f"{last['step_time_s'] * 1e3:.0f} ms/step{mfu} "
+              f"({time.perf_counter() - started:.0f} s with start-up){hung}",
               "pass")
     if "train.activation_checkpointing=true" in overrides and not start.get("activation_checkpointing"):
         table.add(f"  checkpointing {label}", "requested, but the start row says the blocks run without it", "FAIL")
@@ -261,15 +266,15 @@ def check_activation_checkpointing(table: Table, device: torch.device, model_nam
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
 
-        def run():
+        def run(m=model):
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                return token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
+                return token_loss_sum(m(input_ids=ids, use_cache=False).logits, ids)
 
         saved[checkpointing] = saved_tensor_bytes(run)
         run().backward()
         if checkpointing:
             on = activation_checkpointing_on(model)
-        del model
+        del model, run
     ratio = saved[True] / saved[False]
     ok = ratio < 0.5 and on
     table.add(label, f"saved for backward: {saved[True] / 2 ** 20:.1f} MiB with, {saved[False] / 2 ** 20:.1f} MiB "
@@ -305,7 +310,8 @@ def check_sign_update(table: Table, device: torch.device) -> None:
                 opt.zero_grad(set_to_none=False)
     finally:
         kernels._kernel = real
-    fell_back = device.type in kernels._unavailable or any("sign update is unavailable" in str(w.message) for w in caught)
+    fell_back = (device.type in kernels._unavailable
+                 or any("sign update is unavailable" in str(w.message) for w in caught))
     ok = bool(calls) and not fell_back
     table.add("compiled sign update (DDP bucket views)",
               f"{len(calls)} compiled calls in 3 steps, no fallback" if ok else
@@ -360,7 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fast", action="store_true",
                         help="tiny eager runs and checks only: no compiling, no preset model (CPU CI)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a training run counts as hung")
-    parser.add_argument("--workdir", default=None, help="where the runs write (default: a temporary directory, removed)")
+    parser.add_argument("--workdir", default=None,
+                        help="where the runs write (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -388,8 +395,8 @@ def main(argv=None) -> int:
                 if compiled and no_compile:
                     table.add(f"train {label}", no_compile, "skip")
                     continue
-                overrides = [*TINY, *batch, f"train.parallelism={parallelism}", f"train.compile={str(compiled).lower()}",
-                             "train.activation_checkpointing=true"]
+                overrides = [*TINY, *batch, f"train.parallelism={parallelism}",
+                             f"train.compile={str(compiled).lower()}", "train.activation_checkpointing=true"]
                 guarded(table, f"train {label}")(check_training)(table, label, overrides, nproc, work, args.timeout,
                                                                  bool(gpus))
 

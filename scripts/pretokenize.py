@@ -63,7 +63,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default="c4", help="configs/data/<name>.yaml or a yaml file")
     ap.add_argument("--model", default="llama_60m", help="configs/model/<name>.yaml (tokenizer, vocab; paper steps)")
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (default: the paper's for --model)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps of the run (default: the paper's for --model)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the paper's 512)")
     ap.add_argument("--train-rows", type=int, default=None, help="rows to write (default: steps x batch size)")
     ap.add_argument("--val-tokens", type=int, default=None,

@@ -48,7 +48,8 @@ def test_cells_are_appended_and_skipped_on_rerun(fake_train, tmp_path, capsys):
 
 def test_report_orders_methods_and_shows_the_spread():
     results = {}
-    for budget, losses in [(1, {"adamw": (4.0, 4.2), "muon": (3.9, 3.95)}), (4, {"adamw": (3.5, 3.6), "muon": (3.7, 3.8)})]:
+    for budget, losses in [(1, {"adamw": (4.0, 4.2), "muon": (3.9, 3.95)}),
+                           (4, {"adamw": (3.5, 3.6), "muon": (3.7, 3.8)})]:
         for method, pair in losses.items():
             for seed, loss in enumerate(pair):
                 results[budget_study.cell_key(method, budget, seed, "d")] = {

@@ -102,7 +102,8 @@ def test_a_registry_default_change_is_caught_until_the_files_are_rewritten(monke
     from scripts import write_optimizer_configs as writer
 
     real = registry.defaults
-    monkeypatch.setattr(registry, "defaults", lambda name: {**real(name), "density": 0.5} if name == "frugal" else real(name))
+    monkeypatch.setattr(registry, "defaults",
+                        lambda name: {**real(name), "density": 0.5} if name == "frugal" else real(name))
     monkeypatch.setattr(writer, "OPTIMIZER_DIR", tmp_path)
     for path in (CONFIGS / "optimizer").glob("*.yaml"):
         shutil.copy(path, tmp_path / path.name)
@@ -142,7 +143,8 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
         out = _train_py(override, "+model.hiden=3", f"hydra.run.dir={tmp_path / str(i)}")
         assert out.returncode == 2, (override, out.stderr[-2000:])
         last = out.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: ") and f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last
+        assert last.startswith("error: ") and (
+            f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last)
         assert "model.hiden is not a config key" in last  # a forced key too, in the same line
         assert "+" + override not in out.stderr and "schema" not in out.stderr
         assert not (tmp_path / str(i) / "metrics.jsonl").exists()
@@ -162,7 +164,8 @@ def test_only_overrides_that_may_name_an_undeclared_key_are_forced():
 
     argv = ["-m", "optimizer=adamw,frugal", "train.steps=3", "optimizer.lr=1e-3", "hydra.run.dir=x", "-cn", "config",
             "+train.new=1", "~train.plot", "train.stepz=3", "optimizer.density=0.3", "optimzer=adamw"]
-    assert force_add_key_overrides(argv) == argv[:-3] + ["++train.stepz=3", "++optimizer.density=0.3", "++optimzer=adamw"]
+    assert force_add_key_overrides(argv) == argv[:-3] + ["++train.stepz=3", "++optimizer.density=0.3",
+                                                         "++optimzer=adamw"]
 
 
 def test_train_py_help_lists_no_internal_groups():
@@ -249,11 +252,13 @@ def test_sweep_jobs_are_named_by_option_and_swept_values(tmp_path):
     params = {"optimizer": "adamw,galore,badam,frugal,frugal_rho0", "model": "llama_60m,llama_130m"}
     hc = _fake_multirun(
         tmp_path,
-        master_task=["experiment=table2", "model=llama_60m", "optimizer.density=0.125,0.25", "optimizer.update_gap=100,200"],
+        master_task=["experiment=table2", "model=llama_60m", "optimizer.density=0.125,0.25",
+                     "optimizer.update_gap=100,200"],
         job_task=["optimizer=frugal_rho0", "model=llama_60m", "experiment=table2", "optimizer.density=0.125",
                   "optimizer.update_gap=100"],
         params=params, option="frugal_rho0")
-    assert naming.swept_keys(["model=llama_60m", "optimizer.density=0.125,0.25"], params) == ["optimizer", "optimizer.density"]
+    assert naming.swept_keys(["model=llama_60m", "optimizer.density=0.125,0.25"], params) == \
+        ["optimizer", "optimizer.density"]
     assert naming.sweep_values(hc) == {"optimizer": "frugal_rho0", "optimizer.density": "0.125",
                                        "optimizer.update_gap": "100"}
     assert naming.run_name(cfg, "multirun/x/3", hc) == "llama_60m-frugal_rho0-density=0.125-update_gap=100"
@@ -264,7 +269,8 @@ def test_sweep_jobs_are_named_by_option_and_swept_values(tmp_path):
 def test_single_runs_are_named_by_option_and_run_dir():
     cfg = _compose("optimizer=frugal_rho0")
     single = OmegaConf.create({"mode": "RUN", "runtime": {"choices": {"optimizer": "frugal_rho0"}}})
-    assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-77-ab12", single) == "llama_tiny-frugal_rho0-12-00-00-77-ab12"
+    assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-77-ab12", single) == \
+        "llama_tiny-frugal_rho0-12-00-00-77-ab12"
     # the default run dir already says model and option: the name does not repeat them
     assert naming.run_name(cfg, "outputs/2026-01-01/12-00-00-llama_tiny-frugal_rho0-ab12", single) == \
         "llama_tiny-frugal_rho0-12-00-00-ab12"
@@ -301,5 +307,6 @@ def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
     assert resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "fp32")
     for kept in ("bf16-mixed", "bf16", "fp32"):
         assert resolve_precision(kept, "cpu") == kept
-    with pytest.raises(ConfigError, match="train.precision='fp16' is invalid; choose one of bf16-mixed, bf16, fp32, auto"):
+    with pytest.raises(ConfigError,
+                       match="train.precision='fp16' is invalid; choose one of bf16-mixed, bf16, fp32, auto"):
         resolve_precision("fp16", "cpu")

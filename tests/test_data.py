@@ -44,7 +44,8 @@ def take(dm, n):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+    return len(a) == len(b) and all(torch.equal(x["input_ids"], y["input_ids"])
+                                    and torch.equal(x["labels"], y["labels"])
                                     for x, y in zip(a, b))
 
 
@@ -254,8 +255,9 @@ def test_resume_c4_local(c4_dir, t5_tokenizer_dir, packing):
 
 def test_resume_c4_local_with_workers_across_an_epoch(c4_dir, t5_tokenizer_dir):
     # 2 workers, 2 readers, 300 docs: batches 21..25 of 7 docs cross each reader's epoch boundary (150 docs).
-    make = lambda: build_data(c4_cfg(c4_dir, t5_tokenizer_dir, num_workers=2, readers=2), micro_batch_size=7,
-                              model_vocab_size=VOCAB)
+    def make():
+        return build_data(c4_cfg(c4_dir, t5_tokenizer_dir, num_workers=2, readers=2), micro_batch_size=7,
+                          model_vocab_size=VOCAB)
     resume_check(make, total=26, cut=21)
 
 
@@ -275,8 +277,9 @@ def test_resume_synthetic():
 
 # ------------------------------------------------------------------------------------- validation
 def test_validation_set_is_fixed_disjoint_and_token_counted(c4_dir, t5_tokenizer_dir):
-    make = lambda rank, seed: build_data(c4_cfg(c4_dir, t5_tokenizer_dir), micro_batch_size=4, rank=rank,
-                                         world_size=2, seed=seed, model_vocab_size=VOCAB)
+    def make(rank, seed):
+        return build_data(c4_cfg(c4_dir, t5_tokenizer_dir), micro_batch_size=4, rank=rank,
+                          world_size=2, seed=seed, model_vocab_size=VOCAB)
     a0, a1, b0 = make(0, 0).val_batches(6000), make(1, 0).val_batches(6000), make(0, 5).val_batches(6000)
     assert same(a0, b0)  # independent of the training seed
     r0, r1 = rows_of(a0), rows_of(a1)
@@ -355,7 +358,8 @@ def test_local_defaults_pack_and_size_the_vocabulary_from_the_tokenizer(tmp_path
 
 # -------------------------------------------------------------------------------------- synthetic
 def test_synthetic_is_deterministic_by_seed():
-    make = lambda seed: build_data({"name": "synthetic", "seq_len": 64}, micro_batch_size=4, seed=seed)
+    def make(seed):
+        return build_data({"name": "synthetic", "seq_len": 64}, micro_batch_size=4, seed=seed)
     assert same(take(make(0), 3), take(make(0), 3))
     assert not same(take(make(0), 3), take(make(1), 3))
     assert same(make(0).val_batches(1000), make(1).val_batches(1000))
@@ -431,7 +435,8 @@ def test_c4_from_the_hub_offline_is_one_clear_error(t5_tokenizer_dir, monkeypatc
 
 
 def test_pin_memory_setting():
-    make = lambda value: build_data({"name": "synthetic", "seq_len": 16, "pin_memory": value}, micro_batch_size=2)
+    def make(value):
+        return build_data({"name": "synthetic", "seq_len": 16, "pin_memory": value}, micro_batch_size=2)
     assert make("auto").pin_memory == make(True).pin_memory == torch.cuda.is_available()
     assert make(False).pin_memory is False
 

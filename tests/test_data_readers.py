@@ -85,8 +85,9 @@ def test_continue_on_another_world_size_is_exact(c4_dir, t5_tokenizer_dir, sourc
 
 
 def test_rank_state_is_this_ranks_part_and_merge_checks_consistency():
-    make = lambda r: build_data({"name": "synthetic", "seq_len": 16, "readers": 4}, micro_batch_size=2, rank=r,
-                                world_size=2)
+    def make(r):
+        return build_data({"name": "synthetic", "seq_len": 16, "readers": 4}, micro_batch_size=2, rank=r,
+                          world_size=2)
     dms = [make(0), make(1)]
     its = [dm.train_batches() for dm in dms]
     for _ in range(3):

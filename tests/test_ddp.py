@@ -37,7 +37,8 @@ def test_ranks_identical_and_match_single_process(ddp_run, tmp_path):
     # Same data (the ranks' rows interleave into the single process's rows), same token weighting;
     # only the order of float additions differs.
     assert ddp == pytest.approx(single, abs=2e-3)
-    norms = lambda run: [r["grad_norm"] for r in rows(run) if "loss" in r]
+    def norms(run):
+        return [r["grad_norm"] for r in rows(run) if "loss" in r]
     assert len(norms(ddp_run)) == 2 * N and norms(ddp_run) == pytest.approx(norms(tmp_path), rel=1e-2)
     val = {r["step"]: r["val_loss"] for r in rows(tmp_path) if "val_loss" in r and "event" not in r}
     val_ddp = {r["step"]: r["val_loss"] for r in log if "val_loss" in r and "event" not in r}

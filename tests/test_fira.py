@@ -298,5 +298,6 @@ def test_optimizer_fira_follows_the_fira_package_over_20_steps(foreach, gap):
     off = max(float((a - b).detach().abs().max()) for a, b in zip(ours.parameters(), theirs.parameters()))
     assert travelled > 0.1
     assert off / travelled < 1e-4, (off, travelled)
-    limited = [float(opt.state[p]["fira_norm"]) for p in ours.parameters() if p in opt.state and "fira_norm" in opt.state[p]]
+    limited = [float(opt.state[p]["fira_norm"]) for p in ours.parameters()
+               if p in opt.state and "fira_norm" in opt.state[p]]
     assert len(limited) == 28 and min(limited) > 0

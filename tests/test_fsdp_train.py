@@ -254,7 +254,8 @@ def test_disk_full_during_a_sharded_checkpoint_keeps_the_previous_one(tmp_path, 
     root = str(tmp_path / "checkpoints")
     previous = os.path.join(root, ckpt.step_dir_name(2))
     failed = os.path.join(root, ckpt.step_dir_name(4), sharded_checkpoint.SHARDED_DIR)
-    assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
+    assert str(err.value) == (f"no space left on device while writing {failed}; "
+                              f"the previous checkpoint {previous} is intact")
     assert sorted(os.listdir(root)) == [ckpt.LAST_GOOD, ckpt.LATEST, ckpt.step_dir_name(2)]
     assert ckpt.latest(root) == previous and ckpt.verify(previous) is None
 

@@ -141,7 +141,8 @@ def test_kinds_of_non_projectable_tensors(llama, gpt2):
 # Per family: a tiny config (4 layers, T5 2 + 2) and, written independently of frugal's rules, the
 # projectable weights as a regex with the layer index as group "i" (T5: "stack" picks the offset).
 _FAMILIES = {
-    "llama": (lambda: _llama(4), r"model\.layers\.(?P<i>\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"),
+    "llama": (lambda: _llama(4),
+        r"model\.layers\.(?P<i>\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"),
     "qwen2": (lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(
         hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
         vocab_size=64, max_position_embeddings=32)),
@@ -259,7 +260,8 @@ def test_a_new_model_family_needs_no_name_table():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed, self.trunk, self.head = nn.Embedding(10, 8), nn.ModuleList(Mixer() for _ in range(3)), nn.Linear(8, 10)
+            self.embed, self.trunk, self.head = (nn.Embedding(10, 8), nn.ModuleList(Mixer() for _ in range(3)),
+                                                 nn.Linear(8, 10))
 
     model = Net()
     assert transformer_blocks(model) == list(model.trunk)

@@ -32,7 +32,8 @@ def test_grad_norm_matches_float64_and_clipping_matches_torch():
     for a, b in zip(clipped, reference):
         if a.grad is not None:
             torch.testing.assert_close(a.grad, b.grad)
-    assert torch.cat([p.grad.flatten() for p in clipped if p.grad is not None]).norm().item() == pytest.approx(1.5, rel=1e-5)
+    assert torch.cat([p.grad.flatten() for p in clipped
+                      if p.grad is not None]).norm().item() == pytest.approx(1.5, rel=1e-5)
 
 
 def test_flops_per_position_counts_the_config_by_hand():
@@ -134,7 +135,8 @@ def test_activation_checkpointing_recomputes_each_block():
         model.train()
         # A pre-hook: the recomputation stops as soon as it has what backward needs (torch's early stop),
         # before a post-hook of the block's last part would run.
-        model.model.layers[1].mlp.register_forward_pre_hook(lambda *a, mode=mode: calls.__setitem__(mode, calls[mode] + 1))
+        model.model.layers[1].mlp.register_forward_pre_hook(
+            lambda *a, mode=mode: calls.__setitem__(mode, calls[mode] + 1))
         ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
         model(input_ids=ids, labels=ids).loss.backward()
         out[mode] = [p.grad.clone() for p in model.parameters()]

@@ -72,7 +72,8 @@ def test_table2_memory_cells(method, column, size):
 
 
 def test_svd_layouts_and_relation_to_coordinate_projections():
-    """Appendix D: with M, V on the smaller side, svd costs 13/12 of column (up to the tiny index tensors) on the projectable part."""
+    """Appendix D: with M, V on the smaller side, svd costs 13/12 of column (up to the tiny index tensors) on the
+    projectable part."""
     model = meta_llama("130m")
     base = estimate_state_bytes(model, "frugal", density=0.0)
     column = estimate_state_bytes(model, "frugal", density=0.25, projection="column", state_free="none")

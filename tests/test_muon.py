@@ -293,7 +293,8 @@ def test_fsdp2_gathers_on_llama_are_what_the_planner_says(fsdp_ranks):
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "llama_tiny.yaml"))
     planned = {"muon_1": optimizer_gather_bytes(cfg, {"name": "muon"}, vocab_size=512),
-               "frugal_muon_0.25": optimizer_gather_bytes(cfg, {"name": "frugal_muon", "density": 0.25}, vocab_size=512)}
+               "frugal_muon_0.25": optimizer_gather_bytes(cfg, {"name": "frugal_muon", "density": 0.25},
+                                                          vocab_size=512)}
     for r in fsdp_ranks:
         assert r["llama_tiny"] == planned and planned["frugal_muon_0.25"] * 4 == planned["muon_1"] > 0
 
@@ -365,12 +366,13 @@ def test_make_tables_places_muon_runs_with_the_memory_column(tmp_path, capsys):
     from scripts import make_tables
     from scripts.paper_tables import GIB
 
-    fake_run(tmp_path, "a", "muon_table2like", "llama_60m", {"name": "frugal_muon", "density": 0.25, "state_full": "muon"},
-             {200000: 23.0}, int(0.268 * GIB))
+    fake_run(tmp_path, "a", "muon_table2like", "llama_60m",
+             {"name": "frugal_muon", "density": 0.25, "state_full": "muon"}, {200000: 23.0}, int(0.268 * GIB))
     assert make_tables.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Beyond the paper: Muon as FRUGAL's state-full rule" in out
     rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert "23.00" in rows["FRUGAL-Muon, rho=0.25"]
-    for label, gib in [("Muon", "0.34"), ("FRUGAL-Muon, rho=0.0", "0.24"), ("AdamW", "0.43"), ("FRUGAL, rho=0.25", "0.29")]:
+    for label, gib in [("Muon", "0.34"), ("FRUGAL-Muon, rho=0.0", "0.24"), ("AdamW", "0.43"),
+                       ("FRUGAL, rho=0.25", "0.29")]:
         assert gib in rows[label], (label, rows[label])

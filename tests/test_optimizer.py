@@ -321,8 +321,9 @@ def test_selection_ignores_global_rng(projection):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("projection,reset_state,state_full", [
-    ("block", "reset", "adamw"), ("block", "reset_all", "adamw"), ("column", "reproject", "adamw"), ("randk", "reset", "lion"),
-    ("svd", "keep", "adamw"), ("random", "reproject", "sgdm"), ("randperm", "reset", "adamw")])
+    ("block", "reset", "adamw"), ("block", "reset_all", "adamw"), ("column", "reproject", "adamw"),
+    ("randk", "reset", "lion"), ("svd", "keep", "adamw"), ("random", "reproject", "sgdm"),
+    ("randperm", "reset", "adamw")])
 def test_state_dict_round_trip_is_bit_exact_across_switches(dtype, projection, reset_state, state_full):
     kw = dict(lr=1e-2, density=0.5, update_gap=3, projection=projection, reset_state=reset_state,
               state_full=state_full, weight_decay=0.01, block_order="random")

@@ -204,7 +204,8 @@ def test_readme_python_block_runs(block, tmp_path, monkeypatch):
 
 def test_block_parser():
     text = "intro\n\n    python train.py a=1 \\\n        b=2   # note\n    pip install x && python eval.py\n\n" \
-           "<!-- readme-test: skip gpu -->\n\n    torchrun --nproc_per_node 8 train.py\n\n```\nfrugal/  the library\n```\n"
+           "<!-- readme-test: skip gpu -->\n\n    torchrun --nproc_per_node 8 train.py\n\n" \
+           "```\nfrugal/  the library\n```\n"
     got = blocks(text)
     assert [b["skip"] for b in got] == [None, "gpu", None]
     assert commands(got[0]["lines"]) == ["python train.py a=1 b=2", "pip install x", "python eval.py"]
@@ -287,7 +288,8 @@ def test_ci_runs_the_readmes_setup_and_test_commands():
     """.ci/run: an explicit optional set-up step (Slurm for tests/test_slurm.py), then exactly the README's
     set-up command and exactly its test command."""
     quick = README.read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
-    setup, test = [c for b in blocks(quick) for c in (commands(b["lines"]) and [" ".join(b["lines"]).strip()] or [])][:2]
+    setup, test = [c for b in blocks(quick)
+                   for c in (commands(b["lines"]) and [" ".join(b["lines"]).strip()] or [])][:2]
     ci = [ln.split("#")[0].strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     ci = [ln for ln in ci if ln]
     assert ci[-2:] == [setup, test], ci

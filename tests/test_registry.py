@@ -83,7 +83,8 @@ def test_lion_and_sgdm_are_pure_state_full_rules():
 
 
 @pytest.mark.parametrize("name, hparams, match", [
-    ("adam", {}, r"'adam'.*\['adam_mini', 'adamem', 'adamw', 'apollo', 'badam', 'fira', 'frugal', 'frugal_muon', 'galore', 'ldadam', 'lion', 'muon', 'sgd', 'sgdm', 'signsgd'\]"),
+    ("adam", {}, r"'adam'.*\['adam_mini', 'adamem', 'adamw', 'apollo', 'badam', 'fira', 'frugal', 'frugal_muon', "
+                 r"'galore', 'ldadam', 'lion', 'muon', 'sgd', 'sgdm', 'signsgd'\]"),
     ("frugal", {"density": 1.5}, r"density: 1\.5.*\[0, 1\]"),
     ("frugal", {"density": -0.1}, r"density: -0\.1"),
     ("frugal", {"update_gap": 0}, r"update_gap=0 is invalid.*>= 1"),

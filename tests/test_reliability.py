@@ -360,7 +360,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypa
         run_inprocess(tmp_path, f"train.steps={STEPS}", *EVERY)
     previous = os.path.join(_root(tmp_path), ckpt.step_dir_name(2))
     failed = os.path.join(_root(tmp_path), ckpt.step_dir_name(4), "model.pt")
-    assert str(err.value) == f"no space left on device while writing {failed}; the previous checkpoint {previous} is intact"
+    assert str(err.value) == (f"no space left on device while writing {failed}; "
+                              f"the previous checkpoint {previous} is intact")
     assert sorted(os.listdir(_root(tmp_path))) == [ckpt.LAST_GOOD, ckpt.LATEST, ckpt.step_dir_name(2)]  # no temporaries
     assert ckpt.latest(_root(tmp_path)) == previous and ckpt.verify(previous) is None
 
@@ -455,7 +456,8 @@ def _rehash(ckpt_dir) -> None:
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, ckpt_dir)
             if rel != ckpt.MANIFEST:
-                files[rel] = {"bytes": os.path.getsize(path), "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+                files[rel] = {"bytes": os.path.getsize(path),
+                              "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}
     with open(os.path.join(ckpt_dir, ckpt.MANIFEST), "w") as f:
         json.dump({"format": 1, "step": 2, "files": files}, f)
     assert ckpt.verify(ckpt_dir) is None

@@ -95,7 +95,8 @@ def test_step_columns_and_sweep_rows(tmp_path, capsys):
                  {"name": "frugal", "density": 0.25, "update_gap": t}, {200000: ppl})
     make_tables.main([str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| SVD, no state-free (GaLore) | 40.00 | 39.75 | +0.25 | 25.00 | 24.38 | +0.62 | 21.00 | 21.11 | -0.11 |" in out
+    assert ("| SVD, no state-free (GaLore) | 40.00 | 39.75 | +0.25 | 25.00 | 24.38 | +0.62 "
+            "| 21.00 | 21.11 | -0.11 |") in out
     assert "| SVD, no state-free (FRUGAL): not a row of the paper | 41.00 |  |  | 26.00 |  |  | 22.00 |  |  |" in out
     assert "| T=10 | 18.90 | 18.82 | +0.08 |" in out
     assert "| T=200 | 18.50 | 18.60 | -0.10 |" in out
@@ -181,8 +182,8 @@ def test_options_with_the_same_method_are_told_apart(tmp_path, capsys):
 
 
 def test_a_run_of_another_model_is_flagged(tmp_path, capsys):
-    fake_run(tmp_path, "tiny", "table15_update_gap", "llama_tiny", {"name": "frugal", "density": 0.25, "update_gap": 200},
-             {200000: 30.0})
+    fake_run(tmp_path, "tiny", "table15_update_gap", "llama_tiny",
+             {"name": "frugal", "density": 0.25, "update_gap": 200}, {200000: 30.0})
     (row,) = [r for r in _csv(capsys, tmp_path) if r["ours"]]
     assert row["model_differs"] == "True" and row["table_model"] == "llama_130m" and row["diff"] == ""
     assert make_tables.main([str(tmp_path)]) == 0
@@ -289,7 +290,8 @@ def preset_run(root: Path, name: str, preset: str, overrides: list[str], ppl: fl
 
 # Paper rows that no preset can run: Table 3's 175M model (its shape is not published).
 NOT_RUNNABLE = {"table3_precision": {"175M Mixed Precision"}}
-ROW_PRESETS = ["table1_projection", "table3_precision", "table10_pure_bf16", "table11_state_free_rule", "table12_lion", "table13_gpt2",
+ROW_PRESETS = ["table1_projection", "table3_precision", "table10_pure_bf16", "table11_state_free_rule", "table12_lion",
+               "table13_gpt2",
                "table14_block_order", "table15_update_gap", "table16_density", "table2", "table4_state_free_modules",
                "table5_3b", "table8_beta2", "table9_adamem", "table17_concurrent", "tables6_7_schedules"]
 
@@ -346,7 +348,8 @@ def test_table3_prints_read_out_point_and_memory(tmp_path, capsys):
 def test_each_number_says_which_evaluation_produced_it(tmp_path, capsys):
     fake_run(tmp_path, "a", "table2", "llama_60m", {"name": "adamw"}, {200000: 23.00})
     run = fake_run(tmp_path, "b", "table2", "llama_60m", {"name": "frugal", "density": 0.25}, {200000: 23.5})
-    text = (run / "metrics.jsonl").read_text().replace('"val_tokens": 100}', '"val_tokens": 100, "val_mode": "authors"}')
+    text = (run / "metrics.jsonl").read_text().replace('"val_tokens": 100}',
+                                                       '"val_tokens": 100, "val_mode": "authors"}')
     (run / "metrics.jsonl").write_text(text)
     rows = {Path(r["run"]).name: r for r in _csv(capsys, tmp_path) if r["ours"]}
     assert rows["a"]["eval_mode"] == "tokens" and rows["b"]["eval_mode"] == "authors"

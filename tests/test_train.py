@@ -17,8 +17,8 @@ from train_utils.validation import ConfigError
 
 TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "data_wait_s", "scored_tokens_per_s",
                 "positions_per_s", "optimizer_state_bytes", "peak_memory_bytes", "state_full_fraction"}
-START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes_estimate", "optimizer", "model",
-                "loss_floor"}
+START_FIELDS = {"event", "step", "params", "state_full_fraction", "optimizer_state_bytes_estimate", "optimizer",
+                "model", "loss_floor"}
 
 
 @pytest.fixture(scope="module")

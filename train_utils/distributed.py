@@ -161,7 +161,8 @@ def torchrun_multirun_error(multirun: bool) -> str | None:
     first job's end destroys the process group the next one needs. Refuse it up front."""
     if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
         return ("a Hydra multirun (-m) under torchrun would run only its first job: run each job in its own "
-                "processes instead: a launcher starts N processes per job (one machine: python train.py -m hydra/launcher=local "
+                "processes instead: a launcher starts N processes per job "
+                "(one machine: python train.py -m hydra/launcher=local "
                 "hydra.launcher.tasks_per_node=N ...; a cluster: hydra/launcher=slurm), or run one torchrun command "
                 "per job")
     return None

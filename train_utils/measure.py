@@ -96,7 +96,8 @@ def input_demand(source: str, num_workers: int, flops: float, peak: float | None
     out = {"input_positions_needed_per_s": demand, "input_workers_needed": workers}
     if max(num_workers, 1) < workers:  # 0 workers: the training process reads, about one worker's rate
         out["input_warning"] = (
-            f"the input pipeline may not keep up: at MFU {INPUT_MFU:.0%} this device consumes {demand:,.0f} positions/s, "
+            f"the input pipeline may not keep up: at MFU {INPUT_MFU:.0%} this device consumes "
+            f"{demand:,.0f} positions/s, "
             f"one {source} worker delivers about {rate:,.0f}; data.num_workers={num_workers} < {workers} needed "
             f"(x{INPUT_SAFETY:g} safety). Set data.num_workers={workers} (the data order does not change) or "
             f"pretokenize (data=tokens); data_wait_s in the rows shows the wait")

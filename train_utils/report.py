@@ -111,7 +111,8 @@ def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> st
              f"  batch {row['batch_size']} sequences per step = micro-batch {row['micro_batch_size']} x accumulation "
              f"{row['accumulation']} x {processes} process{'es' if processes > 1 else ''}; {steps:,} steps, "
              f"~{_size(steps * tokens_per_step)} tokens"]
-    memory = (f"planned memory {row['memory_planned_bytes'] / gib:.1f} GiB of {row['memory_available_bytes'] / gib:.1f} "
+    memory = (f"planned memory {row['memory_planned_bytes'] / gib:.1f} GiB of "
+              f"{row['memory_available_bytes'] / gib:.1f} "
               f"GiB available" if "memory_planned_bytes" in row else f"memory check {row.get('memory_check', 'off')}")
     lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}; {memory}")
     if row.get("resumed_from"):
@@ -188,8 +189,10 @@ def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir:
              f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
     if end.get("loss_floor") is not None:
         floor = end["loss_floor"]
-        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): the best any model can reach")
-    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW ({state / max(adamw, 1):.0%})")
+        lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): "
+                     "the best any model can reach")
+    lines.append(f"  optimizer state {state / mib:.2f} MiB vs {adamw / mib:.2f} MiB for AdamW "
+                 f"({state / max(adamw, 1):.0%})")
     if end.get("ranks_in_sync") is False:
         lines.append("  WARNING: the ranks' weights differ at the end of training (nondeterministic all-reduce?)")
     lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))

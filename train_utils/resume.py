@@ -16,7 +16,8 @@ schedule is rebuilt at the checkpoint's step. The run logs a `resume_changes` ev
 
 Another number of processes. Weights and optimizer state are the same on every rank (DDP), or are
 resharded by torch.distributed.checkpoint (FSDP2, train_utils/sharded_checkpoint.py, which also says
-what starts fresh), so they load on any number of processes; the schedule depends on the step only; the global batch (and so the
+what starts fresh), so they load on any number of processes; the schedule depends on the step only;
+the global batch (and so the
 math of a step) stays `train.batch_size`, split differently (only the float summation order
 changes). The data stream continues from the global position stored by `data.merge_states`
 (exactly: the order of the global micro-batches does not depend on the process count, see
@@ -48,7 +49,8 @@ FREE_TO_CHANGE = (
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
     "train.peak_flops", "train.activation_checkpointing", "train.memory_check",
     "data.num_workers", "data.pin_memory", "wandb", "eval",  # eval.mode: how evaluations score (rows name it)
-    "checkpoint", "paper",  # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
+    # paper.*: the preset's labels and per-model tables; what they set is compared where it lands
+    "checkpoint", "paper",
 )
 ABSENT = "<absent>"
 
@@ -125,7 +127,8 @@ def choose_checkpoint(resume: str, ckpt_root: str | None, key: str = "train.resu
         return None, []
     found, skipped = ckpt.find_intact(ckpt_root)
     if found is None:
-        raise ckpt.CheckpointError(f"no intact checkpoint in {ckpt_root}: " + "; ".join(f"{p}: {why}" for p, why in skipped)
+        raise ckpt.CheckpointError(f"no intact checkpoint in {ckpt_root}: "
+                                   + "; ".join(f"{p}: {why}" for p, why in skipped)
                                    + ". Start over in a new run dir (train.resume=never), or resume from a copy you "
                                    "trust with train.resume=<checkpoint dir>")
     notes = []
@@ -283,7 +286,8 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=step - 1)
     if isinstance(trainer["data"], list):  # one position per rank: written before data.merge_states
         raise ConfigError(f"checkpoint {ckpt_dir} stores its data position in an older format (one per rank) that "
-                          f"this version cannot continue exactly; start a new run (train.resume=never in a new run dir)")
+                          f"this version cannot continue exactly; start a new run "
+                          f"(train.resume=never in a new run dir)")
     dm.load_state_dict(trainer["data"])  # data.DataConfigError if the stream cannot continue exactly
     rng = trainer["rng"]
     if rank < len(rng):

@@ -146,7 +146,8 @@ def _read(state: dict, ckpt_dir: str, **kwargs) -> None:
     try:
         _SafeReader(path).read_metadata()
     except FileNotFoundError as err:
-        raise ckpt.CheckpointError(f"{err.filename} is missing: {ckpt_dir} is not a complete sharded checkpoint") from err
+        raise ckpt.CheckpointError(f"{err.filename} is missing: "
+                                   f"{ckpt_dir} is not a complete sharded checkpoint") from err
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(path), **kwargs)
     except (CheckpointException, ckpt.RefusedFile) as err:
