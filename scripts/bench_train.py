@@ -39,7 +39,8 @@ def run_once(option: str, args, run_dir: Path) -> list[float]:
            f"data.seq_len={args.seq_len}", f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
            f"train.micro_batch_size={args.micro_batch_size}", "train.log_every=1", "train.eval_every=0",
            "train.eval_tokens=256", "checkpoint.every=0", "train.progress_bar=false", "train.plot=false",
-           "wandb.mode=disabled", f"train.seed={args.seed}", *args.overrides, f"hydra.run.dir={run_dir}"]
+           "wandb.mode=disabled", f"train.seed={args.seed}", "train.precision=bf16-mixed",  # the paper's regime
+           *args.overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="disabled"))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
