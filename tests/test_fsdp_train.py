@@ -24,7 +24,7 @@ N = 3
 # Clipping on (the tiny model's gradient norm is ~2.5): the global norm over DTensor shards and the
 # clipped update must match DDP's too.
 RUN = ["train.micro_batch_size=2", "train.eval_every=3", "train.grad_clip=1.0"]
-FSDP = RUN + ["train.parallelism=fsdp"]
+FSDP = RUN + ["train.parallelism=fsdp", "train.precision=bf16-mixed"]  # the runs["fsdp", "bf16-mixed"] it continues
 
 
 def torchrun(run_dir, *overrides, nproc=2):
