@@ -314,9 +314,11 @@ def main(cfg: DictConfig) -> None:
         status = train(cfg, run_dir)
     except CONFIG_ERRORS + RUN_ERRORS as err:  # expected failures: a clear message, no traceback
         timeout = isinstance(err, distributed.CollectiveTimeout)
-        # Kept in train.log too; a collective timeout is reported by every rank that saw it (rank 0 may
-        # be the one that froze), the rest by rank 0 (stop_with_error).
-        Console(run_dir, enabled=rank == 0 or timeout)(f"error: {err}", error=True, console=timeout and rank != 0)
+        # Kept in train.log too (not a refused second writer's: that train.log is the holder's); a
+        # collective timeout is reported by every rank that saw it (rank 0 may be the one that froze),
+        # the rest by rank 0 (stop_with_error).
+        logged = (rank == 0 or timeout) and not isinstance(err, run_lock.RunDirInUse)
+        Console(run_dir, enabled=logged)(f"error: {err}", error=True, console=timeout and rank != 0)
         stop_with_error(err, 2 if isinstance(err, CONFIG_ERRORS) else 1)
     except KeyboardInterrupt:  # the second Ctrl-C
         Console(run_dir, enabled=rank == 0)("interrupted (a second Ctrl-C): no checkpoint written", error=True)

@@ -166,6 +166,7 @@ def test_one_run_per_run_dir(tmp_path):
         line = second.stderr.strip().splitlines()[-1]
         assert line.startswith(f"error: run dir {tmp_path} is in use by another run (pid {first.pid} on host "), line
         assert "started 20" in line and "use another hydra.run.dir" in line
+        assert "is in use by another run" not in (tmp_path / "train.log").read_text()  # the holder's log
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
