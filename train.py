@@ -95,7 +95,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     tf32 = allow_tf32(tc.tf32, device)
-    tc.precision = resolve_precision(tc.precision, device)  # auto: bf16-mixed where bf16 is native, else fp32
+    tc.precision = resolve_precision(tc.precision, device, debug_option())  # auto: bf16-mixed where native, else fp32
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     metrics = bar = lock = model = None
     try:

@@ -307,6 +307,9 @@ def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
     assert resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "fp32")
     for kept in ("bf16-mixed", "bf16", "fp32"):
         assert resolve_precision(kept, "cpu") == kept
+    # debug=toy: a preset's bf16-mixed is this CPU's auto; pure bf16 and fp32 cells keep theirs
+    assert resolve_precision("bf16-mixed", "cpu", "toy") == resolve_precision("auto", "cpu")
+    assert [resolve_precision(p, "cpu", "toy") for p in ("bf16", "fp32")] == ["bf16", "fp32"]
     with pytest.raises(ConfigError,
                        match="train.precision='fp16' is invalid; choose one of bf16-mixed, bf16, fp32, auto"):
         resolve_precision("fp16", "cpu")

@@ -241,3 +241,29 @@ def test_optimizer_hooks_are_frugals_own_or_no_ops():
     hooks = OptimizerHooks(opt)
     assert hooks.density_report() == opt.density_report() and hooks.state_full_fraction() == 0.25
     assert hooks.active_blocks() == opt.active_blocks()
+
+
+def test_logged_rows_count_the_optimizer_state_once_per_change(tmp_path, monkeypatch):
+    """`optimizer_state_bytes` is an all-reduce and a host read under FSDP2: the loop counts it at the
+    first logged row and after each window switch (the same steps on every rank), not at every row.
+    9 steps at update_gap 3, a row per step: 3 counts (the windows starting at steps 1, 4 and 7; the
+    code before this counted at each of the 9 rows), and the last row's figure is what a fresh count
+    at the end gives."""
+    import train  # noqa: F401  (imported first: the end summary's own count keeps the real function)
+    from train_utils import measure
+
+    real, counts = measure.optimizer_state_bytes, []
+
+    def counted(*args, **kwargs):
+        counts.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "optimizer_state_bytes", counted)
+    assert run_inprocess(tmp_path, "train.steps=9", "train.log_every=1", "optimizer.update_gap=3") == 0
+    got = rows(tmp_path)
+    switches = [r for r in got if r.get("event") == "switch"]
+    train_rows = [r for r in got if "loss" in r and "event" not in r]
+    assert len(train_rows) == 9 and [r["step"] for r in switches] == [1, 4, 7]
+    assert len(counts) == 3
+    end = [r for r in got if r.get("event") == "end"][-1]
+    assert train_rows[-1]["optimizer_state_bytes"] == end["optimizer_state_bytes"] > 0

@@ -437,6 +437,9 @@ def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path)
     log = rows(tmp_path)
     train_rows = [r for r in log if "loss" in r]
     assert len(train_rows) == 200 and log[0]["debug"] == "toy" and log[0]["params"] < 2e6
+    from train_utils.validation import resolve_precision
+
+    assert log[0]["precision"] == resolve_precision("auto", "cpu")  # the preset's bf16-mixed, at toy scale
     assert train_rows[0]["loss"] == pytest.approx(math.log(512), abs=0.3)
     assert sum(r["loss"] for r in train_rows[-10:]) / 10 < 3.0 and log[-1]["val_loss"] < 3.0
     assert "shrunk by debug=toy" in (tmp_path / "train.log").read_text()
