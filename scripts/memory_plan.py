@@ -328,15 +328,26 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
     ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")
     ap.add_argument("--validate", action="store_true",
-                    help="measure real CPU steps (~30 s) and print them beside the plans")
+                    help="measure real CPU steps (minutes) and print them beside the plans")
     ap.add_argument("--json", action="store_true", help="print the plan (with --validate: the measurements) as JSON")
+    ap.add_argument("--cases", default=None, metavar="K/N",
+                    help="with --validate: only every N-th case from the K-th (0-based), e.g. 0/2 and 1/2 in two "
+                         "processes")
     args = ap.parse_args(argv)
     if args.activation_checkpointing is not None:
         args.activation_checkpointing = args.activation_checkpointing == "on"
 
     if args.validate:
-        measured = validate(VALIDATION_CASES)
-        print(json.dumps(measured) if args.json else validation_table(VALIDATION_CASES, measured))
+        cases = VALIDATION_CASES
+        if args.cases:
+            try:
+                k, n = (int(x) for x in args.cases.split("/"))
+                assert 0 <= k < n
+            except (ValueError, AssertionError):
+                ap.error(f"--cases {args.cases!r}: expected K/N with 0 <= K < N, e.g. 0/2")
+            cases = VALIDATION_CASES[k::n]
+        measured = validate(cases)
+        print(json.dumps(measured) if args.json else validation_table(cases, measured))
         return 0
     if args.table:
         if args.world_size == 1:

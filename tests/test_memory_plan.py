@@ -120,12 +120,22 @@ def test_cuda_terms_differ_from_cpu_only_where_autocast_does():
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
 @pytest.fixture(scope="module")
 def measured():
-    """scripts/memory_plan.py --validate in a fresh interpreter: (peak, optimizer-step peak) per case."""
+    """scripts/memory_plan.py --validate in fresh interpreters: (peak, optimizer-step peak) per case.
+    Two processes of one thread each take every other case (allocations are counted per process)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "memory_plan.py"), "--validate", "--json"],
-                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    n = 2
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "memory_plan.py"), "--validate", "--json",
+                               "--cases", f"{k}/{n}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for k in range(n)]
+    parts = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        parts.append(json.loads(out.strip().splitlines()[-1]))
+    measured = [None] * len(VALIDATION_CASES)
+    for k, part in enumerate(parts):
+        measured[k::n] = part
+    return measured
 
 
 @pytest.mark.parametrize("index", range(len(VALIDATION_CASES)))

@@ -359,7 +359,7 @@ def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan
     from omegaconf import OmegaConf
 
     from train_utils import memory_check, memory_plan
-    from train_utils.validation import AUTO, auto_micro_batch, validate_config
+    from train_utils.validation import AUTO, auto_micro_batch, resolve_precision, validate_config
 
     cfg = compose_cfg()
     assert cfg.train.micro_batch_size == AUTO and cfg.train.batch_size == 8  # the quickstart default
@@ -371,7 +371,8 @@ def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan
     opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
     tc = cfg.train
     need = {m: memory_plan.plan_memory(cfg.model, opt, micro_batch_size=m, seq_len=cfg.data.seq_len,
-                                       vocab_size=cfg.model.vocab_size, precision=tc.precision,
+                                       vocab_size=cfg.model.vocab_size,
+                                       precision=resolve_precision(tc.precision, "cpu"),
                                        parallelism=tc.parallelism, device_type="cpu").required for m in (2, 4)}
     assert need[2] < need[4]
     monkeypatch.setattr(memory_plan, "device_memory", lambda d: need[2] + memory_check.PROCESS_BYTES)
