@@ -376,7 +376,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     nproc = gpus if gpus else 2  # every GPU of the node; on CPU 2 gloo processes
     table = Table()
-    compile_ok = bool(gpus) or (not args.fast and (shutil.which("g++") or shutil.which("c++")))
+    # --fast: no compiling anywhere (on a GPU node too: a quick eager pass before the full check)
+    compile_ok = not args.fast and (bool(gpus) or bool(shutil.which("g++") or shutil.which("c++")))
     no_compile = ("--fast: no compiling" if args.fast else "no C++ compiler for torch.compile on CPU") \
         if not compile_ok else None
     work = args.workdir or tempfile.mkdtemp(prefix="preflight-")
