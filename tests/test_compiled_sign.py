@@ -167,14 +167,15 @@ def _layers_run(parallelism: str, sign_update: str, steps: int = 3):
     small gradient buckets (views at many offsets) or sharded by FSDP2."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(256, 256, bias=False) for _ in range(12)]
-    net = torch.nn.Sequential(*layers)
+    quads = [torch.nn.Sequential(*layers[i:i + 4]) for i in range(0, len(layers), 4)]
+    net = torch.nn.Sequential(*quads)
     if parallelism == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True, bucket_cap_mb=1)
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in layers:
-            fully_shard(layer)
+        for quad in quads:  # four weights per group: their gradients are views of one reduce-scatter output
+            fully_shard(quad)
         model = fully_shard(net)
     groups = [{"params": [layer.weight], "projectable": True, "block": i} for i, layer in enumerate(layers)]
     opt = FRUGAL(groups, lr=1e-3, density=0.1, update_gap=1, weight_decay=0.1, sign_update=sign_update)
@@ -194,18 +195,26 @@ def _layers_run(parallelism: str, sign_update: str, steps: int = 3):
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_compiled_update_survives_ddp_buckets_and_fsdp2_shards(process_group, monkeypatch, parallelism):
     """The compiled pass stays in use (no fallback, no warning) on DDP bucket views and FSDP2
-    shards, over steps that switch the state-full block, and gives the eager run's weights."""
+    shards, over more steps than dynamo's recompile limit, each switching the state-full block (so
+    every pack holds another mix of views), with at most its two graphs (a pack, a single tensor)
+    compiled, and gives the eager run's weights. (With the views passed as they are, every mix of
+    zero and non-zero storage offsets was a new graph: the limit was hit within these steps.)"""
+    from torch._dynamo.utils import counters
+
+    steps = torch._dynamo.config.recompile_limit + 4
     calls = []
     real = kernels._kernel
     monkeypatch.setattr(kernels, "_kernel", lambda *key: (calls.append(key), real(*key))[1])
     monkeypatch.setattr(kernels, "_unavailable", {})
+    monkeypatch.setattr(kernels, "_compiled", {})  # this test's graphs are counted from none
+    graphs = counters["stats"]["unique_graphs"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        compiled, offsets = _layers_run(parallelism, "auto")
+        compiled, offsets = _layers_run(parallelism, "auto", steps)
     assert kernels._unavailable == {} and calls
-    if parallelism == "ddp":
-        assert len(offsets) > 1  # the gradients really were views at several offsets
-    eager, _ = _layers_run(parallelism, "eager")
+    assert counters["stats"]["unique_graphs"] - graphs <= 2  # the pack's and the single tensor's
+    assert len(offsets) > 1  # the gradients really were views at several offsets
+    eager, _ = _layers_run(parallelism, "eager", steps)
     assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
-    strict, _ = _layers_run(parallelism, "compiled")  # and "compiled" does not stop the run
+    strict, _ = _layers_run(parallelism, "compiled", steps)  # and "compiled" does not stop the run
     assert all(torch.equal(c, e) for c, e in zip(strict, eager))
