@@ -11,9 +11,10 @@ A few minutes on one node. It runs the real paths for a few steps and measures w
   included; 3 steps, no evaluation), under DDP and FSDP2 on every GPU of the node, compiled and eager:
   step time, MFU, and the memory planner's peak against the measured one;
 - activation checkpointing measured effective (bytes autograd saves for backward, on vs off) for
-  eager and compiled blocks, alone and under FSDP2;
+  eager and compiled blocks, alone, under DDP and under FSDP2;
 - the compiled sign update in use on DDP bucket views (not fallen back to eager ops);
-- a checkpoint written and resumed: the resumed steps equal the uninterrupted run's bitwise;
+- a checkpoint written and resumed, under DDP and under FSDP2 (the sharded format): the resumed
+  steps equal the uninterrupted run's bitwise;
 - NCCL all-reduce bus bandwidth across the node's GPUs.
 
 It prints one table (check | result | pass/FAIL/skip) and exits 1 if any check failed, so it can
@@ -200,24 +201,27 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
     return rows
 
 
-def check_resume(table: Table, nproc: int, work: str, timeout: float, base: list[str]) -> None:
-    """4 steps with a checkpoint at step 2; then a new run from that checkpoint: steps 3-4 bitwise."""
-    straight = os.path.join(work, "resume_straight")
-    common = [*base, "train.steps=4", "schedule=cosine_restarts", "schedule.cycle_length=8"]
+def check_resume(table: Table, nproc: int, work: str, timeout: float, base: list[str], parallelism: str) -> None:
+    """4 steps with a checkpoint at step 2; then a new run from that checkpoint: steps 3-4 bitwise.
+    Under FSDP2 the checkpoint is the sharded one (torch.distributed.checkpoint)."""
+    check = f"checkpoint + resume ({parallelism})"
+    straight = os.path.join(work, f"resume_straight_{parallelism}")
+    common = [*base, "train.steps=4", "schedule=cosine_restarts", "schedule.cycle_length=8",
+              f"train.parallelism={parallelism}"]
     code, rows, stderr = run_train(straight, [*common, "checkpoint.every=2"], nproc, timeout)
     if code != 0:
-        table.add("checkpoint + resume", f"the straight run failed: {_error_line(stderr)}", "FAIL")
+        table.add(check, f"the straight run failed: {_error_line(stderr)}", "FAIL")
         return
     first = os.path.join(straight, "checkpoints", "step_00000002")
-    code, resumed_rows, stderr = run_train(os.path.join(work, "resume_resumed"), [*common, f"train.resume={first}"],
+    code, resumed_rows, stderr = run_train(os.path.join(work, f"resume_resumed_{parallelism}"), [*common, f"train.resume={first}"],
                                            nproc, timeout)
     if code != 0:
-        table.add("checkpoint + resume", f"resuming {first} failed: {_error_line(stderr)}", "FAIL")
+        table.add(check, f"resuming {first} failed: {_error_line(stderr)}", "FAIL")
         return
     want = {r["step"]: r["loss"] for r in rows if "loss" in r and r["step"] > 2}
     got = {r["step"]: r["loss"] for r in resumed_rows if "loss" in r}
     ok = want and got == want
-    table.add("checkpoint + resume", f"steps 3-4 resumed from step 2 {'equal' if ok else 'DIFFER from'} the "
+    table.add(check, f"steps 3-4 resumed from step 2 {'equal' if ok else 'DIFFER from'} the "
               f"uninterrupted run bitwise ({got} vs {want})" if not ok else
               "written at step 2, resumed: steps 3-4 bitwise equal to the uninterrupted run", "pass" if ok else "FAIL")
 
@@ -257,7 +261,10 @@ def check_activation_checkpointing(table: Table, device: torch.device, model_nam
             enable_activation_checkpointing(model)
         if compiled:
             compile_model(model)
-        if parallelism == "fsdp":
+        if parallelism == "ddp":  # the wrapper's forward around the (compiled) blocks' checkpointing
+            _one_process_group(device)
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        elif parallelism == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             _one_process_group(device)
@@ -273,7 +280,7 @@ def check_activation_checkpointing(table: Table, device: torch.device, model_nam
         saved[checkpointing] = saved_tensor_bytes(run)
         run().backward()
         if checkpointing:
-            on = activation_checkpointing_on(model)
+            on = activation_checkpointing_on(getattr(model, "module", model))
         del model, run
     ratio = saved[True] / saved[False]
     ok = ratio < 0.5 and on
@@ -416,15 +423,16 @@ def main(argv=None) -> int:
                 guarded(table, f"train {label}")(check_training)(table, label, overrides, nproc, work, args.timeout,
                                                                  True)
 
-        guarded(table, "checkpoint + resume")(check_resume)(table, nproc, work, args.timeout,
-                                                            [*TINY, "train.micro_batch_size=2",
-                                                             f"train.batch_size={2 * nproc}"])
+        for parallelism in ("ddp", "fsdp"):
+            guarded(table, f"checkpoint + resume ({parallelism})")(check_resume)(
+                table, nproc, work, args.timeout, [*TINY, "train.micro_batch_size=2", f"train.batch_size={2 * nproc}"],
+                parallelism)
 
         # activation checkpointing measured, every combination; the compiled sign update
         models_ac = ["llama_tiny"] + ([args.model] if gpus and not args.fast else [])
         for name in models_ac:
             for compiled in (False, True):
-                for parallelism in ("none", "fsdp"):
+                for parallelism in ("none", "ddp", "fsdp"):
                     label = f"checkpointing {name}, {'compiled' if compiled else 'eager'}, {parallelism}"
                     if compiled and no_compile:
                         table.add(label, no_compile, "skip")

@@ -1,5 +1,6 @@
 """scripts/preflight.py on CPU with its fast options: the table, the checks a CPU can run passing
-(2-process gloo DDP and FSDP2 training, a bitwise resume, activation checkpointing measured), the
+(2-process gloo DDP and FSDP2 training, a bitwise resume in each, activation checkpointing measured
+alone, under DDP and under FSDP2), the
 GPU-only ones skipped with their reason, and the exit code gating on failures."""
 import os
 import subprocess
@@ -14,13 +15,17 @@ def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     table = {line.split("|")[0].strip(): (line.split("|")[1].strip(), line.split("|")[2].strip())
              for line in proc.stdout.splitlines() if line.count("|") == 2}
-    for check in ("train llama_tiny ddp eager x2", "train llama_tiny fsdp eager x2", "checkpoint + resume",
-                  "checkpointing llama_tiny, eager, none", "checkpointing llama_tiny, eager, fsdp"):
+    for check in ("train llama_tiny ddp eager x2", "train llama_tiny fsdp eager x2", "checkpoint + resume (ddp)",
+                  "checkpoint + resume (fsdp)", "checkpointing llama_tiny, eager, none",
+                  "checkpointing llama_tiny, eager, ddp", "checkpointing llama_tiny, eager, fsdp"):
         assert table[check][0] == "pass", (check, table[check])
     assert table["NCCL all-reduce"] == ("skip", "no GPU on this machine")
     assert table["driver / CUDA / NCCL"] == ("skip", "no GPU on this machine")
-    assert "bitwise equal" in table["checkpoint + resume"][1]
-    assert os.path.exists(tmp_path / "resume_resumed" / "metrics.jsonl")
+    for parallelism in ("ddp", "fsdp"):
+        assert "bitwise equal" in table[f"checkpoint + resume ({parallelism})"][1]
+        assert os.path.exists(tmp_path / f"resume_resumed_{parallelism}" / "metrics.jsonl")
+    # the FSDP2 run resumed from a sharded checkpoint (torch.distributed.checkpoint's directory)
+    assert os.path.isdir(tmp_path / "resume_straight_fsdp" / "checkpoints" / "step_00000002" / "dcp")
 
 
 def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
