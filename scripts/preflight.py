@@ -213,8 +213,8 @@ def check_resume(table: Table, nproc: int, work: str, timeout: float, base: list
         table.add(check, f"the straight run failed: {_error_line(stderr)}", "FAIL")
         return
     first = os.path.join(straight, "checkpoints", "step_00000002")
-    code, resumed_rows, stderr = run_train(os.path.join(work, f"resume_resumed_{parallelism}"), [*common, f"train.resume={first}"],
-                                           nproc, timeout)
+    code, resumed_rows, stderr = run_train(os.path.join(work, f"resume_resumed_{parallelism}"),
+                                           [*common, f"train.resume={first}"], nproc, timeout)
     if code != 0:
         table.add(check, f"resuming {first} failed: {_error_line(stderr)}", "FAIL")
         return
@@ -263,7 +263,8 @@ def check_activation_checkpointing(table: Table, device: torch.device, model_nam
             compile_model(model)
         if parallelism == "ddp":  # the wrapper's forward around the (compiled) blocks' checkpointing
             _one_process_group(device)
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+            ids_ = [device] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids_)
         elif parallelism == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
