@@ -73,7 +73,8 @@ from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
-from train_utils.measure import Interval, StateBytes, flops_per_position, input_demand, peak_flops
+from train_utils.measure import (Interval, StateBytes, flops_per_position, input_demand, peak_flops,
+                                 workers_needed)
 from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.signals import STOP
@@ -122,6 +123,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- data, then the memory check, then model, optimizer, schedule. Same seed on every rank:
         # identical initial weights.
         seed_everything(tc.seed)
+        if cfg.data.num_workers == data.AUTO_WORKERS:  # this device's demand, at most the spare CPU cores
+            cfg.data.num_workers = data.auto_workers(workers_needed(cfg, device), cfg.data.readers, world)
         dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
                              seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
                              max_positions=cfg.model.max_position_embeddings,

@@ -15,10 +15,11 @@ from typing import Any, Mapping
 
 from .errors import DataConfigError, DataFileNotFoundError
 from .rows import TRUNCATIONS, Source
-from .stream import DEFAULT_READERS, DataModule, merge_states
+from .stream import AUTO_WORKERS, DEFAULT_READERS, DataModule, auto_workers, merge_states
 from .tokenizer import TokenizerInfo, load_tokenizer
 
 __all__ = ["build_data", "build_source", "DataModule", "DataConfigError", "DataFileNotFoundError", "Source",
+           "AUTO_WORKERS", "auto_workers",
            "SOURCES", "TRUNCATIONS", "load_tokenizer", "merge_states"]
 
 SOURCES = ("c4", "local", "synthetic", "tokens")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
 import warnings
 import weakref
@@ -157,6 +158,28 @@ def _int_setting(key: str, value, minimum: int) -> int:
     return check_integer(key, value, minimum, error=DataConfigError)
 
 
+AUTO_WORKERS = "auto"
+
+
+def spare_cores() -> int:
+    """CPU cores this process may use (its affinity: SLURM's and cgroups' binding) per local process,
+    less the one the training process keeps."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's processes on this node
+    return max(0, cores // max(1, local) - 1)
+
+
+def auto_workers(need: int, readers: int, world_size: int) -> int:
+    """``data.num_workers=auto``: ``need`` DataLoader workers per rank (train.py sizes it from the
+    device's demand, train_utils/measure.py; 1 elsewhere: tokenizing stays off the training loop),
+    at most one per spare CPU core, and a count whose product with the world size divides
+    ``data.readers`` (other readers would change the data order)."""
+    workers = min(int(need), spare_cores())
+    while workers > 0 and readers % (world_size * workers):
+        workers -= 1
+    return workers
+
+
 # Settings a checkpoint's data state must share with the run that continues it, with their config keys.
 _RESUME_KEYS = {"micro_batch_size": "train.micro_batch_size", "seq_len": "data.seq_len", "packing": "data.packing",
                 "truncation": "data.truncation", "readers": "data.readers", "seed": "train.seed"}
@@ -184,8 +207,11 @@ class DataModule:
         self.micro_batch_size = _int_setting("train.micro_batch_size", micro_batch_size, 1)
         self.seq_len = _int_setting("data.seq_len", seq_len, 2)
         self.readers = _int_setting("data.readers", readers, 1)
-        self.num_workers = _int_setting("data.num_workers", num_workers, 0)
         self.world_size = _int_setting("world_size", world_size, 1)
+        if num_workers == AUTO_WORKERS:
+            num_workers = auto_workers(1, self.readers, self.world_size)
+        self.num_workers = check_integer("data.num_workers", num_workers, 0, error=DataConfigError,
+                                         why=", or 'auto' (as many as the device needs, within the spare CPU cores)")
         if not 0 <= rank < world_size:
             raise DataConfigError(f"rank={rank} must be in [0, world_size={world_size})")
         self.rank, self.seed = int(rank), int(seed)

@@ -292,3 +292,24 @@ def test_input_workers_follow_the_device_demand():
     assert "input_warning" not in input_demand("tokens", 1, flops, h100)  # pretokenized: one worker suffices
     assert input_demand("c4", 1, flops, None) == {}  # no peak (CPU): nothing to size from
 
+
+@pytest.mark.parametrize("need,cores,local,world,readers,expected", [
+    (4, 32, 8, 8, 64, 3 - 1),  # 4 cores per rank: 3 spare, and 8 x 3 does not divide 64 readers: 2
+    (4, 64, 8, 8, 64, 4),      # enough cores: the demand
+    (8, 64, 8, 8, 64, 7 - 3),  # 7 spare, capped to 4 (8 x 4 = 32 divides 64; 8 x 5..7 do not)
+    (1, 2, 2, 2, 64, 0),       # two processes on two cores: nothing to spare, the processes read
+    (1, 2, 1, 1, 64, 1),       # one process on two cores: one worker tokenizes off the loop
+])
+def test_auto_workers_take_the_demand_within_the_spare_cores(monkeypatch, need, cores, local, world, readers,
+                                                              expected):
+    import os
+
+    import data
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    assert data.auto_workers(need, readers, world) == expected
+    dm = data.build_data({"name": "synthetic", "seq_len": 16, "readers": readers, "num_workers": "auto"},
+                         micro_batch_size=1, rank=0, world_size=world)
+    assert dm.num_workers == data.auto_workers(1, readers, world)  # library use: one worker when a core is free
+

@@ -451,3 +451,28 @@ def test_memory_plan_script_plans_the_default_auto_micro_batch():
 
     proc = run_cli([_sys.executable, "scripts/memory_plan.py", "model=llama_tiny"], timeout=120)
     assert proc.returncode == 0 and "micro-batch 8" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------ data.num_workers `auto`
+def test_auto_workers_follow_the_device_demand_within_the_spare_cores(tmp_path, monkeypatch, c4_dir,
+                                                                       t5_tokenizer_dir):
+    """C4's default data.num_workers=auto: a device whose peak (train.peak_flops, as an H100's) needs
+    many workers gets as many as the rank's spare cores allow (4 cores: 3 spare, 2 dividing 64
+    readers); the run trains with them and its checkpoint's config holds the resolved count."""
+    import yaml
+
+    import data
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    built = []
+    real = data.DataModule.__init__
+    monkeypatch.setattr(data.DataModule, "__init__", lambda self, *a, **k: (built.append(k["num_workers"]),
+                                                                            real(self, *a, **k))[1])
+    assert compose_cfg("data=c4").data.num_workers == "auto"
+    assert run_inprocess(tmp_path, "data=c4", f"data.path={c4_dir}", f"data.tokenizer={t5_tokenizer_dir}",
+                         "data.seq_len=32", "train.steps=2", "train.eval_tokens=256", "train.peak_flops=989e12") == 0
+    assert built == [2]
+    saved = yaml.safe_load(open(os.path.join(ckpt.list_checkpoints(str(tmp_path / "checkpoints"))[-1],
+                                             "config.yaml")))
+    assert saved["data"]["num_workers"] == 2

@@ -104,6 +104,21 @@ def input_demand(source: str, num_workers: int, flops: float, peak: float | None
     return out
 
 
+def workers_needed(cfg, device: torch.device) -> int:
+    """DataLoader workers per rank this device's demand needs (input_demand, from the model's FLOPs
+    per position on the meta device: no memory, no weights), 1 without a peak to size from (CPU,
+    an unknown GPU without train.peak_flops). For data.num_workers=auto (data.auto_workers)."""
+    peak = peak_flops(device, cfg.train.peak_flops)
+    if not peak or cfg.data.name not in WORKER_POSITIONS_PER_S:
+        return 1
+    import models
+
+    with torch.device("meta"):
+        model = models.build_model(cfg.model, vocab_size=cfg.model.get("vocab_size"))
+    flops = flops_per_position(model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
+    return input_demand(cfg.data.name, 0, flops, peak).get("input_workers_needed", 1)
+
+
 def flops_per_position(model: torch.nn.Module, num_layers: int, hidden_size: int, seq_len: int) -> float:
     embeddings = model.get_input_embeddings()
     skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
