@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import data
 import models
+from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.report import EvalProgress
@@ -139,7 +140,7 @@ def load_config(ckpt_dir: str, overrides: list[str]):
     groups = [o for o in overrides if o.partition("=")[0] in SWAPPABLE_GROUPS]
     for o in groups:
         check_group_option(*o.split("=", 1))
-    if groups:  # let Hydra compose the option (its defaults lists, its error listing the choices)
+    if groups:  # let Hydra compose the option (its defaults lists)
         try:
             with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
                 fresh = compose(config_name="config", overrides=groups)
@@ -160,6 +161,7 @@ def load_config(ckpt_dir: str, overrides: list[str]):
             raise ConfigError(unknown_key_message(cfg, o))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o]))
     check_precision(cfg.train.precision, allow_auto=True)
+    check_integer("train.eval_tokens", cfg.train.eval_tokens, 1, error=ConfigError)  # as train.py checks it
     return cfg
 
 

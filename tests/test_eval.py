@@ -52,6 +52,9 @@ def test_eval_bad_input(trained, tmp_path):
         evaluate_ckpt.main([f"checkpoint={run_dir}", "data=nope"])
     with pytest.raises(ConfigError, match="missing checkpoint"):
         evaluate_ckpt.main([])
+    for bad in ("0", "many"):
+        with pytest.raises(ConfigError, match=f"train.eval_tokens=.*{bad}.* is invalid: expected an integer >= 1"):
+            evaluate_ckpt.main([f"checkpoint={run_dir}", f"train.eval_tokens={bad}"])
 
 
 def test_eval_names_the_closest_argument(trained):
