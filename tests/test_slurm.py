@@ -1,6 +1,7 @@
 """The real SLURM launch path: a one-node cluster on this machine, a 2-task job through Hydra's submitit
 launcher (`hydra/launcher=slurm`), both DDP ranks training llama_tiny on CPU. Also without a cluster: the
-local launcher's own example (2 processes), its one-line report of a job's error, and the node size
+local launcher's own example (2 processes), its one-line report of a job's error, the lines it prints
+on the sweep's console (each job's run dir, then its result as it ends), and the node size
 scripts/slurm_localhost.sh writes.
 
 Needs root and Slurm's daemons, installed beforehand (`sudo scripts/slurm_localhost.sh install`: `.ci/run`
