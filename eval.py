@@ -11,38 +11,125 @@ one corpus on another); dotted keys override single values and must already exis
 means its latest checkpoint.
 
 Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
-<checkpoint>/eval.json (or to out=). The loss is token-weighted over the same fixed validation set
-and with the same code as train.py's evaluations, so the two agree. `eval.mode=authors` evaluates as
-the paper's code did instead (C4 only: the validation split shuffled with seed 42, the mean of
-per-batch mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers.
-Runs under torchrun too (the
-ranks split the validation set). A checkpoint of a sharded run (train.parallelism=fsdp) is read
-whole into each process, on any number of processes. Exit codes: 0 done; 2 bad arguments, or a missing or damaged
-checkpoint (verified against its manifest; a run directory falls back to its newest intact one).
+<checkpoint>/eval.json (or to out=). Progress goes to stderr, so stdout stays that one object: what is
+evaluated, then a bar on a terminal, or a line at each quarter of the validation batches otherwise (a
+10M-token evaluation takes minutes). The loss is token-weighted over the same fixed validation set and
+with the same code as train.py's evaluations, so the two agree. `eval.mode=authors` evaluates as the
+paper's code did instead (C4 only: the validation split shuffled with seed 42, the mean of per-batch
+mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers. Runs under
+torchrun too (the ranks split the validation set). A checkpoint of a sharded run
+(train.parallelism=fsdp) is read whole into each process, on any number of processes.
+
+Exit codes: 0 done; 2 bad arguments (a mistyped key, section, argument or data option is named with
+the valid ones and the closest), or a missing or damaged checkpoint (verified against its manifest; a
+run directory falls back to its newest intact one).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import time
 
 import torch
 from accelerate import Accelerator
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import data
 import models
+from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
+from train_utils.report import EvalProgress
+from train_utils.schema import closest
 from train_utils.validation import ConfigError, check_precision, resolve_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 SWAPPABLE_GROUPS = ("data",)  # the model must stay the one trained; optimizer/schedule play no part
+OWN_ARGUMENTS = ("checkpoint", "out")  # eval.py's own; every other argument sets the checkpoint's config
 _ABSENT = object()
+
+
+def _did_you_mean(near: str | None) -> str:
+    return f" (did you mean {near}?)" if near else ""
+
+
+def check_argument_names(argv: list[str]) -> None:
+    """A top-level argument is checkpoint=, out= or data=; any other must be a dotted key (checked
+    against the checkpoint's config by `load_config`). Checked before the checkpoint is looked for, so
+    that `chekpoint=...` is named as the typo it is rather than reported as a missing checkpoint."""
+    valid = [*OWN_ARGUMENTS, *SWAPPABLE_GROUPS]
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if sep and "." not in key and key not in valid:
+            raise ConfigError(f"unknown argument {arg!r}{_did_you_mean(closest(key, valid))}; valid arguments: "
+                              f"checkpoint=<checkpoint dir or run dir>, out=<file>, data=<option>, or "
+                              f"<section>.<key>=<value> of the checkpoint's config (e.g. train.eval_tokens=100000)")
+
+
+def check_group_option(group: str, option: str) -> None:
+    """`data=<option>` names a file of configs/<group>/ (one line with the closest option, where
+    Hydra's own error would list the options over several lines)."""
+    options = sorted(p.removesuffix(".yaml") for p in os.listdir(os.path.join(CONFIG_DIR, group))
+                     if p.endswith(".yaml"))
+    if option not in options:
+        raise ConfigError(f"{group}={option!r} is not an option of configs/{group}/"
+                          f"{_did_you_mean(closest(option, options))}; valid options: {', '.join(options)}")
+
+
+def unknown_key_message(cfg: DictConfig, arg: str) -> str:
+    """`arg`'s key is not in the checkpoint's config: name its first missing part, the valid keys of
+    the node above it and the closest one."""
+    parts = arg.partition("=")[0].split(".")
+    node, depth = cfg, 0
+    while depth < len(parts) - 1 and isinstance(node.get(parts[depth]), DictConfig):
+        node, depth = node[parts[depth]], depth + 1
+    parent, missing = ".".join(parts[:depth]), parts[depth]
+    valid = [str(k) for k in node.keys()]
+    near = closest(missing, valid)
+    if not parent:  # a section the checkpoint's config does not have: suggest the key under the closest one
+        hint = _did_you_mean(".".join([near, *parts[1:]]) if near else None)
+        return (f"unknown argument {arg!r}: the checkpoint's config has no section {missing!r}{hint}; "
+                f"valid sections: {', '.join(valid)}")
+    if missing in node:  # the key is a value, and the argument goes below it
+        return f"unknown argument {arg!r}: {parent}.{missing} is a value, not a section"
+    hint = _did_you_mean(f"{parent}.{near}" if near else None)
+    return (f"unknown argument {arg!r}: {parent}.{missing} is not a key of the checkpoint's config{hint}; "
+            f"valid keys of {parent}: {', '.join(valid)}")
+
+
+class EvalLines:
+    """The data module as `evaluate` sees it, with a line on stderr at each quarter of the validation
+    batches: where stderr is not a terminal (a log file, a pipe) a bar's redraws would be one long line."""
+
+    def __init__(self, dm):
+        self._dm = dm
+
+    def __getattr__(self, name):
+        return getattr(self._dm, name)
+
+    def val_batches(self, eval_tokens: int):
+        batches = self._dm.val_batches(eval_tokens)
+        n, started = len(batches), time.perf_counter()
+        quarters = {math.ceil(n * q / 4) for q in range(1, 5)}
+        for i, batch in enumerate(batches, 1):
+            yield batch  # back here once `evaluate` has scored it
+            if i in quarters:
+                print(f"evaluated {i}/{n} batches ({i / n:.0%}) in {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
+
+
+def with_progress(dm, main_process: bool):
+    """What `evaluate` reads: on the main process a bar on a terminal (train.py's), a few lines
+    otherwise; stdout stays the one JSON object."""
+    if not main_process:
+        return dm
+    return EvalProgress(dm, enabled=True) if sys.stderr.isatty() else EvalLines(dm)
 
 
 def load_config(ckpt_dir: str, overrides: list[str]):
@@ -51,7 +138,9 @@ def load_config(ckpt_dir: str, overrides: list[str]):
     if OmegaConf.select(cfg, "eval.mode", default=None) is None:  # a checkpoint from before eval.mode existed
         cfg = OmegaConf.merge(cfg, {"eval": {"mode": "tokens"}})
     groups = [o for o in overrides if o.partition("=")[0] in SWAPPABLE_GROUPS]
-    if groups:  # let Hydra compose the option (its defaults lists, its error listing the choices)
+    for o in groups:
+        check_group_option(*o.split("=", 1))
+    if groups:  # let Hydra compose the option (its defaults lists)
         try:
             with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
                 fresh = compose(config_name="config", overrides=groups)
@@ -65,15 +154,19 @@ def load_config(ckpt_dir: str, overrides: list[str]):
         key, sep, value = o.partition("=")
         if key in SWAPPABLE_GROUPS:
             continue
-        if not sep or OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+        if not sep:
             raise ConfigError(f"unknown argument {o!r}: expected key=value with a key of the checkpoint's "
                               f"config (e.g. train.eval_tokens=100000), data=<option> or out=<file>")
+        if OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+            raise ConfigError(unknown_key_message(cfg, o))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o]))
     check_precision(cfg.train.precision, allow_auto=True)
+    check_integer("train.eval_tokens", cfg.train.eval_tokens, 1, error=ConfigError)  # as train.py checks it
     return cfg
 
 
 def main(argv: list[str]) -> dict:
+    check_argument_names(argv)
     args = dict(a.split("=", 1) for a in argv if a.startswith(("checkpoint=", "out=")))
     overrides = [a for a in argv if not a.startswith(("checkpoint=", "out="))]
     if "checkpoint" not in args:
@@ -102,8 +195,14 @@ def main(argv: list[str]) -> dict:
     else:
         model.load_state_dict(ckpt.load(ckpt_dir, "model"))
     model.to(accelerator.device)
-    result = evaluate(model, dm, tc.eval_tokens, tc.precision, accelerator)
-    result.update(step=int(ckpt.load(ckpt_dir, "trainer")["step"]), checkpoint=os.path.abspath(ckpt_dir),
+    step = int(ckpt.load(ckpt_dir, "trainer")["step"])
+    if accelerator.is_main_process:
+        share = f" (split over {accelerator.num_processes} processes)" if accelerator.num_processes > 1 else ""
+        print(f"evaluating {os.path.abspath(ckpt_dir)} (step {step}) on {tc.eval_tokens:,} validation tokens of "
+              f"{cfg.data.name}{share}, {accelerator.device}, {tc.precision}", file=sys.stderr, flush=True)
+    result = evaluate(model, with_progress(dm, accelerator.is_main_process), tc.eval_tokens, tc.precision,
+                      accelerator)
+    result.update(step=step, checkpoint=os.path.abspath(ckpt_dir),
                   model=cfg.model.name, data=cfg.data.name, precision=tc.precision, eval_tokens=tc.eval_tokens,
                   eval_mode=cfg.eval.mode,
                   loss_floor=dm.loss_floor)

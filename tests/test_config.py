@@ -233,9 +233,23 @@ def test_run_dirs_are_unique_per_launch_and_shared_by_its_ranks():
         assert run_dir.startswith("outputs/") and sweep_dir.startswith("multirun/")
     # Two ranks of one torchrun launch (same TORCHELASTIC_RUN_ID, same parent): one directory.
     ranks = _run_dirs({"TORCHELASTIC_RUN_ID": "3f9a1c2e-77b0-4d7e-9a55-0123456789ab"})
-    assert ranks[0] == ranks[1] and ranks[0].split()[0].endswith("-llama_tiny-frugal-3f9a")
+    assert ranks[0] == ranks[1] and ranks[0].split()[0].endswith("-llama_tiny-frugal-3f9a1c2e")
     job = _run_dirs({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
     assert job[0] == job[1] and job[0].split()[0].endswith("-4242.0")
+
+
+def test_launch_id_is_8_hex_digits(monkeypatch):
+    """A plain launch's id: 8 random hex digits (4 collide for two launches in the same second with
+    probability 1/65536); a torchrun --standalone uuid gives its first 8, so ranks agree."""
+    import re
+
+    for key in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "SLURM_"))]:
+        monkeypatch.delenv(key)
+    fresh = naming.launch_id.__wrapped__  # past the per-process cache
+    ids = {fresh() for _ in range(20)}
+    assert len(ids) == 20 and all(re.fullmatch(r"[0-9a-f]{8}", i) for i in ids), ids
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f9a1c2e-77b0-4d7e-9a55-0123456789ab")
+    assert fresh() == "3f9a1c2e"
 
 
 def _fake_multirun(tmp_path, master_task, job_task, params, option="frugal"):

@@ -48,10 +48,59 @@ def test_eval_bad_input(trained, tmp_path):
         evaluate_ckpt.main([f"checkpoint={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match="unknown argument 'train.eval_tokenz=5'"):
         evaluate_ckpt.main([f"checkpoint={run_dir}", "train.eval_tokenz=5"])
-    with pytest.raises(ConfigError, match="Available options in 'data'"):
+    with pytest.raises(ConfigError, match="data='nope' is not an option of configs/data/; valid options: c4, "):
         evaluate_ckpt.main([f"checkpoint={run_dir}", "data=nope"])
     with pytest.raises(ConfigError, match="missing checkpoint"):
         evaluate_ckpt.main([])
+    for bad in ("0", "many"):
+        with pytest.raises(ConfigError, match=f"train.eval_tokens=.*{bad}.* is invalid: expected an integer >= 1"):
+            evaluate_ckpt.main([f"checkpoint={run_dir}", f"train.eval_tokens={bad}"])
+
+
+def test_eval_names_the_closest_argument(trained):
+    """A mistyped key, section, top-level argument or data option: one line naming it, what is valid
+    there and the closest valid one."""
+    run_dir, _ = trained
+
+    def error(*argv) -> str:
+        with pytest.raises(ConfigError) as info:
+            evaluate_ckpt.main(list(argv))
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    msg = error(f"checkpoint={run_dir}", "train.eval_tokns=5")
+    assert msg.startswith("unknown argument 'train.eval_tokns=5': train.eval_tokns is not a key of the checkpoint's "
+                          "config (did you mean train.eval_tokens?); valid keys of train: steps, batch_size, "), msg
+    assert "precision" in msg
+    msg = error(f"checkpoint={run_dir}", "trian.eval_tokens=5")
+    assert "has no section 'trian' (did you mean train.eval_tokens?); valid sections: " in msg and "model" in msg
+    msg = error(f"checkpoint={run_dir}", "data.seq_lem=32")
+    assert "data.seq_lem is not a key of the checkpoint's config (did you mean data.seq_len?)" in msg
+    msg = error(f"chekpoint={run_dir}")  # named before the checkpoint is looked for
+    assert msg.startswith(f"unknown argument 'chekpoint={run_dir}' (did you mean checkpoint?); valid arguments: "
+                          "checkpoint=<checkpoint dir or run dir>, out=<file>, data=<option>"), msg
+    msg = error(f"checkpoint={run_dir}", "data=synthtic")
+    assert msg == ("data='synthtic' is not an option of configs/data/ (did you mean synthetic?); "
+                   "valid options: c4, local, synthetic, tokens")
+
+
+def test_eval_shows_progress_on_stderr(trained, tmp_path, capsys, monkeypatch):
+    """A long evaluation says what it scores and how far it is, on stderr: a few lines where stderr is
+    not a terminal, train.py's bar where it is; stdout stays the one JSON object."""
+    run_dir, end = trained
+    result = evaluate_ckpt.main([f"checkpoint={run_dir}", f"out={tmp_path / 'e.json'}"])
+    out, err = capsys.readouterr()
+    assert json.loads(out) == result and out.count("\n") == 1
+    lines = err.splitlines()
+    assert lines[0].startswith("evaluating ") and "(step 3) on 1,024 validation tokens of synthetic" in lines[0], err
+    # 17 rows of 63 targets in micro-batches of 4: a line at each quarter of the 5 batches
+    assert [ln.split(" in ")[0] for ln in lines[1:]] == [f"evaluated {i}/5 batches ({i * 20}%)" for i in (2, 3, 4, 5)]
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    again = evaluate_ckpt.main([f"checkpoint={run_dir}", f"out={tmp_path / 'e.json'}"])
+    out, err = capsys.readouterr()
+    assert json.loads(out) == again and out.count("\n") == 1
+    assert "evaluating:" in err and "/5 [" in err and "evaluated " not in err  # the bar (it clears itself)
 
 
 @pytest.mark.slow
@@ -59,10 +108,15 @@ def test_eval_command_line(trained):
     run_dir, end = trained
     proc = run_cli([sys.executable, "eval.py", f"checkpoint={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout)  # stdout is the one JSON object; progress goes to stderr
     assert result["val_loss"] == pytest.approx(end["val_loss"], abs=1e-6)
+    assert "evaluated 5/5 batches (100%)" in proc.stderr
     missing = run_cli([sys.executable, "eval.py", "checkpoint=/nonexistent/run"])
     assert missing.returncode == 2 and "error: checkpoint='/nonexistent/run'" in missing.stderr
+    typo = run_cli([sys.executable, "eval.py", f"checkpoint={run_dir}", "train.eval_tokns=5"])
+    assert typo.returncode == 2 and typo.stdout == "", typo.stderr[-3000:]
+    assert typo.stderr.strip().splitlines()[-1].startswith("error: unknown argument 'train.eval_tokns=5'")
+    assert "(did you mean train.eval_tokens?)" in typo.stderr
 
 
 # ---- eval.mode=authors: the paper's code's evaluation ---------------------------------------------

@@ -1,6 +1,7 @@
 """The real SLURM launch path: a one-node cluster on this machine, a 2-task job through Hydra's submitit
 launcher (`hydra/launcher=slurm`), both DDP ranks training llama_tiny on CPU. Also without a cluster: the
-local launcher's own example (2 processes), its one-line report of a job's error, and the node size
+local launcher's own example (2 processes), its one-line report of a job's error, the lines it prints
+on the sweep's console (each job's run dir, then its result as it ends), and the node size
 scripts/slurm_localhost.sh writes.
 
 Needs root and Slurm's daemons, installed beforehand (`sudo scripts/slurm_localhost.sh install`: `.ci/run`
@@ -60,6 +61,10 @@ def test_local_launchers_own_example_runs(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world_size"] == 2 and rows[-1]["event"] == "end"
+    # The sweep's console says where the job runs and how to follow it, then how it ended.
+    assert f"#0 runs in {sweep / '0'}; follow it with: tail -F {sweep / '0' / 'train.log'}" in proc.stdout
+    assert (f"#0 done: 2 steps, validation loss {rows[-1]['val_loss']:.4f} (perplexity {rows[-1]['val_ppl']:.3f})"
+            in proc.stdout), proc.stdout[-3000:]
 
 
 def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
@@ -74,6 +79,56 @@ def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
     assert lines[-1].startswith("Set the environment variable HYDRA_FULL_ERROR=1"), proc.stderr[-3000:]
     assert lines[-2].startswith("error: train.batch_size=8 must equal train.micro_batch_size (8)"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "#0 failed: error: train.batch_size=8 must equal train.micro_batch_size (8)" in proc.stdout, proc.stdout
+
+
+def test_local_launcher_reports_each_job_once_as_it_ends(tmp_path):
+    """The local launcher's watch on submitit's result files (what the two tests above see through a
+    real sweep): a finished job's summary from its end row, a failed job's own error line, a job that
+    died outside Hydra's runner by its traceback's last line; results already there before are not news."""
+    import pickle
+
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.frugal_local_launcher.launcher import JobWatch
+    from train_utils.validation import JobError
+
+    folder = tmp_path / ".submitit" / "%j"
+
+    def result(job_id: str, value, outcome="success"):  # written whole and renamed, as submitit does
+        path = tmp_path / ".submitit" / job_id / f"{job_id}_0_result.pkl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".save_tmp").write_bytes(pickle.dumps((outcome, value)))
+        path.with_suffix(".save_tmp").rename(path)
+
+    def job(num: int, status, value=None):
+        return JobReturn(status=status, _return_value=value, working_dir=str(tmp_path / str(num)),
+                         hydra_cfg=OmegaConf.create({"hydra": {"job": {"num": num}}}))
+
+    result("100", job(0, JobStatus.COMPLETED))  # a previous launch's, in the same sweep dir
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "metrics.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n" + json.dumps(
+        {"event": "end", "step": 300, "val_loss": 4.56789, "val_ppl": 96.3, "seconds": 61.2}) + "\n")
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # job 2's config names its submitit job id
+    (tmp_path / "2" / ".hydra" / "hydra.yaml").write_text("hydra:\n  job:\n    id: '203'\n    num: 2\n")
+    said = []
+    run_dirs = {n: str(tmp_path / str(n)) for n in range(5)}
+    with JobWatch(str(folder), run_dirs, said.append) as watch:
+        result("201", job(0, JobStatus.COMPLETED))
+        result("202", job(1, JobStatus.FAILED, JobError("error: train.steps=0 is invalid\nmore")))
+        result("203", "Traceback (most recent call last):\n  ...\nMemoryError: out of memory", outcome="error")
+        result("204", "Traceback (most recent call last):\n  ...\nRuntimeError: boom", outcome="error")
+    err = tmp_path / ".submitit"
+    assert said == [
+        f"#0 done: 300 steps, validation loss 4.5679 (perplexity 96.300), 61 s of training; run dir {tmp_path / '0'}",
+        f"#1 failed: error: train.steps=0 is invalid; its full output: {err / '202' / '202_0_log.err'}",
+        f"#2 failed: MemoryError: out of memory; its full output: {err / '203' / '203_0_log.err'}",
+        f"job 204 failed: RuntimeError: boom; its full output: {err / '204' / '204_0_log.err'}",
+        f"#3: no result (stopped, killed or still running); its log: {tmp_path / '3' / 'train.log'}",
+        f"#4: no result (stopped, killed or still running); its log: {tmp_path / '4' / 'train.log'}"]
+    watch.poll()  # nothing new
+    assert len(said) == 6
 
 
 INSTALL = "sudo scripts/slurm_localhost.sh install"

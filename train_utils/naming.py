@@ -3,13 +3,14 @@
 Run directories. `outputs/<date>/<time>` alone is shared by two runs started in the same second, which
 then append to one metrics.jsonl. configs/config.yaml names them
 `outputs/${launch_time:%Y-%m-%d}/${launch_time:%H-%M-%S}-<model>-<optimizer option>-${launch_id:}`
-(`12-00-00-llama_60m-frugal-3fa1`: readable, and unique with the time), two resolvers registered
+(`12-00-00-llama_60m-frugal-3fa1b2c4`: readable, and unique with the time), two resolvers registered
 here. Hydra resolves the run dir in every process before train() runs, so under torchrun (or a SLURM
 step of several tasks) every rank must compute the same name on its own:
 
     launch_id    TORCHELASTIC_RUN_ID (torchrun: a uuid with --standalone, the --rdzv-id otherwise),
-                 (4 hex digits of a --standalone uuid), else the SLURM job (array task, step) id, else 4
-                 random hex digits
+                 (8 hex digits of a --standalone uuid), else the SLURM job (array task, step) id, else 8
+                 random hex digits (two launches in the same second share a directory with probability
+                 1 in 2**32; with 4 digits it was 1 in 65,536)
     launch_time  for ranks of one launch, the start time of their parent (the torchrun agent or the
                  SLURM step daemon of the node); otherwise the first call's time in this process
 
@@ -44,7 +45,7 @@ def launch_id() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", run_id):
-            return run_id[:4]  # torchrun --standalone's uuid: 4 hex digits, like a plain run's
+            return run_id[:8]  # torchrun --standalone's uuid: 8 hex digits, like a plain run's
         return re.sub(r"[^A-Za-z0-9_.]", "", run_id)[:12]  # a --rdzv-id someone chose
     job = os.environ.get("SLURM_JOB_ID")
     if job:
@@ -52,7 +53,7 @@ def launch_id() -> str:
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         step = os.environ.get("SLURM_STEP_ID")
         return f"{job}.{step}" if step else job
-    return secrets.token_hex(2)  # os.urandom: the seeded RNGs stay untouched
+    return secrets.token_hex(4)  # os.urandom: the seeded RNGs stay untouched
 
 
 def _one_of_several_ranks() -> bool:
