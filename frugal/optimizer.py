@@ -5,8 +5,9 @@ back (Algorithm 1 of the paper).
 
 1. select (``_select``): each tensor's role this step (``frugal.windows``): wholly state-full
    (non-projectable tensors, active blocks), wholly state-free (inactive blocks,
-   ``always_state_free`` groups) or split (the other projections). Block-projected tensors leaving the state-full set drop their state here,
-   before any state is allocated, so a block switch peaks at the resting state plus one block.
+   ``always_state_free`` groups) or split (the other projections). Block-projected tensors leaving
+   the state-full set drop their state here, before any state is allocated, so a block switch
+   peaks at the resting state plus one block.
 2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
    chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
    reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
