@@ -232,7 +232,7 @@ class FRUGAL(Optimizer):
         self._layout = None
         self.__dict__.setdefault("_events", [])
 
-    # ---- groups, layout, checkpoints ---------------------------------------------------------
+    # ---- groups, checkpoints -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         step = self.param_groups[0]["step"] if self.param_groups else 0
         super().add_param_group(param_group)
@@ -263,6 +263,13 @@ class FRUGAL(Optimizer):
         state_management.restore_exact(self.state, self.param_groups, state_dict["param_groups"], exact)
         self._layout = None
 
+    def materialize_state(self, step: int) -> None:
+        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
+        steps its state, zero-filled, in the shapes a checkpoint of that step holds: for loading
+        with torch.distributed.checkpoint (``state_management.materialize_state``)."""
+        state_management.materialize_state(self.state, self.param_groups, self._get_layout(), step)
+        self._events = []  # replaying the windows up to ``step`` is not news for the training log
+
     # ---- events and the loss (opt-in schedules) ----------------------------------------------
     def observe_loss(self, loss: float) -> None:
         """Record one training loss (a float, the same on every data-parallel rank: the all-reduced
@@ -280,13 +287,7 @@ class FRUGAL(Optimizer):
         events, self._events = self._events, []
         return events
 
-    def materialize_state(self, step: int) -> None:
-        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
-        steps its state, zero-filled, in the shapes a checkpoint of that step holds: for loading
-        with torch.distributed.checkpoint (``state_management.materialize_state``)."""
-        state_management.materialize_state(self.state, self.param_groups, self._get_layout(), step)
-        self._events = []  # replaying the windows up to ``step`` is not news for the training log
-
+    # ---- what is state-full ------------------------------------------------------------------
     def _get_layout(self) -> Layout:
         if self._layout is None:
             self._layout = Layout.of(self.param_groups)
@@ -298,7 +299,6 @@ class FRUGAL(Optimizer):
         self._events += events
         return window
 
-    # ---- what is state-full ------------------------------------------------------------------
     def active_blocks(self) -> list | None:
         """State-full blocks (layer indices, or tensor positions with granularity 'tensor') of
         the window the next step will use; None without block projection."""
