@@ -1,43 +1,39 @@
 """The density census: what the next step's window of a FRUGAL optimizer makes state-full
-(`FRUGAL.density_report`, `FRUGAL.state_full_fraction`) of a FRUGAL optimizer. It imports no optimizer
-module, so `optimizer` depends on it one way."""
+(`FRUGAL.density_report`, `FRUGAL.state_full_fraction`). It imports no optimizer module, so
+`optimizer` depends on it one way; the roles come from `frugal.windows`, as the step's do."""
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 
 from . import projections as proj
-from .adaptive import effective
-
+from .windows import FULL
 
 
 def _census(optimizer) -> tuple[int, int, int, float]:
     """(projectable elements, state-full ones next step, one selection unit, density asked)."""
-    layout = optimizer._get_layout()
-    clock = optimizer._clock(layout, optimizer.step_count, commit=False)
-    active = optimizer._active(layout, optimizer.step_count, clock)
+    window = optimizer._window(optimizer.step_count, commit=False)
     total = full = units = asked = 0
     block_sizes: dict = defaultdict(int)
-    for gi, group in enumerate(optimizer.param_groups):
+    for t in optimizer._get_layout().tensors(optimizer.param_groups, window):
+        group, p = t.group, t.param
         if not group["projectable"] or group["always_state_free"]:
             continue
-        group = effective(group, clock)
-        for pi, p in enumerate(group["params"]):
-            n = p.numel()
-            total += n
-            asked += group["density"] * n
-            if group["projection"] == "block":
-                block_sizes[layout.block_of[gi][pi]] += n
-                full += n if layout.block_of[gi][pi] in active else 0
-                continue
-            shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"], group["density"])
-            full += math.prod(shape)
-            if group["projection"] == "randk":
-                units += 1
-            elif group["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
-                units += shape[0] if proj.matrix_side(p.shape, group["transposed"]) == "right" else shape[1]
-            else:  # one more column (row): the elements across the other dimension
-                units += n // p.shape[proj.coordinate_dim(group["projection"], p.shape, group["transposed"])]
+        n = p.numel()
+        total += n
+        asked += group["density"] * n
+        if group["projection"] == "block":
+            block_sizes[t.block] += n
+            full += n if t.role == FULL else 0
+            continue
+        shape = proj.reduced_shape(group["projection"], p.shape, group["transposed"], group["density"])
+        full += math.prod(shape)
+        if group["projection"] == "randk":
+            units += 1
+        elif group["projection"] in proj.MATRIX:  # one more rank: a column (row) of the state
+            units += shape[0] if proj.matrix_side(p.shape, group["transposed"]) == "right" else shape[1]
+        else:  # one more column (row): the elements across the other dimension
+            units += n // p.shape[proj.coordinate_dim(group["projection"], p.shape, group["transposed"])]
     units += max(block_sizes.values(), default=0)
     return total, full, units, (asked / total if total else optimizer.defaults["density"])
 

@@ -1,9 +1,10 @@
 """FRUGAL's hyperparameters: their valid choices and checks, declared once.
 
 The defaults are the keyword defaults of `FRUGAL.__init__` (the constructor people read in their
-editor); `frugal.registry.defaults` lists them per entry. The named options and the one validator
-live here. The optimizer, the registry (`build_optimizer`), the memory estimate and the training
-configs all use these, so a bad value is reported the same way wherever it enters.
+editor); `frugal.registry.defaults` lists them per entry. The named options, the one validator
+and the checks of a whole param group (its settings together, and its tensors) live here. The
+optimizer, the registry (`build_optimizer`), the memory estimate and the training configs all use
+these, so a bad value is reported the same way wherever it enters.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
 from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
+from .sharding import is_dtensor
 
 
 
@@ -168,6 +170,53 @@ def check_combination(group: Mapping[str, Any]) -> None:
             f"state_full {full!r} keeps factored moments of a matrix: it cannot run on projection "
             f"{projection!r} (1-D) or with reset_state {group['reset_state']!r}; valid choices: "
             "reset_state reset or keep, any projection but randk")
+
+
+def check_group(group: dict) -> None:
+    """What one param group's settings and tensors must satisfy together (raised when the group is
+    added, naming the value and what would work): the combination of rules (``check_combination``), 2-D
+    tensors for projections that need them, whole matrices where a rule or a basis needs them (no
+    FSDP2 shards), a layer index for layer blocks, 2-D tensors for a state-full rule of matrices."""
+    check_combination(group)
+    full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
+    if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
+        full_rule.check(group)
+    split = group["projectable"] and not group["always_state_free"]
+    projection = group["projection"]
+    for p in group["params"]:
+        if full_rule.matrix_only and not group["always_state_free"] and (
+                is_dtensor(p) or ((not split or projection == "block") and p.dim() != 2)):
+            raise HyperparameterError(
+                f"state_full {group['state_full']!r} factors the second moment of a matrix; it cannot "
+                f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
+                "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
+                "does for embeddings, norms and the output layer)")
+        if not split:
+            continue
+        if projection not in ("block", "randk") and p.dim() != 2:
+            raise HyperparameterError(
+                f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
+                "valid choices for other shapes: block, randk")
+        if is_dtensor(p) and free_rule.reads_split:
+            raise HyperparameterError(
+                f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
+                f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
+                "shard; valid choices for sharded parameters: signsgd, sgd, none")
+        if projection in proj.MATRIX and is_dtensor(p):
+            raise HyperparameterError(
+                f"projection {projection!r} needs each whole weight matrix (for its basis), "
+                f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
+                "choices for sharded parameters: block, column, row, randk, randperm")
+    if split and projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
+        raise HyperparameterError(
+            "A projectable group with projection 'block' and block_granularity 'layer' needs "
+            "its layer index as group key 'block' (or use block_granularity='tensor')")
+
+
+def resolve_momentum(group: dict) -> None:
+    """``momentum=None``: the state-full rule's own default, torch's Muon 0.95, the paper's SGDM 0.9."""
+    if group["momentum"] is None:
+        group["momentum"] = 0.95 if group["state_full"] == "muon" else 0.9
 
 
 def _plain(rules) -> list[str]:

@@ -3,10 +3,11 @@ back (Algorithm 1 of the paper).
 
 ``FRUGAL.step`` runs these phases over every tensor with a gradient:
 
-1. select (``_select``): each tensor's role this step: wholly state-full (non-projectable tensors,
-   active blocks), wholly state-free (inactive blocks, ``always_state_free`` groups) or split (the
-   other projections). Block-projected tensors leaving the state-full set drop their state here,
-   before any state is allocated, so a block switch peaks at the resting state plus one block.
+1. select (``_select``): each tensor's role this step (``frugal.windows``): wholly state-full
+   (non-projectable tensors, active blocks), wholly state-free (inactive blocks,
+   ``always_state_free`` groups) or split (the other projections). Block-projected tensors leaving
+   the state-full set drop their state here, before any state is allocated, so a block switch
+   peaks at the resting state plus one block.
 2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
    chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
    reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
@@ -58,13 +59,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import grouping, state_management
-from .adaptive import (BLOCK_SHARED, WindowClock, advance_clock, check_shared, clock_settings, density_at, effective,
-                       observe_clock, window_of)
-from .hparams import HyperparameterError, check_combination, validate
-from .reference import FREE, FULL, SPLIT, update_tensor
+from . import density, grouping, state_management
+from .adaptive import check_shared
+from .hparams import HyperparameterError, check_group, resolve_momentum, validate
+from .reference import update_tensor
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
-from .sharding import is_dtensor, local, shard_key
+from .sharding import local, shard_key
+from .windows import FREE, FULL, SPLIT, Layout, Window
 
 GROUP_KEYS = {"projectable": False, "block": None, "transposed": False, "always_state_free": False}
 _BATCH_TENSORS = 8  # split tensors per batch of phases 2-5: about one LLaMA layer (7 weights)
@@ -111,63 +112,6 @@ class FreeKey(NamedTuple):
     dtype: torch.dtype
 
 
-@dataclass
-class _Layout:
-    """Positions and blocks of the parameters; rebuilt when the param groups change."""
-    idents: list[list[int]]
-    block_of: list[list]  # per group, per parameter: its block, or None
-    blocks: list | None  # sorted block ids; None without block projection
-    block_settings: dict | None  # the settings every block-projected group shares
-    clock: dict | None = None  # the settings of the window clock; None: windows are step // update_gap
-    active: tuple | None = None  # (window, frozenset of active blocks), memoised
-
-
-def check_group(group: dict) -> None:
-    """What one param group's settings and tensors must satisfy together (raised when the group is
-    added, naming the value and what would work): the combination of rules (``hparams``), 2-D
-    tensors for projections that need them, whole matrices where a rule or a basis needs them (no
-    FSDP2 shards), a layer index for layer blocks, 2-D tensors for a state-full rule of matrices."""
-    check_combination(group)
-    full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
-    if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
-        full_rule.check(group)
-    split = group["projectable"] and not group["always_state_free"]
-    projection = group["projection"]
-    for p in group["params"]:
-        if full_rule.matrix_only and not group["always_state_free"] and (
-                is_dtensor(p) or ((not split or projection == "block") and p.dim() != 2)):
-            raise HyperparameterError(
-                f"state_full {group['state_full']!r} factors the second moment of a matrix; it cannot "
-                f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
-                "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
-                "does for embeddings, norms and the output layer)")
-        if not split:
-            continue
-        if projection not in ("block", "randk") and p.dim() != 2:
-            raise HyperparameterError(
-                f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
-                "valid choices for other shapes: block, randk")
-        if is_dtensor(p) and free_rule.reads_split:
-            raise HyperparameterError(
-                f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
-                f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
-                "shard; valid choices for sharded parameters: signsgd, sgd, none")
-        if projection in proj.MATRIX and is_dtensor(p):
-            raise HyperparameterError(
-                f"projection {projection!r} needs each whole weight matrix (for its basis), "
-                f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
-                "choices for sharded parameters: block, column, row, randk, randperm")
-    if split and projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
-        raise HyperparameterError(
-            "A projectable group with projection 'block' and block_granularity 'layer' needs "
-            "its layer index as group key 'block' (or use block_granularity='tensor')")
-
-
-
-def _resolve_momentum(group: dict) -> None:
-    """``momentum=None``: the state-full rule's own default, torch's Muon 0.95, the paper's SGDM 0.9."""
-    if group["momentum"] is None:
-        group["momentum"] = 0.95 if group["state_full"] == "muon" else 0.9
 
 class FRUGAL(Optimizer):
     r"""FRUGAL (Full-Rank Updates with GrAdient spLitting), Algorithm 1 of the paper.
@@ -204,25 +148,19 @@ class FRUGAL(Optimizer):
         state_full: adamw, adamw_hf (Hugging Face's form), lion, sgdm, adafactor_momentum, muon.
         state_free: signsgd, sgd, none (BAdam / GaLore), fira, one_sided_adafactor.
         state_free_lr_scale, projectable_lr_scale: :math:`\gamma` and :math:`\kappa`.
-        reset_state: the state after a change of subspace (``frugal.state_management``): reset,
-            reset_all, reproject, keep (GaLore), transport (LDAdam). An unchanged projection leaves
-            the state unchanged (Algorithm 1 line 7 is the identity), so under the default ``reset``
-            a block that stays state-full keeps its state and density 1 is AdamW. ``reset_all`` is
-            the appendix pseudocode (``block_step``) and the authors' code: every state-full block
-            restarts at every window boundary, staying ones too; the two agree unless windows
-            overlap (random order, density > 0.5). The default stays ``reset``: it is what the main
-            text describes, keeps density 1 equal to AdamW, and does not throw away the moments of
-            a subspace that did not change; the presets reproducing the paper's tables set
-            ``reset_all``.
+        reset_state: the state after a change of subspace: reset (the main text: a block that
+            stays state-full keeps its state, density 1 is AdamW), reset_all (the appendix
+            pseudocode and the authors' code, which the presets of the paper's tables set: every
+            state-full block restarts at every window boundary), reproject, keep (GaLore),
+            transport (LDAdam); ``frugal.state_management`` compares them.
         block_order: descending (the paper's), ascending, mirror, random.
         block_granularity: layer (the paper's text) or tensor (the authors' code: single weights,
             Python's ``round``).
         momentum: sgdm's and muon's; None (the default) takes the rule's own: 0.9 for sgdm (the
             paper's), 0.95 for muon (torch's). seed: the subspace draws.
-
-    Beyond the paper, ``state_full="muon"`` (frugal/muon.py) is torch.optim.Muon's rule with its keys
-    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``adjust_lr_fn`` (and ``momentum``, 0.95 unless
-    given, and ``eps``), on block, column and row projections.
+        nesterov, ns_steps, ns_coefficients, adjust_lr_fn: ``state_full="muon"``'s, beyond the
+            paper: torch.optim.Muon's keys (with ``momentum`` and ``eps``), on block, column and row
+            projections (``frugal.muon``).
 
     Args (concurrent methods, module docstring):
         fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
@@ -294,7 +232,7 @@ class FRUGAL(Optimizer):
         self._layout = None
         self.__dict__.setdefault("_events", [])
 
-    # ---- groups, layout, checkpoints ---------------------------------------------------------
+    # ---- groups, checkpoints -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         step = self.param_groups[0]["step"] if self.param_groups else 0
         super().add_param_group(param_group)
@@ -303,7 +241,7 @@ class FRUGAL(Optimizer):
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
         group.update(validate({k: group[k] for k in self.defaults}))
-        _resolve_momentum(group)
+        resolve_momentum(group)
         try:
             check_group(group)
             check_shared(self.param_groups)  # one block walk and one window clock: shared settings
@@ -319,21 +257,18 @@ class FRUGAL(Optimizer):
         return self.param_groups[0]["step"]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch casts every state tensor of a floating-point parameter to the parameter's dtype;
-        # index tensors and integer counters keep theirs (bf16 cannot even represent indices above 256).
-        exact = {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
-                 for key, s in state_dict["state"].items()}
+        exact = state_management.exact_entries(state_dict)  # torch would cast indices to the weights' dtype
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # a checkpoint from before a key existed: the key's default
-            for key, default in self.defaults.items():
-                group.setdefault(key, default)
-            _resolve_momentum(group)
-        self._set_step(self.param_groups[0]["step"])  # state dicts that kept it in the first group only
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            for key, p in zip(saved["params"], group["params"]):
-                for name, v in exact.get(key, {}).items():
-                    self.state[p][name] = v.to(device=local(p).device)
+        state_management.upgrade_groups(self.param_groups, self.defaults)
+        state_management.restore_exact(self.state, self.param_groups, state_dict["param_groups"], exact)
         self._layout = None
+
+    def materialize_state(self, step: int) -> None:
+        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
+        steps its state, zero-filled, in the shapes a checkpoint of that step holds: for loading
+        with torch.distributed.checkpoint (``state_management.materialize_state``)."""
+        state_management.materialize_state(self.state, self.param_groups, self._get_layout(), step)
+        self._events = []  # replaying the windows up to ``step`` is not news for the training log
 
     # ---- events and the loss (opt-in schedules) ----------------------------------------------
     def observe_loss(self, loss: float) -> None:
@@ -342,9 +277,7 @@ class FRUGAL(Optimizer):
         ``update_gap_growth`` > 1 it does nothing. A window's gap is decided from the mean of the
         losses recorded since the previous window change, so the decisions are the same on every
         rank and after a resume (the sums are part of ``state_dict()``)."""
-        layout = self._get_layout()
-        if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
-            observe_clock(self.param_groups[0], layout.clock, loss)
+        self._get_layout().observe_loss(self.param_groups[0], loss)
 
     def pop_events(self) -> list[dict]:
         """Changes made by the opt-in schedules since the last call, oldest first, for the training
@@ -354,127 +287,32 @@ class FRUGAL(Optimizer):
         events, self._events = self._events, []
         return events
 
-    def _clock(self, layout: _Layout, step: int, commit: bool) -> WindowClock | None:
-        """The window clock at ``step`` (None: windows are ``step // update_gap``); ``commit`` (only
-        a step) stores it, lets the plateau controller decide and records the events; a query never
-        decides anything, so asking (e.g. ``active_blocks()``) cannot change a run."""
-        if layout.clock is None:
-            return None
-        blocks = None
-        if layout.blocks is not None:
-            n, shared = len(layout.blocks), layout.block_settings
-            blocks = lambda start: proj.block_count(n, density_at(shared, start), shared["block_granularity"])  # noqa: E731
-        clock, events = advance_clock(self.param_groups[0], layout.clock, step, blocks=blocks, commit=commit)
-        self._events += events
-        return clock
-
-    def materialize_state(self, step: int) -> None:
-        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
-        steps (in the window of the last step taken) its state, zero-filled, in the shapes a
-        checkpoint of that step holds.
-
-        For loading with torch.distributed.checkpoint, which loads into the state dict of the
-        optimizer it is given: which tensors hold state depends on the window, so a freshly built
-        FRUGAL must first look like the saved one (``dcp.load`` then fills in the values), and
-        ``strict=False`` because state-free tensors own no state::
-
-            optimizer.materialize_state(saved_step)
-            state = {"optim": get_optimizer_state_dict(model, optimizer)}
-            dcp.load(state, checkpoint_id=path)
-            set_optimizer_state_dict(model, optimizer, state["optim"],
-                                     options=StateDictOptions(strict=False))
-
-        With a growing update gap the windows depend on the losses seen, which only the
-        checkpoint knows: refused.
-        """
-        layout = self._get_layout()
-        if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
-            raise HyperparameterError(
-                "materialize_state cannot know the windows of a run with update_gap_growth > 1 (they depend "
-                "on the losses seen); load such a run with optimizer.load_state_dict instead")
-        self._set_step(step)
-        self.param_groups[0].pop("clock", None)
-        last = max(step - 1, 0)  # a checkpoint of step S holds the state of the window of step S - 1
-        clock = self._clock(layout, last, commit=True)
-        self._events = []
-        active = self._active(layout, last, clock)
-        for gi, group in enumerate(self.param_groups):
-            group = effective(group, clock)
-            for pi, p in enumerate(group["params"]):
-                role = self._role(group, layout.block_of[gi][pi], active)
-                if role == FREE:
-                    self.state.pop(p, None)
-                else:
-                    state_management.materialize(self.state[p], p, group, role == FULL, window_of(group, last, clock),
-                                                 layout.idents[gi][pi], layout.block_of[gi][pi] is not None)
-
-    def _get_layout(self) -> _Layout:
-        if self._layout is not None:
-            return self._layout
-        idents, block_of, n = [], [], 0
-        for group in self.param_groups:
-            idents.append(list(range(n, n + len(group["params"]))))
-            block_of.append([None] * len(group["params"]))
-            n += len(group["params"])
-        groups = [(gi, group) for gi, group in enumerate(self.param_groups)
-                  if group["projectable"] and not group["always_state_free"] and group["projection"] == "block"]
-        layout = _Layout(idents, block_of, None, None, clock_settings(self.param_groups))
-        if groups:
-            shared = {k: groups[0][1][k] for k in BLOCK_SHARED}  # equal in every block group (add_param_group)
-            count = 0
-            for gi, group in groups:
-                for pi in range(len(group["params"])):
-                    block_of[gi][pi] = count if shared["block_granularity"] == "tensor" else group["block"]
-                    count += 1
-            layout.blocks = sorted({b for row in block_of for b in row if b is not None})
-            layout.block_settings = shared
-        self._layout = layout
-        return layout
-
-    def _active(self, layout: _Layout, step: int, clock: WindowClock | None) -> frozenset:
-        """State-full blocks of the window holding ``step``."""
-        if layout.blocks is None:
-            return frozenset()
-        window = window_of(layout.block_settings, step, clock)
-        if layout.active is None or layout.active[0] != window:
-            shared = layout.block_settings
-            density = shared["density"] if clock is None else density_at(shared, clock.start)
-            chosen = proj.select_blocks(shared["block_order"], len(layout.blocks), density, window, shared["seed"],
-                                        offset=None if clock is None else clock.offset,
-                                        granularity=shared["block_granularity"])
-            layout.active = (window, frozenset(layout.blocks[i] for i in chosen))
-        return layout.active[1]
-
-    @staticmethod
-    def _role(group: dict, block, active: frozenset) -> str:
-        if group["always_state_free"]:
-            return FREE
-        if not group["projectable"]:
-            return FULL
-        if group["projection"] == "block":
-            return FULL if block in active else FREE
-        return SPLIT
-
     # ---- what is state-full ------------------------------------------------------------------
+    def _get_layout(self) -> Layout:
+        if self._layout is None:
+            self._layout = Layout.of(self.param_groups)
+        return self._layout
+
+    def _window(self, step: int, commit: bool) -> Window:
+        """The window of ``step`` (``Layout.window``); the events of a committed move wait for ``pop_events``."""
+        window, events = self._get_layout().window(self.param_groups[0], step, commit)
+        self._events += events
+        return window
+
     def active_blocks(self) -> list | None:
         """State-full blocks (layer indices, or tensor positions with granularity 'tensor') of
         the window the next step will use; None without block projection."""
         layout = self._get_layout()
-        clock = self._clock(layout, self.step_count, commit=False)
-        return None if layout.blocks is None else sorted(self._active(layout, self.step_count, clock))
+        return None if layout.blocks is None else sorted(self._window(self.step_count, commit=False).active)
 
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window."""
-        from .density import density_report
-
-        return density_report(self)["state_full_share"]
+        return density.density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:
         """The density requested and the one realised in the next step's window (keys
         ``requested``, ``realised``, ``unit``, ``state_full_share``, ``blocks``: ``frugal.density.density_report``)."""
-        from .density import density_report
-
-        return density_report(self)
+        return density.density_report(self)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -508,26 +346,19 @@ class FRUGAL(Optimizer):
     def _select(self, step: int) -> list[Work]:
         """Phase 1. Tensors leaving the state-full set (and state-free ones) drop their state
         first, whether or not they have a gradient; state is allocated only in later phases."""
-        layout = self._get_layout()
-        clock = self._clock(layout, step, commit=True)
-        active = self._active(layout, step, clock)
-        roles = []
-        for gi, group in enumerate(self.param_groups):
-            group = effective(group, clock)
-            for pi, p in enumerate(group["params"]):
-                role = self._role(group, layout.block_of[gi][pi], active)
-                if role == FREE:
-                    self.state.pop(p, None)  # a state-free tensor owns no state
-                elif role == FULL and layout.block_of[gi][pi] is not None:
-                    state_management.restart_block(self.state[p], STATE_FULL[group["state_full"]], group,
-                                                   window_of(group, step, clock))
-                if p.grad is not None and p.grad.is_sparse:
-                    raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
-                                     f"of shape {tuple(p.shape)}); valid choices: dense gradients")
-                roles.append((gi, pi, group, p, role))
-        return [Work(p, local(p), local(p.grad), group, self.state[p] if role != FREE else {}, role,
-                     layout.idents[gi][pi], window_of(group, step, clock))
-                for gi, pi, group, p, role in roles if p.grad is not None]
+        slots = list(self._get_layout().tensors(self.param_groups, self._window(step, commit=True)))
+        for t in slots:
+            if t.role == FREE:
+                self.state.pop(t.param, None)  # a state-free tensor owns no state
+            elif t.role == FULL and t.block is not None:
+                state_management.restart_block(self.state[t.param], STATE_FULL[t.group["state_full"]], t.group,
+                                               t.window)
+            if t.param.grad is not None and t.param.grad.is_sparse:
+                raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
+                                 f"of shape {tuple(t.param.shape)}); valid choices: dense gradients")
+        return [Work(t.param, local(t.param), local(t.param.grad), t.group,
+                     self.state[t.param] if t.role != FREE else {}, t.role, t.ident, t.window)
+                for t in slots if t.param.grad is not None]
 
     @staticmethod
     def _rounds_stochastically(w: Work) -> bool:

@@ -7,9 +7,10 @@ this path too, since the new weights must exist in float32 before they are round
 
     theta <- theta (1 - lr wd) - lr_full P^{-1}(d_full(P(g))) - lr_free d_free(g - P^{-1}(P(g)))
 
-computed in float32 (at least) and rounded once into the weights. A tensor's role decides P:
-``FULL`` (the identity: non-projectable tensors, active blocks), ``FREE`` (zero: inactive blocks,
-``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix projection, ``frugal.state_management``).
+computed in float32 (at least) and rounded once into the weights. A tensor's role
+(``frugal.windows``) decides P: ``FULL`` (the identity: non-projectable tensors, active blocks),
+``FREE`` (zero: inactive blocks, ``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix
+projection, ``frugal.state_management``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from . import projections as proj
 from . import sharding, state_management
 from .kernels import stochastic_round_
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
-
-FULL, FREE, SPLIT = "state-full", "state-free", "split"
+from .windows import FREE, FULL
 
 
 def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: str, ident: int,

@@ -12,7 +12,9 @@ Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the 
   algorithms pseudocode") and the authors' code: the state of *every* state-full block or subspace
   restarts at every window boundary, including blocks that stay selected (``restart_block``).
   It differs from ``reset`` only where windows overlap (random block order, or density > 0.5) and
-  at density 1.
+  at density 1. ``reset`` stays the default: it is what the main text describes, keeps density 1
+  equal to AdamW and does not throw away the moments of a subspace that did not change; the presets
+  reproducing the paper's tables set ``reset_all``.
 - ``reproject``: Appendix C's re-projection. Exact for coordinate bases (the moments of coordinates
   that stay selected move to their new position, entering ones start at zero, the step count is
   kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
@@ -41,6 +43,10 @@ when the basis changed, what the momentum lost in the move, weighted by ``beta1 
 
 The subspace is kept as tensors in the state (``index``: sorted coordinates; ``proj``: Q) with
 ``window``, the window it was chosen in, so a resumed run continues with the same subspace.
+
+Checkpoints (the end of this module): ``materialize_state`` makes a freshly built optimizer hold
+the state entries a checkpoint of a given step holds (torch.distributed.checkpoint loads into
+them), and ``load_state_dict``'s fixes keep integer state exact and upgrade older state dicts.
 """
 from __future__ import annotations
 
@@ -49,8 +55,11 @@ from torch import Tensor
 
 from . import projections as proj
 from . import subspace
+from .checks import HyperparameterError
+from .hparams import resolve_momentum
 from .rules import STATE_FREE, STATE_FULL, StateFullRule
 from .sharding import local, shard_key
+from .windows import FREE, FULL, Layout
 
 
 def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window: int, ident: int,
@@ -271,3 +280,67 @@ def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: in
         if group["error_feedback"]:
             state["error"] = torch.zeros_like(p)
     init_free_state(state, param, group)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def materialize_state(state: dict, groups: list[dict], layout: Layout, step: int) -> None:
+    """``FRUGAL.materialize_state``: set the step counter of ``groups`` to ``step`` and give every
+    tensor that holds state after ``step`` steps (in the window of the last step taken) its state,
+    zero-filled, in the shapes a checkpoint of that step holds (``materialize``).
+
+    For loading with torch.distributed.checkpoint, which loads into the state dict of the
+    optimizer it is given: which tensors hold state depends on the window, so a freshly built
+    FRUGAL must first look like the saved one (``dcp.load`` then fills in the values), and
+    ``strict=False`` because state-free tensors own no state::
+
+        optimizer.materialize_state(saved_step)
+        state = {"optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, state["optim"],
+                                 options=StateDictOptions(strict=False))
+
+    With a growing update gap the windows depend on the losses seen, which only the checkpoint
+    knows: refused.
+    """
+    if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
+        raise HyperparameterError(
+            "materialize_state cannot know the windows of a run with update_gap_growth > 1 (they depend "
+            "on the losses seen); load such a run with optimizer.load_state_dict instead")
+    for group in groups:
+        group["step"] = step
+    groups[0].pop("clock", None)  # the clock replays every window from step 0 (the block walk counts them all)
+    last = max(step - 1, 0)  # a checkpoint of step S holds the state of the window of step S - 1
+    window, _ = layout.window(groups[0], last, commit=True)
+    for t in layout.tensors(groups, window):
+        if t.role == FREE:
+            state.pop(t.param, None)
+        else:
+            materialize(state[t.param], t.param, t.group, t.role == FULL, t.window, t.ident, t.block is not None)
+
+
+def exact_entries(state_dict: dict) -> dict:
+    """The integer state of a state dict (indices, counters), by parameter key: torch's
+    ``load_state_dict`` casts every state tensor of a floating-point parameter to the parameter's
+    dtype, and bfloat16 cannot even represent indices above 256; ``restore_exact`` puts them back."""
+    return {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
+            for key, s in state_dict["state"].items()}
+
+
+def restore_exact(state: dict, groups: list[dict], saved_groups: list[dict], exact: dict) -> None:
+    """Put ``exact_entries`` back, each on its parameter's (local) device."""
+    for saved, group in zip(saved_groups, groups):
+        for key, p in zip(saved["params"], group["params"]):
+            for name, v in exact.get(key, {}).items():
+                state[p][name] = v.to(device=local(p).device)
+
+
+def upgrade_groups(groups: list[dict], defaults: dict) -> None:
+    """Param groups as loaded from a state dict, made current: a key added since the checkpoint
+    was written takes its default, ``momentum=None`` its rule's value, and every group the step
+    count of the first (older state dicts kept it there only)."""
+    for group in groups:
+        for key, default in defaults.items():
+            group.setdefault(key, default)
+        resolve_momentum(group)
+    for group in groups:
+        group["step"] = groups[0]["step"]

@@ -8,25 +8,30 @@ the config node carries every shape, and weights come from the model's own ``_in
 A model config (``configs/model/*.yaml``, or a plain dict) has exactly the keys of ``CONFIG_KEYS``;
 a missing, unknown or invalid value raises ``ModelConfigError`` naming it. Activation checkpointing is
 a property of the training loop (``train.activation_checkpointing``), not of the model's shape.
+
+Each family is one ``Family`` entry of ``FAMILY``: its builder and the facts other modules need
+about its blocks (``Activations``: what the memory planner counts), so a new family is an entry
+here and a ``configs/model`` file, nothing else.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from frugal.checks import check_integer
 from frugal.grouping import module_roles
 
-__all__ = ["build_model", "count_parameters", "ModelConfigError", "FAMILIES", "CONFIG_KEYS"]
-
-FAMILIES = ("llama", "gpt2")
+__all__ = ["build_model", "count_parameters", "ModelConfigError", "FAMILIES", "FAMILY", "Family", "Activations",
+           "BlockSizes", "CONFIG_KEYS"]
 
 # Every key of a model config, with what it means (the YAML files carry the values).
 CONFIG_KEYS = {
     "name": "the config's name (logs, tables, per-model preset lookups)",
-    "family": f"one of {FAMILIES}",
+    "family": "the model family: a key of FAMILY (its builder and block facts)",
     "hidden_size": "width of the residual stream",
     "intermediate_size": "MLP width (llama: required; gpt2: null = 4 x hidden_size)",
     "num_attention_heads": "attention heads (hidden_size must be divisible by it)",
@@ -56,8 +61,8 @@ def _check(cfg: Mapping[str, Any], vocab_size: int | None) -> dict[str, Any]:
     if unknown:
         raise ModelConfigError(f"model config {name!r}: unknown key(s) {unknown}; valid keys: {list(CONFIG_KEYS)}")
     family = _get(cfg, "family")
-    if family not in FAMILIES:
-        raise ModelConfigError(f"model.family={family!r} is not supported; valid choices: {list(FAMILIES)}")
+    if family not in FAMILY:
+        raise ModelConfigError(f"model.family={family!r} is not supported; valid choices: {list(FAMILY)}")
 
     def integer(key: str, value: Any = None, optional: bool = False) -> int | None:
         value = _get(cfg, key) if value is None else value
@@ -76,7 +81,7 @@ def _check(cfg: Mapping[str, Any], vocab_size: int | None) -> dict[str, Any]:
 
     out = {
         "hidden_size": integer("hidden_size"),
-        "intermediate_size": integer("intermediate_size", optional=family == "gpt2"),
+        "intermediate_size": integer("intermediate_size", optional=FAMILY[family].default_intermediate),
         "num_attention_heads": integer("num_attention_heads"),
         "num_hidden_layers": integer("num_hidden_layers"),
         "max_position_embeddings": integer("max_position_embeddings"),
@@ -144,7 +149,52 @@ def _gpt2(c: dict[str, Any]):
     return GPT2LMHeadModel(config)
 
 
-_BUILDERS = {"llama": _llama, "gpt2": _gpt2}
+class BlockSizes(NamedTuple):
+    """The sizes of a transformer block, read from the built model's config."""
+    intermediate: int  # MLP width
+    heads: int
+    kv_heads: int
+    dropout: tuple[float, float, float]  # embeddings, attention, residual (0 where the family has none)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What autograd saves in a forward pass of the family, as the memory planner counts it
+    (``train_utils/memory_plan.py``, ``_layer_terms``): the kind of each part of a block and of the
+    embeddings, and where the built model's config keeps the sizes."""
+    norm: str  # "rmsnorm" (computes in fp32) or "layernorm"
+    mlp: str  # "swiglu" (gate, up, down) or "gelu_new" (GPT-2's tanh approximation of GELU)
+    positions: str  # "rotary" (cos and sin per position) or "learned" (a position embedding)
+    qkv_matmuls: int  # matmuls that read the attention's input: 3 (q, k, v) or 1 (one fused projection)
+    mlp_matmuls: int  # matmuls that read the MLP's input: 2 (gate, up) or 1
+    sizes: Callable[[Any], BlockSizes]  # the built model's config -> its block sizes
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to build it from a checked config, and what its blocks are."""
+    build: Callable[[dict[str, Any]], torch.nn.Module]
+    activations: Activations | None = None  # None: the memory planner cannot plan it
+    default_intermediate: bool = False  # intermediate_size may be null: the family's own default
+
+
+def _llama_sizes(c) -> BlockSizes:
+    return BlockSizes(c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                      (0.0, float(c.attention_dropout), 0.0))
+
+
+def _gpt2_sizes(c) -> BlockSizes:
+    return BlockSizes(c.n_inner or 4 * c.hidden_size, c.num_attention_heads, c.num_attention_heads,
+                      (float(c.embd_pdrop), float(c.attn_pdrop), float(c.resid_pdrop)))
+
+
+FAMILY = {
+    "llama": Family(_llama, Activations(norm="rmsnorm", mlp="swiglu", positions="rotary", qkv_matmuls=3,
+                                        mlp_matmuls=2, sizes=_llama_sizes)),
+    "gpt2": Family(_gpt2, Activations(norm="layernorm", mlp="gelu_new", positions="learned", qkv_matmuls=1,
+                                      mlp_matmuls=1, sizes=_gpt2_sizes), default_intermediate=True),
+}
+FAMILIES = tuple(FAMILY)
 
 
 def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
@@ -156,7 +206,7 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None) -> torch.
     7B config are free. Raises ModelConfigError for a missing, unknown or invalid key.
     """
     checked = _check(cfg, vocab_size)
-    return _BUILDERS[_get(cfg, "family")](checked)
+    return FAMILY[_get(cfg, "family")].build(checked)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

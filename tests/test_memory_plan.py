@@ -117,6 +117,19 @@ def test_cuda_terms_differ_from_cpu_only_where_autocast_does():
     assert mp._layer_terms(gpt2, 48, 16, cuda)[0]["dropout masks"] == 2 * 48 * 64  # one byte each
 
 
+def test_a_family_is_planned_from_its_entry_in_models(monkeypatch):
+    """The planner reads a family's block facts from models.FAMILY: a new entry needs no planner edit,
+    and an entry that declares none is refused with the families it can plan."""
+    monkeypatch.setitem(models.FAMILY, "llama_alias", models.FAMILY["llama"])
+    alias = mp._facts(dict(TINY["llama"], family="llama_alias"), {"name": "adamw"}, "bf16-mixed", None)
+    llama = mp._facts(TINY["llama"], {"name": "adamw"}, "bf16-mixed", None)
+    regime = mp._Regime(4, True, True)
+    assert mp._layer_terms(alias, 48, 16, regime) == mp._layer_terms(llama, 48, 16, regime)
+    monkeypatch.setitem(models.FAMILY, "bare", models.Family(models.FAMILY["llama"].build))
+    with pytest.raises(ValueError, match=r"'bare' .*declares no activations.*\['llama', 'gpt2', 'llama_alias'\]"):
+        mp._facts(dict(TINY["llama"], family="bare"), {"name": "adamw"}, "fp32", None)
+
+
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
 @pytest.fixture(scope="module")
 def measured():

@@ -20,8 +20,9 @@ the derivations and the validation against measured peaks):
 - working weights: the bf16 copies bf16 autocast makes of every matmul weight (cached from their first
   use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
   root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
-- activations: what the autograd graph of transformers' LLaMA/GPT-2 (SDPA attention) saves, per
-  layer and token, term by term (`_layer_terms`, checked against the saved tensors by the tests);
+- activations: what the autograd graph of a transformers block (SDPA attention) saves, per layer and
+  token, term by term, from the kinds of parts its family declares (``models.Activations``: the norm,
+  the MLP, the position encoding; `_layer_terms`, checked against the saved tensors by the tests);
   with activation checkpointing, each block's input plus one block recomputed in backward.
 - logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
   at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed); with the loop's
@@ -61,7 +62,6 @@ DEVICE_TYPES = ("cuda", "cpu")
 DEVICES = {"a100-80gb": int(79.15 * GIB), "a100-40gb": int(39.39 * GIB)}
 CONTEXT_BYTES = 2 * GIB  # CUDA context (~0.5 GiB), NCCL buffers (~0.5-1 GiB), cuBLAS workspaces
 FRAGMENTATION = 0.05  # reserved-but-unused share of the caching allocator (less with expandable_segments)
-_FAMILIES = ("llama", "gpt2")  # whose saved activations _layer_terms models (blocks: transformer_blocks)
 
 
 def _plain(cfg) -> dict:
@@ -75,7 +75,7 @@ def _plain(cfg) -> dict:
 # ---- what the model and the optimizer hold, from the meta-device model -------------------------------
 @dataclass(frozen=True)
 class _Facts:
-    family: str
+    activations: Any  # models.Activations: the kinds of the family's norm, MLP and positions
     layers: int
     hidden: int
     intermediate: int
@@ -90,7 +90,7 @@ class _Facts:
     layer_matmul_weights: int
     largest_layer_weight: int
     head_weight: int  # elements of the output head's weight
-    dropout: tuple[float, float, float]  # embeddings, attention, residual (GPT-2; 0 for LLaMA)
+    dropout: tuple[float, float, float]  # embeddings, attention, residual (0 where the family has none)
     optimizer_state: int
     optimizer_transient: int
     # Muon (state_full="muon"): the whole-matrix orthogonalisation of one matrix at a time, which FSDP
@@ -274,23 +274,17 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
     opt = json.loads(optimizer_json)
     name = opt.pop("name")
     c = model.config
-    family = json.loads(model_json).get("family")
+    activations = _activations(json.loads(model_json).get("family"))
+    intermediate, heads, kv_heads, dropout = activations.sizes(c)
     blocks = transformer_blocks(model)
     layer = blocks[0]
     layer_weights = _weight_numel(layer)
-    if family == "llama":
-        intermediate, dropout = c.intermediate_size, (0.0, float(c.attention_dropout), 0.0)
-        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    else:
-        intermediate = c.n_inner or 4 * c.hidden_size
-        dropout = (float(c.embd_pdrop), float(c.attn_pdrop), float(c.resid_pdrop))
-        heads = kv_heads = c.num_attention_heads
     params = list(model.parameters())
     estimate = _estimate(model, name, opt)
     transient = _optimizer_transient(model, name, opt)
     matrix_transient, gathered = _muon_step(model, name, opt)
     return _Facts(
-        family=family, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
+        activations=activations, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
         params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
         matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
@@ -305,15 +299,36 @@ def _facts(model_cfg, optimizer_cfg, precision: str, vocab_size: int | None) -> 
     model_cfg, opt = _plain(model_cfg), _plain(optimizer_cfg)
     if "name" not in opt:
         raise ValueError(f"optimizer_cfg needs a 'name' (e.g. 'frugal', 'adamw'); got keys {sorted(opt)}")
-    family = model_cfg.get("family")
-    if family not in _FAMILIES:
-        raise ValueError(f"model family {family!r} is not supported by the memory planner; "
-                         f"valid choices: {sorted(_FAMILIES)}")
+    _activations(model_cfg.get("family"))
     return _facts_cached(json.dumps(model_cfg, sort_keys=True, default=str),
                          json.dumps(opt, sort_keys=True, default=list), precision == "bf16", vocab_size)
 
 
 # ---- activations: what autograd saves, term by term ------------------------------------------------
+_NORMS = ("rmsnorm", "layernorm")
+_MLPS = ("swiglu", "gelu_new")
+_POSITIONS = ("rotary", "learned")
+
+
+def _activations(family):
+    """The activation facts ``family``'s entry in ``models.FAMILY`` declares; a ValueError naming the
+    families the planner can count when it declares none (or parts it has no count for)."""
+    import models
+
+    entry = models.FAMILY.get(family)
+    a = entry.activations if entry is not None else None
+    if a is None:
+        known = [name for name, e in models.FAMILY.items() if e.activations is not None]
+        raise ValueError(f"model family {family!r} is not supported by the memory planner (its entry in "
+                         f"models.FAMILY declares no activations); valid choices: {known}")
+    for part, value, counted in (("norm", a.norm, _NORMS), ("mlp", a.mlp, _MLPS),
+                                 ("positions", a.positions, _POSITIONS)):
+        if value not in counted:
+            raise ValueError(f"model family {family!r} declares {part}={value!r}, which the memory planner "
+                             f"cannot count; valid choices: {list(counted)}")
+    return a
+
+
 @dataclass(frozen=True)
 class _Regime:
     """How the forward pass computes: the dtype of the weights it sees (4 = fp32, 2 = bf16), whether
@@ -334,48 +349,50 @@ class _Regime:
 def _layer_terms(f: _Facts, tokens: int, seq_len: int, r: _Regime) -> tuple[dict, dict]:
     """(bytes saved per transformer block, bytes saved outside the blocks), as named terms.
 
-    Derived from the saved tensors of transformers' LlamaDecoderLayer / GPT2Block with SDPA attention
-    (flash kernel: q, k, v, output and a fp32 logsumexp per head and token); tests check every
-    term against the tensors the autograd graph really saves. T = tokens, h = hidden, f = MLP width.
+    Derived from the saved tensors of transformers' blocks with SDPA attention (flash kernel: q, k, v,
+    output and a fp32 logsumexp per head and token), part by part as the family declares them
+    (``models.Activations``: LlamaDecoderLayer is RMSNorm, SwiGLU and rotary positions, GPT2Block
+    LayerNorm, gelu_new and learned positions); tests check every term against the tensors the
+    autograd graph really saves. T = tokens, h = hidden, f = MLP width.
     """
     T, h, inter, a = tokens, f.hidden, f.intermediate, f.heads
     kv = f.kv_heads * (h // a)
     wb, cb = r.weight_bytes, r.compute_bytes
-    head = {"input ids": 8 * T}
-    if f.family == "llama":
+    kinds = f.activations
+    embd_p, _, resid_p = f.dropout
+    mask = 1 if r.cuda else cb  # dropout keeps its mask: bool on CUDA, the input's dtype on CPU
+    if kinds.norm == "rmsnorm":
         # RMSNorm computes in fp32: it keeps its fp32 input (or an fp32 copy of a bf16 one), the rsqrt
         # and the normalised tensor before the weight (in the input dtype).
-        norm = 4 * T * h + 4 * T + wb * T * h
-        layer = {
-            "RMSNorms": 2 * norm,
-            # Autocast casts the fp32 norm output once per matmul (q, k, v, gate, up); without casts
-            # the three attention and the two MLP projections share one saved input each.
-            "matmul inputs": cb * T * h * (5 if r.casts_weights else 2),
-            "attention q, k, v": cb * T * (h + 2 * kv),
-            "attention output, logsumexp": cb * T * h + 4 * T * a,
-            "SwiGLU (gate, silu, up, product)": 4 * cb * T * inter,
-        }
-        head.update({"rotary cos, sin": 2 * seq_len * (h // a) * wb, "final RMSNorm": norm,
-                     "head input": cb * T * h})
-        return layer, head
-    # GPT-2. CUDA autocast runs layer_norm and pow in fp32 (its fp32 op list), CPU autocast does not.
-    ln_in = 4 if (r.autocast and r.cuda and wb == 2) else wb
-    ln = ln_in * T * h + 2 * T * (4 if r.cuda else ln_in)  # input, mean and rstd
-    mask = 1 if r.cuda else cb  # dropout keeps its mask: bool on CUDA, the input's dtype on CPU
-    embd_p, _, resid_p = f.dropout
-    # gelu_new = 0.5 x (1 + tanh(c (x + 0.044715 x^3))): pow's input, tanh's output, (1 + tanh), 0.5 x
-    # and the product (c_proj's input); fp32 from pow onwards under CUDA autocast.
-    gelu = (4 + 4 + 4 + cb + cb) if (r.autocast and r.cuda) else 5 * cb
+        norm_name, norm = "RMSNorm", 4 * T * h + 4 * T + wb * T * h
+    else:  # LayerNorm. CUDA autocast runs layer_norm in fp32 (its fp32 op list), CPU autocast does not.
+        ln_in = 4 if (r.autocast and r.cuda and wb == 2) else wb
+        norm_name, norm = "LayerNorm", ln_in * T * h + 2 * T * (4 if r.cuda else ln_in)  # input, mean and rstd
+    if kinds.mlp == "swiglu":
+        mlp_name, mlp = "SwiGLU (gate, silu, up, product)", 4 * cb
+    else:
+        # gelu_new = 0.5 x (1 + tanh(c (x + 0.044715 x^3))): pow's input, tanh's output, (1 + tanh), 0.5 x
+        # and the product (c_proj's input); fp32 from pow onwards under CUDA autocast (pow is on its list).
+        mlp_name, mlp = "MLP (gelu_new)", (4 + 4 + 4 + cb + cb) if (r.autocast and r.cuda) else 5 * cb
     layer = {
-        "LayerNorms": 2 * ln,
-        "matmul inputs": 2 * cb * T * h,
-        "attention q, k, v": 3 * cb * T * h,
+        f"{norm_name}s": 2 * norm,
+        # Autocast casts the fp32 norm output once per matmul that reads it (LLaMA: q, k, v, gate, up);
+        # without casts the attention's and the MLP's projections share one saved input each.
+        "matmul inputs": cb * T * h * ((kinds.qkv_matmuls + kinds.mlp_matmuls) if r.casts_weights else 2),
+        "attention q, k, v": cb * T * (h + 2 * kv),
         "attention output, logsumexp": cb * T * h + 4 * T * a,
-        "MLP (gelu_new)": gelu * T * inter,
-        "dropout masks": 2 * mask * T * h if resid_p > 0 else 0,
+        mlp_name: mlp * T * inter,
     }
-    head.update({"position ids": 8 * seq_len, "embedding dropout mask": mask * T * h if embd_p > 0 else 0,
-                 "final LayerNorm": ln, "head input": cb * T * h})
+    if resid_p > 0:
+        layer["dropout masks"] = 2 * mask * T * h
+    head = {"input ids": 8 * T}
+    if kinds.positions == "rotary":
+        head["rotary cos, sin"] = 2 * seq_len * (h // a) * wb
+    else:
+        head["position ids"] = 8 * seq_len
+    if embd_p > 0:
+        head["embedding dropout mask"] = mask * T * h
+    head.update({f"final {norm_name}": norm, "head input": cb * T * h})
     return layer, head
 
 

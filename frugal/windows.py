@@ -1,0 +1,128 @@
+"""Which tensors are state-full in a step's window (phase 1 of ``FRUGAL.step``).
+
+A tensor's role in a step is ``FULL`` (the state-full rule on the whole tensor: non-projectable
+tensors, the active blocks of a block projection), ``FREE`` (the state-free rule on the whole
+tensor: inactive blocks, ``always_state_free`` groups) or ``SPLIT`` (the other projections).
+``Layout`` holds what decides it and changes only with the param groups: each parameter's position
+(the key of its random subspace), its block, the settings every block-projected group shares and
+those of the window clock (``frugal.adaptive``). ``Layout.window`` gives a step's window (the
+clock, if any, and the state-full blocks); ``Layout.tensors`` walks every parameter with its role
+in it. The step, the density report and ``materialize_state`` all read roles from here, so they
+cannot disagree about a window.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor
+
+from . import projections as proj
+from .adaptive import (BLOCK_SHARED, WindowClock, advance_clock, clock_settings, density_at, effective, observe_clock,
+                       window_of)
+
+FULL, FREE, SPLIT = "state-full", "state-free", "split"
+
+
+class Window(NamedTuple):
+    """One step's window: its clock (None: windows are ``step // update_gap``) and its state-full
+    blocks (empty without block projection)."""
+    step: int
+    clock: WindowClock | None
+    active: frozenset
+
+
+class Slot(NamedTuple):
+    """One parameter in one window."""
+    group: dict  # its param group, with the window's density under a density schedule
+    param: Tensor
+    role: str  # FULL, FREE or SPLIT
+    ident: int  # position among all parameters: keys the random subspace
+    block: object  # its block (a layer index, or a position with granularity 'tensor'), or None
+    window: int  # the subspace window index of the step
+
+
+def role(group: dict, block, active: frozenset) -> str:
+    """A tensor's role in a window whose state-full blocks are ``active``."""
+    if group["always_state_free"]:
+        return FREE
+    if not group["projectable"]:
+        return FULL
+    if group["projection"] == "block":
+        return FULL if block in active else FREE
+    return SPLIT
+
+
+@dataclass
+class Layout:
+    """Positions and blocks of the parameters; rebuilt when the param groups change."""
+    idents: list[list[int]]
+    block_of: list[list]  # per group, per parameter: its block, or None
+    blocks: list | None  # sorted block ids; None without block projection
+    block_settings: dict | None  # the settings every block-projected group shares
+    clock: dict | None = None  # the settings of the window clock; None: windows are step // update_gap
+    active: tuple | None = None  # (window, frozenset of active blocks), memoised
+
+    @classmethod
+    def of(cls, groups: list[dict]) -> Layout:
+        idents, block_of, n = [], [], 0
+        for group in groups:
+            idents.append(list(range(n, n + len(group["params"]))))
+            block_of.append([None] * len(group["params"]))
+            n += len(group["params"])
+        blocked = [(gi, group) for gi, group in enumerate(groups)
+                   if group["projectable"] and not group["always_state_free"] and group["projection"] == "block"]
+        layout = cls(idents, block_of, None, None, clock_settings(groups))
+        if blocked:
+            shared = {k: blocked[0][1][k] for k in BLOCK_SHARED}  # equal in every block group (add_param_group)
+            count = 0
+            for gi, group in blocked:
+                for pi in range(len(group["params"])):
+                    block_of[gi][pi] = count if shared["block_granularity"] == "tensor" else group["block"]
+                    count += 1
+            layout.blocks = sorted({b for row in block_of for b in row if b is not None})
+            layout.block_settings = shared
+        return layout
+
+    def window(self, holder: dict, step: int, commit: bool) -> tuple[Window, list[dict]]:
+        """The window holding ``step`` and the schedules' events of reaching it. The clock lives in
+        ``holder`` (FRUGAL: its first param group). ``commit`` (only a step) stores the clock and
+        lets the plateau controller decide; a query never decides anything, so asking (e.g.
+        ``active_blocks()``) cannot change a run."""
+        clock, events = None, []
+        if self.clock is not None:
+            blocks = None
+            if self.blocks is not None:
+                n, shared = len(self.blocks), self.block_settings
+                blocks = lambda start: proj.block_count(n, density_at(shared, start), shared["block_granularity"])  # noqa: E731
+            clock, events = advance_clock(holder, self.clock, step, blocks=blocks, commit=commit)
+        return Window(step, clock, self._active(step, clock)), events
+
+    def observe_loss(self, holder: dict, loss: float) -> None:
+        """One training loss for the plateau-growing update gap (nothing without one)."""
+        if self.clock is not None and self.clock["update_gap_growth"] > 1.0:
+            observe_clock(holder, self.clock, loss)
+
+    def _active(self, step: int, clock: WindowClock | None) -> frozenset:
+        """State-full blocks of the window holding ``step``."""
+        if self.blocks is None:
+            return frozenset()
+        window = window_of(self.block_settings, step, clock)
+        if self.active is None or self.active[0] != window:
+            shared = self.block_settings
+            density = shared["density"] if clock is None else density_at(shared, clock.start)
+            chosen = proj.select_blocks(shared["block_order"], len(self.blocks), density, window, shared["seed"],
+                                        offset=None if clock is None else clock.offset,
+                                        granularity=shared["block_granularity"])
+            self.active = (window, frozenset(self.blocks[i] for i in chosen))
+        return self.active[1]
+
+    def tensors(self, groups: list[dict], window: Window) -> Iterator[Slot]:
+        """Every parameter of ``groups`` (in order) with its role in ``window``."""
+        for gi, group in enumerate(groups):
+            group = effective(group, window.clock)
+            index = window_of(group, window.step, window.clock)
+            for pi, p in enumerate(group["params"]):
+                block = self.block_of[gi][pi]
+                yield Slot(group, p, role(group, block, window.active), self.idents[gi][pi], block, index)
