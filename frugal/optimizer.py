@@ -240,9 +240,9 @@ class FRUGAL(Optimizer):
         for key, default in GROUP_KEYS.items():
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
-        group.update(validate({k: group[k] for k in self.defaults}))
-        resolve_momentum(group)
         try:
+            group.update(validate({k: group[k] for k in self.defaults}))
+            resolve_momentum(group)
             check_group(group)
             check_shared(self.param_groups)  # one block walk and one window clock: shared settings
         except HyperparameterError:

@@ -749,3 +749,14 @@ def test_block_groups_must_share_their_walk_when_added():
     with pytest.raises(ValueError, match="must share block_order: got 'descending' and 'random'"):
         opt.add_param_group({"params": [params[2]], "projectable": True, "block": 2, "block_order": "random"})
     assert len(opt.param_groups) == 2  # the refused group is not kept
+
+
+def test_a_group_with_an_invalid_value_is_refused_and_not_kept():
+    """A hyperparameter the group-level validation refuses (here lr=-1) leaves the optimizer as it was."""
+    params = make_params([(4, 4)] * 2)
+    opt = FRUGAL([params[0]])
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [params[1]], "lr": -1.0})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [params[1]]})  # and the parameter can still be added correctly
+    assert len(opt.param_groups) == 2
