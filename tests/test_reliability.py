@@ -420,6 +420,70 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     assert "model.pt has" in ckpt.verify(final)
 
 
+def _with_entry(final, name, data: bytes) -> None:
+    """Add `name` to the checkpoint's manifest with the size and checksum of `data`."""
+    import hashlib
+
+    path = os.path.join(final, ckpt.MANIFEST)
+    manifest = json.loads(open(path).read())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    open(path, "w").write(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("where", ["..", "absolute"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_refused(tmp_path, where):
+    """A hand-made manifest listing a file outside the checkpoint (with its right size and checksum)
+    is refused, naming the entry; verification used to read the file and pass the checkpoint."""
+    final = ckpt.save(str(tmp_path / "checkpoints"), 1, {"model": {"w": torch.ones(4)}})
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not the checkpoint's\n")
+    name = os.path.join("..", "..", "secret.txt") if where == ".." else str(secret)
+    _with_entry(final, name, secret.read_bytes())
+    reason = ckpt.verify(final)
+    assert reason.startswith(f"{ckpt.MANIFEST} lists {name!r}, outside the checkpoint directory"), reason
+    assert "\n" not in reason
+    found, skipped = ckpt.find_intact(str(tmp_path / "checkpoints"))
+    assert found is None and skipped[0][1] == reason
+
+
+@pytest.mark.parametrize("link", ["model.pt", "a directory on an entry's path"])
+def test_a_symlink_inside_a_checkpoint_is_refused(tmp_path, link):
+    """model.pt replaced by a link to an identical file elsewhere, or a manifest entry reached through
+    a linked directory (sizes and checksums match): refused, naming the link; verification used to
+    pass it, and loading would read whatever the link points at."""
+    final = ckpt.save(str(tmp_path / "checkpoints"), 1, {"model": {"w": torch.ones(4)}})
+    if link == "model.pt":
+        target = tmp_path / "model_elsewhere.pt"
+        shutil.move(os.path.join(final, "model.pt"), target)
+        os.symlink(str(target), os.path.join(final, "model.pt"))
+        shown = "model.pt"
+    else:
+        target = tmp_path
+        (tmp_path / "secret.txt").write_bytes(b"not the checkpoint's\n")
+        os.mkdir(os.path.join(final, "sub"))
+        os.symlink(str(target), os.path.join(final, "sub", "up"))
+        _with_entry(final, "sub/up/secret.txt", (tmp_path / "secret.txt").read_bytes())
+        shown = os.path.join("sub", "up")
+    assert ckpt.verify(final) == (f"{shown} is a symbolic link (to {target}); a checkpoint holds its own files "
+                                  f"only: replace the link with the file, or use a checkpoint written by this code")
+
+
+def test_a_dcp_storage_entry_that_is_a_symlink_is_refused(tmp_path):
+    """The sharded reader refuses a DCP data file that is a link (verification refuses it first; the
+    reader is the second line, for any caller that reads without verifying)."""
+    import torch.distributed.checkpoint as dcp
+
+    from train_utils.sharded_checkpoint import _SafeReader
+
+    where = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(where), no_dist=True)
+    (data,) = [p for p in os.listdir(where) if p.endswith(".distcp")]
+    shutil.move(str(where / data), str(tmp_path / data))
+    os.symlink(str(tmp_path / data), str(where / data))
+    with pytest.raises(ckpt.RefusedFile, match=f"a storage entry naming {data!r}, a symbolic link"):
+        _SafeReader(str(where)).read_metadata()
+
+
 def test_a_resume_loads_its_checkpoint_memory_mapped(tmp_path, monkeypatch):
     """Every checkpoint file a resume reads is memory-mapped (torch.load(mmap=True)): pages are read
     as they are copied into the model and optimizer, not as a second full copy per rank."""
