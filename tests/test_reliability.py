@@ -115,6 +115,36 @@ def test_divergence_names_and_keeps_the_checkpoint_from_before_it(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 
+def test_a_spike_right_after_a_resume_is_caught_as_in_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Step 5's loss spikes (x100) and step 6's is NaN, in one run of 8 steps and in one stopped after
+    step 4 and resumed: both stop with the same message, naming checkpoint 3 as the last from before
+    the divergence and step 5 as where it began. The resumed run's window used to start empty, so
+    step 5's loss was taken as it was and confirmed checkpoint 4, whose weights gave the spike."""
+    from train_utils import divergence
+
+    real = divergence.LossWatch.check
+
+    def check(self, step, loss, grad_norm):
+        return real(self, step, {5: loss * 100, 6: float("nan")}.get(step, loss), grad_norm)
+
+    monkeypatch.setattr(divergence.LossWatch, "check", check)
+    job = ["checkpoint.every=1", "checkpoint.keep=2"]
+    messages = {}
+    for name in ("uninterrupted", "resumed"):
+        run_dir = tmp_path / name
+        if name == "resumed":
+            assert run_inprocess(run_dir, "train.steps=4", *job) == 0
+        with pytest.raises(NonFiniteError) as err:
+            run_inprocess(run_dir, "train.steps=8", *job, *(["train.resume_changes=[train.steps]"]
+                                                             if name == "resumed" else []))
+        three = os.path.join(_root(run_dir), ckpt.step_dir_name(3))
+        assert ckpt.last_good(_root(run_dir)) == three
+        messages[name] = str(err.value).replace(str(run_dir), "<run dir>")
+    assert "The loss first spiked at step 5 (" in messages["uninterrupted"], messages["uninterrupted"]
+    # the same but for the resume's own named change, which its remedy repeats
+    assert messages["resumed"].replace("resume_changes=[train.steps,", "resume_changes=[") == messages["uninterrupted"]
+
+
 def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
     from accelerate import Accelerator
 
