@@ -143,7 +143,8 @@ def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
 
 def test_one_run_per_run_dir(tmp_path):
     """Two train.py processes on one run dir: the second is refused with one line naming the holder
-    (exit 2), before it reads or writes anything there; once the holder is dead (SIGKILL: its lock
+    (exit 2), before it reads or writes anything there (the holder's .hydra/ files stay byte for
+    byte; Hydra used to rewrite them with the second's settings before it was refused); once the holder is dead (SIGKILL: its lock
     dies with it) the same command continues the run, and metrics.jsonl holds every step once."""
     import json
 
@@ -159,8 +160,12 @@ def test_one_run_per_run_dir(tmp_path):
 
     _wait_for(holds_lock, first, what="the first run's lock and first step")
     os.killpg(first.pid, signal.SIGSTOP)  # frozen mid-run: it holds the lock for as long as the test needs
+    before = {p.name: p.read_bytes() for p in (tmp_path / ".hydra").iterdir()}
+    assert set(before) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
     try:
-        second = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+        # other settings than the holder's: Hydra rewrote .hydra/ with them before the lock refused it
+        second = run_cli(train_cmd(tmp_path, "train.steps=7", "checkpoint.every=1"))
+        assert {p.name: p.read_bytes() for p in (tmp_path / ".hydra").iterdir()} == before
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         line = second.stderr.strip().splitlines()[-1]
