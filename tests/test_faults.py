@@ -144,8 +144,9 @@ def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
 def test_one_run_per_run_dir(tmp_path):
     """Two train.py processes on one run dir: the second is refused with one line naming the holder
     (exit 2), before it reads or writes anything there (the holder's .hydra/ files stay byte for
-    byte; Hydra used to rewrite them with the second's settings before it was refused); once the holder is dead (SIGKILL: its lock
-    dies with it) the same command continues the run, and metrics.jsonl holds every step once."""
+    byte; Hydra used to rewrite them with the second's settings before it was refused); once the
+    holder is dead (SIGKILL: its lock dies with it) the same command continues the run, and
+    metrics.jsonl holds every step once."""
     import json
 
     lock_file = tmp_path / "run.lock"
