@@ -1,7 +1,7 @@
 """Fault injection for train.py: kill, signal, damage and starve runs, then check how they end and
 whether the resumed run is the uninterrupted one. Prints a table of trials and outcomes.
 
-    python scripts/fault_inject.py                      # modest counts, ~5 minutes on 2 CPU cores
+    python scripts/fault_inject.py                      # modest counts, ~15 minutes on 2 shared CPU cores
     python scripts/fault_inject.py --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
 
 Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step)
