@@ -498,6 +498,7 @@ def test_a_symlink_inside_a_checkpoint_is_refused(tmp_path, link):
                                   f"only: replace the link with the file, or use a checkpoint written by this code")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant here
 def test_a_dcp_storage_entry_that_is_a_symlink_is_refused(tmp_path):
     """The sharded reader refuses a DCP data file that is a link (verification refuses it first; the
     reader is the second line, for any caller that reads without verifying)."""
