@@ -1,7 +1,7 @@
 """Fault injection for train.py: kill, signal, damage and starve runs, then check how they end and
 whether the resumed run is the uninterrupted one. Prints a table of trials and outcomes.
 
-    python scripts/fault_inject.py                      # modest counts, ~5 minutes on 2 CPU cores
+    python scripts/fault_inject.py                      # modest counts, ~15 minutes on 2 shared CPU cores
     python scripts/fault_inject.py --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
 
 Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step)
@@ -30,6 +30,20 @@ losses and the final weights must be bitwise equal.
   resize     DDP or FSDP2: half the run on 1 process, the rest under torchrun on 2: expect a
              `world_size_changed` event, the first half bitwise, the rest within float rounding of
              the reference (summation order and bf16 differ), and the end row.
+  dcp        a sharded (FSDP2) checkpoint whose `dcp/.metadata` pickle would create a file: expect
+             exit 1 with one line naming the file, and the file never created.
+  diverge    `optimizer.lr=1e6`: expect exit 1 naming the last checkpoint from before the
+             divergence and a command; the command, followed literally, trains to the end.
+  late       SIGTERM 0-1 s after a finished run wrote its end row (its summary, the interpreter's
+             shutdown): expect exit 0.
+  garbage    binary bytes in a text data file (data=local): expect exit 2 with one line naming it.
+  badline    a line that is not JSON in the middle of metrics.jsonl: expect exit 1 with one line
+             naming the file and the line.
+  stale      `latest` naming an older checkpoint than the newest intact one: expect a note naming
+             the newer one and how to take it, the run to continue from the one `latest` names (as
+             documented) and end as the reference, and the note's command to take the newer one.
+  fullmeta   the file-size limit reached by metrics.jsonl before any checkpoint (a full disk outside
+             a checkpoint write): expect exit 1 with one line naming metrics.jsonl, no traceback.
 """
 from __future__ import annotations
 
@@ -292,10 +306,12 @@ def _rehash(ckpt_dir: str) -> None:
     import hashlib
 
     files = {}
-    for name in os.listdir(ckpt_dir):
-        if name != ckpt.MANIFEST:
-            data = open(os.path.join(ckpt_dir, name), "rb").read()
-            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for folder, _, names in os.walk(ckpt_dir):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), ckpt_dir)
+            if rel != ckpt.MANIFEST:
+                data = open(os.path.join(ckpt_dir, rel), "rb").read()
+                files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     with open(os.path.join(ckpt_dir, ckpt.MANIFEST), "w") as f:
         json.dump({"format": 1, "files": files}, f)
 
@@ -342,7 +358,152 @@ def resize_trial(reference: str, run_dir: str, rng: random.Random, parallelism: 
             "ok": ok}
 
 
+def dcp_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    import pickle
+
+    first = run(run_dir, "train.parallelism=fsdp", "train.steps=2")
+    newest = ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))
+    path, marker = os.path.join(newest, "dcp", ".metadata"), os.path.join(run_dir, "PAYLOAD_RAN")
+    with open(path, "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    _rehash(newest)
+    proc = run(run_dir, "train.parallelism=fsdp", "train.steps=3", "train.resume_changes=[train.steps]")
+    line = last_line(proc.stderr)
+    ok = (first.returncode == 0 and proc.returncode == 1 and "Traceback" not in proc.stderr
+          and not os.path.exists(marker) and line.startswith(f"error: refused to load {path}"))
+    return {"fault": "hand-made checkpoint", "detail": "a pickled call in a sharded dcp/.metadata",
+            "exit codes": f"{first.returncode} then {proc.returncode}",
+            "outcome": "refused in one line, nothing ran" if ok else f"FAILED: {line}", "ok": ok}
+
+
+def diverge_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    import re
+
+    diverging = ["optimizer.lr=1e6", "checkpoint.keep=1", "train.steps=6"]  # NaN by step 3; 6 steps suffice
+    proc = run(run_dir, *diverging)
+    line = last_line(proc.stderr)
+    found = re.search(r"run the same command with (.*?) \(", line)
+    remedy = found.group(1).split() if found else []
+    followed = run(run_dir, *diverging, *remedy) if remedy else None
+    from train_utils.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if followed and followed.returncode == 0 else []
+    ok = (proc.returncode == 1 and "Traceback" not in proc.stderr and "Last checkpoint from before the divergence"
+          in line and followed is not None and followed.returncode == 0 and rows and rows[-1].get("event") == "end"
+          and all(r["loss"] == r["loss"] for r in rows if "loss" in r))
+    return {"fault": "divergence (optimizer.lr=1e6)", "detail": "then the printed remedy, literally",
+            "exit codes": f"{proc.returncode} then {followed.returncode if followed else '-'}",
+            "outcome": "last good named, its remedy trains to the end" if ok
+            else f"FAILED: {last_line((followed.stderr if followed else '') or line)}", "ok": ok}
+
+
+def late_signal_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    proc = start(run_dir)
+    path, deadline = os.path.join(run_dir, "metrics.jsonl"), time.time() + 300
+
+    def ended() -> bool:
+        try:
+            return '"event": "end"' in open(path).read()
+        except OSError:
+            return False
+
+    while proc.poll() is None and time.time() < deadline and not ended():
+        time.sleep(0.005)
+    delay = rng.uniform(0.0, 1.0)
+    time.sleep(delay)
+    alive = proc.poll() is None
+    if alive:
+        os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate()
+    ok = proc.returncode == 0 and ended() and same_as(reference, run_dir)
+    return {"fault": "SIGTERM after the end row", "detail": f"{delay:.1f} s later" + ("" if alive else
+                                                                                       ", the process had exited"),
+            "exit codes": str(proc.returncode),
+            "outcome": "exit 0, the run as the reference" if ok else f"FAILED: {last_line(err)}", "ok": ok}
+
+
+def garbage_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    import sentencepiece as spm
+
+    texts, tokenizer = run_dir + "_data", run_dir + "_tokenizer"
+    os.makedirs(texts, exist_ok=True)
+    os.makedirs(tokenizer, exist_ok=True)
+    good = os.path.join(texts, "a.txt")
+    with open(good, "w") as f:
+        f.write("".join(f"document {i}: some words to train on, number {i * 7}.\n\n" for i in range(300)))
+    # a small local tokenizer: the run must get as far as reading the files without a download
+    spm.SentencePieceTrainer.train(input=good, model_prefix=os.path.join(tokenizer, "spiece"), vocab_size=128,
+                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   hard_vocab_limit=False, character_coverage=1.0, minloglevel=2, num_threads=1)
+    with open(os.path.join(tokenizer, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": 512}, f)
+    garbage = os.path.join(texts, "b.txt")
+    with open(garbage, "wb") as f:
+        f.write(b"text at first\n" + bytes(range(128, 256)) * 32)  # no UTF-8 decoder accepts these
+    proc = run(run_dir, "data=local", f"data.path={texts}", f"data.tokenizer={tokenizer}", "data.seq_len=64")
+    line = last_line(proc.stderr)
+    ok = (proc.returncode == 2 and "Traceback" not in proc.stderr
+          and line.startswith(f"error: {garbage} is not UTF-8 text"))
+    return {"fault": "binary text data file", "detail": "4 KiB of bytes >= 0x80 in a .txt",
+            "exit codes": str(proc.returncode), "outcome": "one line naming the file" if ok else f"FAILED: {line}",
+            "ok": ok}
+
+
+def badline_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    shutil.copytree(reference, run_dir)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    lines = open(path).read().splitlines()
+    at = rng.randint(1, len(lines) - 2)  # never the last: a partial last line is dropped by itself
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:at] + ["{not json"] + lines[at:]) + "\n")
+    proc = run(run_dir, f"train.steps={STEPS + 2}", "train.resume_changes=[train.steps]")
+    line = last_line(proc.stderr)
+    ok = (proc.returncode == 1 and "Traceback" not in proc.stderr
+          and line.startswith(f"error: {path}, line {at + 1} of {len(lines) + 1}: not a JSON row"))
+    return {"fault": "bad metrics.jsonl line", "detail": f"line {at + 1} of {len(lines) + 1} is not JSON",
+            "exit codes": str(proc.returncode), "outcome": "one line naming the file and line" if ok
+            else f"FAILED: {line}", "ok": ok}
+
+
+def stale_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    shutil.copytree(reference, run_dir)
+    root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
+    listed = ckpt.list_checkpoints(root)
+    older, newest = listed[rng.randrange(0, len(listed) - 1)], listed[-1]
+    ckpt.point_latest(root, older)
+    proc = run(run_dir)
+    noted = (f"note: `latest` names {older}, but a newer intact checkpoint exists, {newest}" in proc.stdout
+             and f"pass train.resume={newest}" in proc.stdout)
+    same = proc.returncode == 0 and same_as(reference, run_dir)
+    taken = run(run_dir, f"train.resume={newest}") if same else None  # the note's advice: a finished run
+    ok = noted and same and taken is not None and taken.returncode == 0
+    return {"fault": "stale `latest` pointer", "detail": f"names {os.path.basename(older)}, "
+                                                           f"{os.path.basename(newest)} exists",
+            "exit codes": f"{proc.returncode} then {taken.returncode if taken else '-'}",
+            "outcome": "newer one noted, continued as `latest` says, same end" if ok
+            else f"FAILED: {last_line(proc.stderr or proc.stdout)}", "ok": ok}
+
+
+def full_metrics_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
+    # 6000 bytes: above .hydra's files, below 30 steps of rows; no checkpoint before the last step
+    extra = ("train.steps=30", "checkpoint.every=0")
+    proc = run(run_dir, *extra, limit_bytes=6000)
+    line = last_line(proc.stderr)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    ok = (proc.returncode == 1 and "Traceback" not in proc.stderr and line == (
+        f"error: file too large (the file-size limit was reached) while writing {path}; no earlier checkpoint "
+        f"exists; free space, then run the same command again to continue"))
+    return {"fault": "file-size limit (full disk)", "detail": "metrics.jsonl, no checkpoint yet",
+            "exit codes": str(proc.returncode), "outcome": "one line naming metrics.jsonl" if ok
+            else f"FAILED: {line}", "ok": ok}
+
+
 FORGED = ("model.pt", "optimizer.pt", "trainer.pt")
+TRIALS = {"kill": kill_trial, "signal": signal_trial, "damage": damage_trial, "disk": disk_full_trial,
+          "early": early_signal_trial, "writer": writer_trial, "forged": forged_trial, "resize": resize_trial,
+          "dcp": dcp_trial, "diverge": diverge_trial, "late": late_signal_trial, "garbage": garbage_trial,
+          "badline": badline_trial, "stale": stale_trial, "fullmeta": full_metrics_trial}
+ONE_EACH = ("dcp", "diverge", "late", "garbage", "badline", "stale", "fullmeta")  # a count of trials each
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writers", type=int, default=1)
     parser.add_argument("--forged", type=int, default=3)
     parser.add_argument("--resize", type=int, default=2, help="alternately DDP and FSDP2, 1 -> 2 processes")
+    for kind in ONE_EACH:
+        parser.add_argument(f"--{kind}", type=int, default=1, help=f"trials of the {kind} category")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="keep the run dirs here (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the trials to this file")
@@ -375,13 +538,12 @@ def main(argv: list[str] | None = None) -> int:
             + [("disk", i % 2 == 1) for i in range(args.disk_full)] + [("early", None) for _ in range(args.early)]
             + [("writer", None) for _ in range(args.writers)]
             + [("forged", FORGED[i % len(FORGED)]) for i in range(args.forged)]
-            + [("resize", ("ddp", "fsdp")[i % 2]) for i in range(args.resize)])
+            + [("resize", ("ddp", "fsdp")[i % 2]) for i in range(args.resize)]
+            + [(kind, None) for kind in ONE_EACH for _ in range(getattr(args, kind))])
     for i, (kind, arg) in enumerate(plan):
         run_dir = os.path.join(workdir, f"trial_{i:03d}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        trial = {"kill": kill_trial, "signal": signal_trial, "damage": damage_trial, "disk": disk_full_trial,
-                 "early": early_signal_trial, "writer": writer_trial, "forged": forged_trial,
-                 "resize": resize_trial}[kind](reference, run_dir, rng, arg)
+        trial = TRIALS[kind](reference, run_dir, rng, arg)
         trials.append(trial)
         print(f"  trial {i + 1}/{len(plan)}: {trial['fault']}, {trial['detail']}: {trial['outcome']}", file=sys.stderr)
     columns = ("fault", "detail", "exit codes", "outcome")

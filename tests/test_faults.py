@@ -143,8 +143,10 @@ def test_a_refused_checkpoint_is_one_line_on_the_command_line(tmp_path):
 
 def test_one_run_per_run_dir(tmp_path):
     """Two train.py processes on one run dir: the second is refused with one line naming the holder
-    (exit 2), before it reads or writes anything there; once the holder is dead (SIGKILL: its lock
-    dies with it) the same command continues the run, and metrics.jsonl holds every step once."""
+    (exit 2), before it reads or writes anything there (the holder's .hydra/ files stay byte for
+    byte; Hydra used to rewrite them with the second's settings before it was refused); once the
+    holder is dead (SIGKILL: its lock dies with it) the same command continues the run, and
+    metrics.jsonl holds every step once."""
     import json
 
     lock_file = tmp_path / "run.lock"
@@ -159,8 +161,12 @@ def test_one_run_per_run_dir(tmp_path):
 
     _wait_for(holds_lock, first, what="the first run's lock and first step")
     os.killpg(first.pid, signal.SIGSTOP)  # frozen mid-run: it holds the lock for as long as the test needs
+    before = {p.name: p.read_bytes() for p in (tmp_path / ".hydra").iterdir()}
+    assert set(before) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
     try:
-        second = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
+        # other settings than the holder's: Hydra rewrote .hydra/ with them before the lock refused it
+        second = run_cli(train_cmd(tmp_path, "train.steps=7", "checkpoint.every=1"))
+        assert {p.name: p.read_bytes() for p in (tmp_path / ".hydra").iterdir()} == before
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         line = second.stderr.strip().splitlines()[-1]
@@ -280,6 +286,31 @@ def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-1000:]
     assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+@pytest.fixture(scope="module")
+def fault_reference(tmp_path_factory):
+    """scripts/fault_inject.py's uninterrupted reference run."""
+    from scripts import fault_inject
+
+    reference = str(tmp_path_factory.mktemp("fault_inject") / "reference")
+    done = fault_inject.run(reference)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return reference
+
+
+@pytest.mark.parametrize("kind", ["dcp", "diverge", "late", "garbage", "badline", "stale", "fullmeta"])
+def test_fault_inject_category(fault_reference, tmp_path, kind):
+    """One trial of each of scripts/fault_inject.py's categories that have no end-to-end test of their
+    own here: a forged sharded `.metadata`, a divergence whose printed remedy is followed, SIGTERM after
+    the end row, binary bytes in a text data file, a bad metrics.jsonl line, a stale `latest`, and a
+    full disk reached by metrics.jsonl. Each checks the promised end (see the script's docstring)."""
+    import random
+
+    from scripts import fault_inject
+
+    trial = fault_inject.TRIALS[kind](fault_reference, str(tmp_path / "run"), random.Random(0), None)
+    assert trial["ok"], trial
 
 
 @pytest.fixture

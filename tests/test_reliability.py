@@ -115,6 +115,36 @@ def test_divergence_names_and_keeps_the_checkpoint_from_before_it(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path) if "loss" in r)
 
 
+def test_a_spike_right_after_a_resume_is_caught_as_in_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Step 5's loss spikes (x100) and step 6's is NaN, in one run of 8 steps and in one stopped after
+    step 4 and resumed: both stop with the same message, naming checkpoint 3 as the last from before
+    the divergence and step 5 as where it began. The resumed run's window used to start empty, so
+    step 5's loss was taken as it was and confirmed checkpoint 4, whose weights gave the spike."""
+    from train_utils import divergence
+
+    real = divergence.LossWatch.check
+
+    def check(self, step, loss, grad_norm):
+        return real(self, step, {5: loss * 100, 6: float("nan")}.get(step, loss), grad_norm)
+
+    monkeypatch.setattr(divergence.LossWatch, "check", check)
+    job = ["checkpoint.every=1", "checkpoint.keep=2"]
+    messages = {}
+    for name in ("uninterrupted", "resumed"):
+        run_dir = tmp_path / name
+        if name == "resumed":
+            assert run_inprocess(run_dir, "train.steps=4", *job) == 0
+        with pytest.raises(NonFiniteError) as err:
+            run_inprocess(run_dir, "train.steps=8", *job, *(["train.resume_changes=[train.steps]"]
+                                                             if name == "resumed" else []))
+        three = os.path.join(_root(run_dir), ckpt.step_dir_name(3))
+        assert ckpt.last_good(_root(run_dir)) == three
+        messages[name] = str(err.value).replace(str(run_dir), "<run dir>")
+    assert "The loss first spiked at step 5 (" in messages["uninterrupted"], messages["uninterrupted"]
+    # the same but for the resume's own named change, which its remedy repeats
+    assert messages["resumed"].replace("resume_changes=[train.steps,", "resume_changes=[") == messages["uninterrupted"]
+
+
 def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
     from accelerate import Accelerator
 
@@ -418,6 +448,71 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     assert ckpt.verify(final) is None
     shutil.copy(os.path.join(final, "config.yaml"), os.path.join(final, "model.pt"))
     assert "model.pt has" in ckpt.verify(final)
+
+
+def _with_entry(final, name, data: bytes) -> None:
+    """Add `name` to the checkpoint's manifest with the size and checksum of `data`."""
+    import hashlib
+
+    path = os.path.join(final, ckpt.MANIFEST)
+    manifest = json.loads(open(path).read())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    open(path, "w").write(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("where", ["..", "absolute"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_refused(tmp_path, where):
+    """A hand-made manifest listing a file outside the checkpoint (with its right size and checksum)
+    is refused, naming the entry; verification used to read the file and pass the checkpoint."""
+    final = ckpt.save(str(tmp_path / "checkpoints"), 1, {"model": {"w": torch.ones(4)}})
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not the checkpoint's\n")
+    name = os.path.join("..", "..", "secret.txt") if where == ".." else str(secret)
+    _with_entry(final, name, secret.read_bytes())
+    reason = ckpt.verify(final)
+    assert reason.startswith(f"{ckpt.MANIFEST} lists {name!r}, outside the checkpoint directory"), reason
+    assert "\n" not in reason
+    found, skipped = ckpt.find_intact(str(tmp_path / "checkpoints"))
+    assert found is None and skipped[0][1] == reason
+
+
+@pytest.mark.parametrize("link", ["model.pt", "a directory on an entry's path"])
+def test_a_symlink_inside_a_checkpoint_is_refused(tmp_path, link):
+    """model.pt replaced by a link to an identical file elsewhere, or a manifest entry reached through
+    a linked directory (sizes and checksums match): refused, naming the link; verification used to
+    pass it, and loading would read whatever the link points at."""
+    final = ckpt.save(str(tmp_path / "checkpoints"), 1, {"model": {"w": torch.ones(4)}})
+    if link == "model.pt":
+        target = tmp_path / "model_elsewhere.pt"
+        shutil.move(os.path.join(final, "model.pt"), target)
+        os.symlink(str(target), os.path.join(final, "model.pt"))
+        shown = "model.pt"
+    else:
+        target = tmp_path
+        (tmp_path / "secret.txt").write_bytes(b"not the checkpoint's\n")
+        os.mkdir(os.path.join(final, "sub"))
+        os.symlink(str(target), os.path.join(final, "sub", "up"))
+        _with_entry(final, "sub/up/secret.txt", (tmp_path / "secret.txt").read_bytes())
+        shown = os.path.join("sub", "up")
+    assert ckpt.verify(final) == (f"{shown} is a symbolic link (to {target}); a checkpoint holds its own files "
+                                  f"only: replace the link with the file, or use a checkpoint written by this code")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant here
+def test_a_dcp_storage_entry_that_is_a_symlink_is_refused(tmp_path):
+    """The sharded reader refuses a DCP data file that is a link (verification refuses it first; the
+    reader is the second line, for any caller that reads without verifying)."""
+    import torch.distributed.checkpoint as dcp
+
+    from train_utils.sharded_checkpoint import _SafeReader
+
+    where = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(where), no_dist=True)
+    (data,) = [p for p in os.listdir(where) if p.endswith(".distcp")]
+    shutil.move(str(where / data), str(tmp_path / data))
+    os.symlink(str(tmp_path / data), str(where / data))
+    with pytest.raises(ckpt.RefusedFile, match=f"a storage entry naming {data!r}, a symbolic link"):
+        _SafeReader(str(where)).read_metadata()
 
 
 def test_a_resume_loads_its_checkpoint_memory_mapped(tmp_path, monkeypatch):

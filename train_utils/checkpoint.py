@@ -294,6 +294,40 @@ def latest(root: str) -> str | None:
     return found[-1] if found else None
 
 
+def _outside_entry(ckpt_dir: str, names: list) -> str | None:
+    """What is wrong with the first manifest name that does not name a file inside `ckpt_dir` (an
+    absolute path, a `..` component, or a path resolving elsewhere), else None. A hand-made manifest
+    would otherwise make verification read, and vouch for, any file the process can open."""
+    base = os.path.realpath(ckpt_dir)
+    for name in names:
+        shown = repr(name)[:120]
+        if not isinstance(name, str) or not name:
+            return f"{MANIFEST} lists an entry {shown} that is not a file name; a manifest names files of its own " \
+                   f"checkpoint only: use a checkpoint written by this code"
+        parts = name.replace("\\", "/").split("/")
+        if os.path.isabs(name) or ".." in parts:
+            return f"{MANIFEST} lists {shown}, outside the checkpoint directory (an absolute path or `..`); a " \
+                   f"manifest names files of its own checkpoint only: use a checkpoint written by this code"
+        resolved = os.path.realpath(os.path.join(ckpt_dir, name))
+        if os.path.commonpath([base, resolved]) != base:
+            return f"{MANIFEST} lists {shown}, which resolves to {resolved}, outside the checkpoint directory; a " \
+                   f"manifest names files of its own checkpoint only: use a checkpoint written by this code"
+    return None
+
+
+def _symlink_in(ckpt_dir: str) -> str | None:
+    """The first symbolic link inside the checkpoint (this code never writes one; a link would make
+    loading read whatever it points at, verified or not), else None."""
+    for folder, dirs, files in os.walk(ckpt_dir):
+        for name in sorted(dirs + files):
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                return (f"{os.path.relpath(path, ckpt_dir)} is a symbolic link (to {os.readlink(path)}); a checkpoint "
+                        f"holds its own files only: replace the link with the file, or use a checkpoint written by "
+                        f"this code")
+    return None
+
+
 def verify(ckpt_dir: str) -> str | None:
     """None if every file of the checkpoint matches its manifest, else what is wrong."""
     try:
@@ -304,6 +338,9 @@ def verify(ckpt_dir: str) -> str | None:
         return f"{MANIFEST} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    outside = _symlink_in(ckpt_dir) or _outside_entry(ckpt_dir, [name for name, _ in entries])
+    if outside:
+        return outside
     for name, entry in entries:
         path = os.path.join(ckpt_dir, name)
         try:

@@ -10,16 +10,22 @@ that step's update). That loss is healthy when it is finite and at most SPIKE_FA
 median of the last WINDOW healthy losses (spikes do not enter the window, so a diverging run cannot
 raise its own bar). A checkpoint whose next loss is healthy becomes `last_good` (a pointer beside
 `latest`, checkpoint.LAST_GOOD): `checkpoint.keep` rotation never removes it, so at most `keep` + 1
-checkpoints remain. The window starts empty when a run starts or resumes (the first loss is taken as
-it is). When the loss or gradient norm turns non-finite, the run stops before applying it and the
-message names `last_good`, the step the loss first spiked, and a command that continues from there
-with a lower learning rate (the one `last_good` was trained with, when it was lower), or, with no
-checkpoint from before the divergence, how to start over.
+checkpoints remain. The window starts empty when a run starts (the first loss is taken as it is). A
+run resumed from one of its own checkpoints rebuilds it on the main process (the one that moves
+`last_good`; the window plays no other part) by judging the training losses metrics.jsonl logged up
+to that checkpoint's step in order, as the run did: with `train.log_every=1` (the default) it is the
+window the uninterrupted run had, so a spike right after a resume is caught at the same step; with a
+larger `log_every` it is the median of the logged losses only. When the loss or gradient norm turns
+non-finite, the run stops before applying it and the message names `last_good`, the step the loss
+first spiked, and a command that continues from there with a lower learning rate (the one
+`last_good` was trained with, when it was lower), or, with no checkpoint from before the
+divergence, how to start over.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 from collections import deque
 
@@ -30,6 +36,7 @@ from train_utils.loop import NonFiniteError
 
 SPIKE_FACTOR = 3.0
 WINDOW = 100
+METRICS = "metrics.jsonl"  # in the run directory, beside checkpoints/
 
 
 def suggested_lr(current: float, optimizer_name: str, good_dir: str | None) -> float:
@@ -65,6 +72,36 @@ class LossWatch:
         inside = resumed_from and os.path.dirname(os.path.abspath(resumed_from)) == os.path.abspath(ckpt_root)
         self.pending = resumed_from if inside else None
         self.spike: tuple[int, float, float] | None = None  # (step, loss, median) of the first spike
+        numbered = re.match(r"^step_(\d+)$", os.path.basename(os.path.normpath(resumed_from or "")))
+        if inside and is_main and numbered:
+            self._replay(os.path.join(os.path.dirname(os.path.abspath(ckpt_root)), METRICS), int(numbered.group(1)))
+
+    def _replay(self, metrics_path: str, step: int) -> None:
+        """Judge the losses the run logged up to `step` as `check` did (a missing or unreadable
+        file leaves the window empty: a resume never fails over a heuristic)."""
+        from train_utils.metrics import read_metrics
+
+        try:
+            rows = read_metrics(metrics_path)
+        except (OSError, ValueError):
+            return
+        for row in rows:
+            loss = row.get("loss")
+            if (row.get("event") is None and isinstance(row.get("step"), int) and row["step"] <= step
+                    and isinstance(loss, (int, float)) and not isinstance(loss, bool)):
+                self._judge(row["step"], float(loss))
+
+    def _judge(self, step: int, loss: float) -> bool:
+        """Whether a finite loss is healthy; a healthy one enters the window, the first unhealthy one
+        of a run of them is remembered as where the spike began."""
+        median = statistics.median(self.losses) if self.losses else None
+        if median is None or loss <= SPIKE_FACTOR * median:
+            self.losses.append(loss)
+            self.spike = None
+            return True
+        if self.spike is None:
+            self.spike = (step, loss, median)
+        return False
 
     def saved(self, ckpt_dir: str | None) -> None:
         self.pending = ckpt_dir
@@ -74,9 +111,7 @@ class LossWatch:
         or the gradient norm is not finite."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         median = statistics.median(self.losses) if self.losses else None
-        if finite and (median is None or loss <= SPIKE_FACTOR * median):
-            self.losses.append(loss)
-            self.spike = None
+        if finite and self._judge(step, loss):
             if self.pending and self.is_main:
                 ckpt.point_latest(self.root, self.pending, pointer=ckpt.LAST_GOOD)
             self.pending = None

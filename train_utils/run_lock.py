@@ -12,8 +12,18 @@ The kernel releases a flock when its process ends, however it ends (SIGKILL, OOM
 a lock is never stale: the file a dead run leaves behind is taken over by the next run. The lock
 belongs to the open file, which a forked child would share and keep locked after the run died (a
 DataLoader worker lives ~5 s past a SIGKILLed parent): every child forked while the lock is held
-closes its copy at once (`os.register_at_fork`), so the run's own process alone holds it. `release`
-unlocks explicitly, so a run that returns (an in-process caller) frees the directory at once. On a
+closes its copy at once (`os.register_at_fork`), so the run's own process alone holds it.
+
+Hydra writes `<run dir>/.hydra/` (config.yaml, hydra.yaml, overrides.yaml) before train() runs: a
+refused second writer would have rewritten the holder's files with its own. `EarlyLock`, a Hydra
+callback (configs/config.yaml, hydra.callbacks), takes the lock in `on_run_start`, which Hydra calls
+before it creates or writes anything in the run directory; a refused run exits 2 there, having
+changed nothing. train()'s own `hold` then shares the lock this process already holds (one flock per
+process and lock file: a second open file description would conflict with the first). A multirun's
+jobs are not covered (Hydra writes a job's `.hydra/` before any callback of that job); their
+directories are new per sweep.
+
+`release` unlocks explicitly, so a run that returns (an in-process caller) frees the directory at once. On a
 cluster file system, flock works across nodes where the file system supports it (NFSv4, Lustre
 with `flock` mounted, GPFS); where it does not, the lock protects against a second run on the same
 node only.
@@ -26,10 +36,13 @@ import json
 import os
 import socket
 
+from hydra.experimental.callback import Callback
+
 from train_utils.validation import ConfigError
 
 LOCK_FILE = "run.lock"
 _HELD: set[int] = set()  # lock file descriptors this process holds
+_OWN: dict[str, list[int]] = {}  # real path of a lock file this process holds -> [descriptor, holders]
 
 
 def _close_in_child() -> None:
@@ -41,6 +54,7 @@ def _close_in_child() -> None:
         except OSError:
             pass
     _HELD.clear()
+    _OWN.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -68,6 +82,11 @@ class RunLock:
 
     def acquire(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        key = os.path.realpath(self.path)
+        if key in _OWN:  # taken earlier by this process (EarlyLock): share it
+            _OWN[key][1] += 1
+            self.fd = _OWN[key][0]
+            return
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -82,9 +101,17 @@ class RunLock:
         os.pwrite(fd, record.encode(), 0)
         self.fd = fd
         _HELD.add(fd)
+        _OWN[key] = [fd, 1]
 
     def release(self) -> None:
         if self.fd is not None:
+            shared = _OWN.get(os.path.realpath(self.path))
+            if shared is not None and shared[0] == self.fd:
+                shared[1] -= 1
+                if shared[1] > 0:  # another holder in this process still needs it
+                    self.fd = None
+                    return
+                del _OWN[os.path.realpath(self.path)]
             _HELD.discard(self.fd)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
@@ -107,3 +134,39 @@ def hold(run_dir: str, accelerator) -> RunLock | None:
     if error is not None:
         raise RunDirInUse(error)
     return lock
+
+
+def _launch_rank() -> int:
+    """This process's rank before train() sets up the process group: torchrun's RANK, or the task of
+    an `srun` step of several tasks (train_utils/slurm.py exports it as RANK later), else 0."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ.get("SLURM_PROCID", "0"))
+    return 0
+
+
+class EarlyLock(Callback):
+    """A Hydra callback: the run directory's lock, taken before Hydra writes `.hydra/` there."""
+
+    def __init__(self) -> None:
+        self.lock: RunLock | None = None
+
+    def on_run_start(self, config, **kwargs) -> None:
+        if _launch_rank() != 0:  # rank 0 alone writes the run directory, and locks it
+            return
+        from omegaconf import OmegaConf
+
+        from train_utils.validation import stop_with_error
+
+        lock = RunLock(os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir"))))
+        try:
+            lock.acquire()
+        except RunDirInUse as err:
+            stop_with_error(err, 2)  # exits: Hydra writes nothing, train() never runs
+        self.lock = lock
+
+    def on_run_end(self, config, **kwargs) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

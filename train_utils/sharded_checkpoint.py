@@ -101,6 +101,9 @@ class _SafeReader(FileSystemReader):
             name = getattr(info, "relative_path", None)
             if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                 raise ckpt.refusal(str(path), f"a storage entry naming {str(name)[:80]!r}, not a file of {shown}")
+            if os.path.islink(os.path.join(str(self.path), name)):  # a link would read whatever it points at
+                raise ckpt.refusal(str(path), f"a storage entry naming {name!r}, a symbolic link, not a file of "
+                                              f"{shown}")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
