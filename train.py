@@ -67,7 +67,8 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
 from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
-from train_utils.validation import (AUTO, ConfigError, JobError, auto_micro_batch, check_loop_settings,
+from train_utils.memory_check import auto_micro_batch
+from train_utils.validation import (AUTO, ConfigError, JobError, check_loop_settings,
                                     resolve_precision, stop_with_error, validate_config)
 from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
                               compile_model, compile_wanted, enable_activation_checkpointing, evaluate,

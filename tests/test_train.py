@@ -359,7 +359,8 @@ def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan
     from omegaconf import OmegaConf
 
     from train_utils import memory_check, memory_plan
-    from train_utils.validation import AUTO, auto_micro_batch, resolve_precision, validate_config
+    from train_utils.memory_check import auto_micro_batch
+    from train_utils.validation import AUTO, resolve_precision, validate_config
 
     cfg = compose_cfg()
     assert cfg.train.micro_batch_size == AUTO and cfg.train.batch_size == 8  # the quickstart default

@@ -20,8 +20,10 @@ import os
 
 import torch
 
+from omegaconf import DictConfig, OmegaConf
+
 from train_utils.memory_plan import GIB, device_memory, largest_micro_batch, plan_memory
-from train_utils.validation import ConfigError
+from train_utils.validation import ConfigError, check_auto_batch, resolve_precision
 
 # Resident memory of a training process besides its tensors: the interpreter, torch, transformers,
 # the data pipeline (measured ~0.6-0.9 GiB on CPU for the test models).
@@ -99,3 +101,26 @@ def agreed_check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: 
     if first is not None:
         raise MemoryCheckError(first)
     return memory
+
+
+def auto_micro_batch(cfg: DictConfig, world_size: int, device) -> int:
+    """The micro-batch `auto` stands for: the largest divisor of train.batch_size / world_size whose
+    memory plan fits the device (a GPU's capacity; on CPU this host's available RAM shared by the local
+    processes), so no accumulation when the whole share fits. If the planner cannot plan the run, the
+    whole share; if nothing fits, 1 (the memory check then says why)."""
+    batch = check_auto_batch(cfg, world_size)
+    tc, device = cfg.train, torch.device(device)
+    if device.type == "cuda":
+        budget = device_memory(device)
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        budget = device_memory("cpu") // local - PROCESS_BYTES
+    try:
+        micro, _ = largest_micro_batch(
+            cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), device_bytes=max(budget, 1),
+            seq_len=cfg.data.seq_len, world_size=world_size, global_batch=batch, parallelism=tc.parallelism,
+            precision=resolve_precision(tc.precision, device), activation_checkpointing=tc.activation_checkpointing,
+            vocab_size=cfg.model.vocab_size, device_type=device.type)
+    except (ValueError, NotImplementedError, RuntimeError, TypeError, KeyError):
+        return batch // world_size
+    return micro or 1

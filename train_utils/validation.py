@@ -126,7 +126,7 @@ def check_loop_settings(tc) -> None:
 
 
 
-def _check_auto_batch(cfg: DictConfig, world_size: int) -> int:
+def check_auto_batch(cfg: DictConfig, world_size: int) -> int:
     """train.micro_batch_size=auto: the batch must split evenly over the processes; return it."""
     batch = _integer(cfg, "train.batch_size", 1)
     if batch % world_size:
@@ -136,40 +136,13 @@ def _check_auto_batch(cfg: DictConfig, world_size: int) -> int:
     return batch
 
 
-def auto_micro_batch(cfg: DictConfig, world_size: int, device) -> int:
-    """The micro-batch `auto` stands for: the largest divisor of train.batch_size / world_size whose
-    memory plan fits the device (a GPU's capacity; on CPU this host's available RAM shared by the local
-    processes), so no accumulation when the whole share fits. If the planner cannot plan the run, the
-    whole share; if nothing fits, 1 (the memory check then says why)."""
-    import torch
-
-    from .memory_check import PROCESS_BYTES
-    from .memory_plan import device_memory, largest_micro_batch
-
-    batch = _check_auto_batch(cfg, world_size)
-    tc, device = cfg.train, torch.device(device)
-    if device.type == "cuda":
-        budget = device_memory(device)
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        budget = device_memory("cpu") // local - PROCESS_BYTES
-    try:
-        micro, _ = largest_micro_batch(
-            cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), device_bytes=max(budget, 1),
-            seq_len=cfg.data.seq_len, world_size=world_size, global_batch=batch, parallelism=tc.parallelism,
-            precision=resolve_precision(tc.precision, device), activation_checkpointing=tc.activation_checkpointing,
-            vocab_size=cfg.model.vocab_size, device_type=device.type)
-    except (ValueError, NotImplementedError, RuntimeError, TypeError, KeyError):
-        return batch // world_size
-    return micro or 1
-
-
 def validate_config(cfg: DictConfig, world_size: int) -> int:
     """Check the run's config; return the number of gradient-accumulation micro-steps (1 for a
-    train.micro_batch_size still `auto`: train.py resolves it first, with `auto_micro_batch`)."""
+    train.micro_batch_size still `auto`: train.py resolves it first, with
+    memory_check.auto_micro_batch)."""
     check_known_keys(cfg)
     if cfg.train.micro_batch_size == AUTO:
-        cfg = OmegaConf.merge(cfg, {"train": {"micro_batch_size": _check_auto_batch(cfg, world_size) // world_size}})
+        cfg = OmegaConf.merge(cfg, {"train": {"micro_batch_size": check_auto_batch(cfg, world_size) // world_size}})
     for key in ("train.steps", "train.batch_size", "train.micro_batch_size", "train.eval_tokens",
                 "train.log_every", "checkpoint.keep"):
         _integer(cfg, key, 1)
