@@ -376,9 +376,9 @@ def test_auto_micro_batch_is_the_largest_share_divisor_that_fits_the_memory_plan
                                        precision=resolve_precision(tc.precision, "cpu"),
                                        parallelism=tc.parallelism, device_type="cpu").required for m in (2, 4)}
     assert need[2] < need[4]
-    monkeypatch.setattr(memory_plan, "device_memory", lambda d: need[2] + memory_check.PROCESS_BYTES)
+    monkeypatch.setattr(memory_check, "device_memory", lambda d: need[2] + memory_check.PROCESS_BYTES)
     assert auto_micro_batch(cfg, 1, "cpu") == 2
-    monkeypatch.setattr(memory_plan, "device_memory", lambda d: 1)
+    monkeypatch.setattr(memory_check, "device_memory", lambda d: 1)
     assert auto_micro_batch(cfg, 1, "cpu") == 1  # nothing fits: the smallest, and the memory check says why
 
 
