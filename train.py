@@ -8,14 +8,20 @@
     python train.py hydra.run.dir=<run dir>              # continue a stopped run (train.resume=auto)
 
 The script reads top to bottom: processes and config checks, which checkpoint to continue, data,
-the memory check, model/optimizer, resume, the loop, the final evaluation and summary. Helpers live
-with their concern in train_utils/: loop.py (loss, forward/backward, evaluation, compiling),
-checkpoint.py (atomic, verified checkpoints), sharded_checkpoint.py (FSDP2's, through
-torch.distributed.checkpoint), resume.py (continuing a run, changed settings), memory_check.py
-(refusing a run that cannot fit, from memory_plan.py), measure.py (what a training row measures),
-metrics.py (metrics.jsonl, wandb, train.log), report.py (what the start, a stop and the end
-of a run log and say), distributed.py (processes, DDP or FSDP2, timeouts),
-signals.py (stop signals), slurm.py (SLURM jobs), validation.py (start-up validation).
+the memory check, model/optimizer, resume, the loop, the final evaluation and summary; the few
+steps train() names (build_data, check_memory, build_model, build_optimizer, the two stops for a
+signal) follow it, in that order. What train() builds goes into the run record (train_utils/run.py:
+config, processes, data, model, optimizer, schedule, metrics), which the helpers that log,
+checkpoint and restore the run take whole; what changes every step (step, tokens, the last
+evaluation) stays in the loop's variables. Helpers live with their concern in train_utils/: loop.py
+(loss, forward/backward, evaluation, compiling), checkpoint.py (atomic, verified checkpoints),
+sharded_checkpoint.py (FSDP2's, through torch.distributed.checkpoint), resume.py (continuing a run,
+changed settings, writing and restoring its checkpoints), memory_check.py (refusing a run that
+cannot fit, from memory_plan.py), measure.py (what a training row measures), metrics.py
+(metrics.jsonl, wandb, train.log), report.py (what the start, each step, a stop and the end of a run
+log and say), hooks.py (FRUGAL's loop hooks for any torch optimizer), distributed.py (processes, DDP
+or FSDP2, timeouts), signals.py (stop signals), slurm.py (SLURM jobs), validation.py (start-up
+validation).
 
 A step: fetch the micro-batches (timed: data wait), forward/backward with gradient accumulation,
 one global gradient norm (also used for clipping when train.grad_clip is set), then one host sync
@@ -59,25 +65,23 @@ import torch
 from accelerate.utils import broadcast_object_list
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
-from train_utils.naming import debug_option, is_multirun, optimizer_option, run_group, run_name
 from train_utils.memory_check import auto_micro_batch
+from train_utils.naming import debug_option, is_multirun, run_group
 from train_utils.validation import (AUTO, ConfigError, JobError, check_loop_settings,
                                     resolve_precision, stop_with_error, validate_config)
-from train_utils.loop import (NonFiniteError, activation_checkpointing_on, allow_tf32,
-                              compile_model, compile_wanted, enable_activation_checkpointing, evaluate,
+from train_utils.loop import (NonFiniteError, allow_tf32, compile_model, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
-from train_utils.measure import (Interval, StateBytes, flops_per_position, input_demand, peak_flops,
-                                 workers_needed)
+from train_utils.measure import workers_needed
 from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
+from train_utils.run import Run
 from train_utils.signals import STOP
 from train_utils.slurm import export_distributed_env, requeue
 
@@ -99,118 +103,58 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     tf32 = allow_tf32(tc.tf32, device)
     tc.precision = resolve_precision(tc.precision, device, debug_option())  # auto: bf16-mixed where native, else fp32
     monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
-    metrics = bar = lock = model = None
+    run = log = lock = None
     try:
         if tc.micro_batch_size == AUTO:  # rank 0 chooses (from its free memory), every rank uses its choice
             tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, device) if is_main else 0])[0]
         accum = validate_config(cfg, world)
-        precision = tc.precision
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
         run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
         lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
-        ckpt_root = os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
-        say = Console(run_dir, enabled=is_main)
+        run = Run(cfg, run_dir, accelerator, accum, tf32)  # the run record: its parts are set below as they are built
+        say = run.say
 
         # ---- which checkpoint continues this run, and does this config still describe it?
-        plan = resume.plan(cfg, ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)
+        plan = resume.plan(cfg, run.ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)
         for note in plan["notes"]:  # damaged checkpoints skipped, a `latest` older than the newest intact one
             say(note)
         if plan["finished"]:
-            say(f"this run has already finished: {plan['ckpt_dir']} is its final checkpoint (step {plan['step']} of "
-                f"{tc.steps}) and metrics.jsonl its end row. Nothing to do; to train longer, raise train.steps with "
-                f"train.resume_changes=[train.steps].")
+            say(report.finished_message(plan, tc.steps))
             return 0
 
         # ---- data, then the memory check, then model, optimizer, schedule. Same seed on every rank:
         # identical initial weights.
         seed_everything(tc.seed)
-        if cfg.data.num_workers == data.AUTO_WORKERS:  # this device's demand, at most the spare CPU cores
-            cfg.data.num_workers = data.auto_workers(workers_needed(cfg, device), cfg.data.readers, world)
-        dm = data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=rank, world_size=world,
-                             seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
-                             max_positions=cfg.model.max_position_embeddings,
-                             eval_mode=OmegaConf.select(cfg, "eval.mode", default="tokens"))
-        opt_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
-        compiled = compile_wanted(tc.compile, device)
-        memory = (memory_check.agreed_check(cfg, opt_cfg, dm.vocab_size, world, device, compiled, accelerator)
-                  if tc.memory_check else {"memory_check": "off (train.memory_check=false)"})
-        if "memory_check" in memory and tc.memory_check:
-            say(f"warning: memory check {memory['memory_check']}")
-        raw_model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
-        if tc.activation_checkpointing:
-            enable_activation_checkpointing(raw_model)
-        if precision == "bf16":
-            raw_model.to(torch.bfloat16)
-        seed_dropout(tc.seed, rank)  # ...but every rank its own dropout masks
-        loss_fn = compile_model(raw_model) if compiled else None  # blocks compile at their first call
-        # ddp: `model` is the DDP wrapper (or raw_model alone); fsdp: raw_model itself, sharded in place.
-        model = distributed.wrap_model(accelerator, raw_model, tc.parallelism, precision)
-        sharded = tc.parallelism == "fsdp"  # optimizer state per rank is a shard: rows sum the ranks
-        set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
-        optimizer = frugal.build_optimizer(raw_model, **opt_cfg)
-        hooks = OptimizerHooks(optimizer)  # FRUGAL's loop hooks; no-ops for a plain torch optimizer
-        try:
-            scheduler = frugal.build_scheduler(optimizer, total_steps=tc.steps,
-                                               **OmegaConf.to_container(cfg.schedule, resolve=True))
-        except frugal.HyperparameterError as err:  # say which config group the bad value is in
-            raise ConfigError(f"schedule: {err}") from err
-        dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # an empty (or, if required, short) set stops here
+        run.dm = build_data(run)
+        memory = check_memory(run)
+        run.raw_model, run.loss_fn, run.model = build_model(run)
+        run.optimizer, run.hooks, run.scheduler = build_optimizer(run)
+        run.dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # empty (or, if required, short): stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
-        step, tokens, active, fresh_state = 0, 0, None, 0
+        step, tokens, active, resumed = 0, 0, None, None
         if plan["ckpt_dir"]:
-            trainer = ckpt.load(plan["ckpt_dir"], "trainer")
-            scheduler, fresh_state = resume.restore(
-                plan["ckpt_dir"], trainer, model=raw_model, optimizer=optimizer, scheduler=scheduler, dm=dm,
-                rank=rank, world=world, seed=tc.seed,
-                new_hyperparameters=any(k.startswith("optimizer.") for k in plan["changes"]),
-                shapes_may_differ=any(not k.startswith("train.") for k in plan["changes"]))  # model, optimizer, data
-            step, tokens, active = trainer["step"], trainer["tokens"], trainer.get("active_blocks")
-        # A stop signal during start-up (on any rank): leave before the first step, nothing to save.
-        if accelerator.reduce(torch.tensor([float(STOP.received is not None)], device=device), "sum").item():
-            say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
-                f"nothing new to save. {report.continue_hint(run_dir)}")
-            requeue(STOP.previous or {}, STOP.received)
+            resumed = resume.restore(run, plan)  # also rebuilds run.scheduler at the checkpoint's step
+            step, tokens, active = resumed["step"], resumed["tokens"], resumed["active_blocks"]
+        if stopped_during_startup(run, step):  # a stop signal on any rank: leave before the first step
             return EXIT_PREEMPTED
 
         # ---- logging: metrics.jsonl (+ wandb) and the console on the main process only.
-        name = run_name(cfg, run_dir)  # wandb: <model>-<optimizer option>-<swept values or run dir>
-        metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, name=name, group=run_group(cfg),
-                             run_config=OmegaConf.to_container(cfg, resolve=True))
-        kept = metrics.truncate_after(step if plan["ckpt_dir"] else -1)  # rows past the checkpoint never happened
+        run.metrics = MetricsLog(run_dir, enabled=is_main, wandb_cfg=cfg.wandb, name=run.name, group=run_group(cfg),
+                                 run_config=OmegaConf.to_container(cfg, resolve=True))
+        kept = run.metrics.truncate_after(step if plan["ckpt_dir"] else -1)  # rows past the checkpoint never happened
         last_eval = report.last_eval_at(kept, step)
-        flops = flops_per_position(raw_model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
-        peak = peak_flops(device, tc.peak_flops)
-        inputs = input_demand(cfg.data.name, cfg.data.num_workers, flops, peak)  # workers for this device's demand
-        if "input_warning" in inputs:
-            say(f"warning: {inputs['input_warning']}")
-        start_row = report.log_start(
-            metrics, say, step=step, model=raw_model, optimizer=optimizer, opt_cfg=opt_cfg,
-            changes=plan["changes"], fresh_state=fresh_state, world=world,
-            saved_world=trainer["world_size"] if plan["ckpt_dir"] else None,
-            settings={"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
-                      "model": cfg.model.name, "debug": debug_option(), "loss_floor": dm.loss_floor,
-                      "world_size": world, "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
-                      "accumulation": accum, "resumed_from": plan["ckpt_dir"], "device": str(device),
-                      "precision": precision,
-                      "flops_per_position": flops, "peak_flops": peak,
-                      "activation_checkpointing": activation_checkpointing_on(raw_model),
-                      "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
-                      "zero_grad_set_to_none": set_to_none, "parallelism": tc.parallelism,
-                      "compiled": compiled, "tf32": tf32, **memory, **inputs})
-        say(report.start_block(start_row, run_dir, tc.steps, tc.batch_size * cfg.data.seq_len))
-        if metrics.note:  # where wandb's run is, and how to upload it
-            say(metrics.note)
+        start_row = report.log_start(run, plan, step=step, resumed=resumed, memory=memory)  # and the start block
 
-        # ---- the loop
-        watch = divergence.LossWatch(ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
+        # ---- the loop (its names for the run's parts, fixed from here on)
+        dm, model, raw_model, loss_fn, precision = run.dm, run.model, run.raw_model, run.loss_fn, run.precision
+        optimizer, scheduler, hooks, metrics = run.optimizer, run.scheduler, run.hooks, run.metrics
+        watch = divergence.LossWatch(run.ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
-        interval, started = Interval(device, flops, peak, world), time.perf_counter()
-        state_size = StateBytes(optimizer, sharded, device)  # sharded: one all-reduce per change, not per row
-        shown = is_main and tc.progress_bar  # the bar on the console; train.log gets progress lines instead
-        bar = tqdm(total=tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not shown)
-        eval_dm, first_step, every = report.EvalProgress(dm, shown), step, max(1, tc.steps // 20)
+        set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
+        log = report.StepLog(run, step)  # rows, progress bar, progress lines; its clock starts here
+        eval_dm = report.EvalProgress(dm, log.shown)
         model.train()
         while step < tc.steps:
             t0 = time.perf_counter()
@@ -226,34 +170,18 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = hooks.active_blocks()
             if blocks is not None and blocks != active:  # this step starts a new state-full window
-                metrics.log({"event": "switch", "step": step + 1, "active_blocks": blocks})
+                log.event({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
-                state_size.stale()
             hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
             step, tokens = step + 1, tokens + targets
-            events = gather_events(data_events, n_events)  # every rank's (optimizer events are the same on all)
-            for event in [*events, *hooks.pop_events()]:
-                metrics.log({**event, "step": step})
-                state_size.stale()  # e.g. a density change: the state's size may follow
-            interval.add(targets, sum(b["input_ids"].numel() for b in batches) * world,
-                         time.perf_counter() - t0, data_wait)
-            if step % tc.log_every == 0 or step == tc.steps:
-                row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                       **interval.row(), "optimizer_state_bytes": state_size(),
-                       "state_full_fraction": report.state_full_fraction(optimizer)}
-                metrics.log(row)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
-            bar.update(1)
-            if step == first_step + 3:  # a measured pace: warn once if the plan is absurd for this device
-                pace = report.eta_warning(tc.steps - step, (time.perf_counter() - started) / 3, device)
-                if pace:
-                    say(pace)
-            if step % every == 0 and step < tc.steps:
-                say(f"step {step:,}/{tc.steps:,}: loss {loss:.4f}, {time.perf_counter() - started:.0f} s",
-                    console=not shown)
+            # Every rank's data events (optimizer events are the same on all), then the optimizer's.
+            for event in [*gather_events(data_events, n_events), *hooks.pop_events()]:
+                log.event({**event, "step": step})
+            log.step({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens}, targets,
+                     sum(b["input_ids"].numel() for b in batches) * world, time.perf_counter() - t0, data_wait)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 last_eval = {"step": step, **evaluate(raw_model, eval_dm, tc.eval_tokens, precision, accelerator,
                                                       loss_fn)}
@@ -262,27 +190,15 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                     say(report.eval_line(step, tc.steps, last_eval))
             stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                saved = resume.save_checkpoint(
-                    ckpt_root, step, model=raw_model, optimizer=optimizer, scheduler=scheduler,
-                    data_state=dm.state_dict(), merge_data_states=data.merge_states, accelerator=accelerator,
-                    tokens=tokens, keep=cfg.checkpoint.keep, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                    extra={"active_blocks": active})
+                saved = resume.save_checkpoint(run, step, tokens, extra={"active_blocks": active})
                 watch.saved(saved)  # becomes last_good if the next step's loss is no spike
             if stopping:
-                signame = STOP.received or "a signal on another rank"
-                metrics.log({"event": "preempted", "step": step, "signal": signame})
-                bar.close()
-                say(report.stopped_message(signame, step, ckpt_root, run_dir))
-                accelerator.wait_for_everyone()  # see the end of the loop: no rank tears down early
-                requeue(STOP.previous or {}, STOP.received)  # submitit jobs: submitit requeues (rank 0 exits)
-                return EXIT_PREEMPTED
+                return stop_for_signal(run, log, step)  # EXIT_PREEMPTED, after the checkpoint
 
         # ---- the end: the final evaluation (unless resumed past it), end row, plot, summary.
-        bar.close()
-        report.finish(metrics, say, step=step, tokens=tokens, last_eval=last_eval, raw_model=raw_model,
-                      optimizer=optimizer, dm=eval_dm, tc=tc, accelerator=accelerator, loss_fn=loss_fn, sharded=sharded,
-                      started=started, model_name=cfg.model.name, option=optimizer_option(cfg), run_dir=run_dir,
-                      name=name, adamw_bytes=start_row["adamw_state_bytes"])
+        log.close()
+        report.finish(run, eval_dm, step=step, tokens=tokens, last_eval=last_eval, started=log.started,
+                      adamw_bytes=start_row["adamw_state_bytes"])
         # Rank 0 still logs and plots after the last collective; a rank that exits (closing its gloo
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()
@@ -295,17 +211,96 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
         raise ckpt.out_of_space(err, run_dir) or err
     finally:
-        if bar is not None:
-            bar.close()
-        if metrics is not None:
-            metrics.close()
+        if log is not None:
+            log.close()
+        if run is not None and run.metrics is not None:
+            run.metrics.close()
         if lock is not None:
             lock.release()
         if installed:
             STOP.restore()
         if world > 1:  # see distributed.park: the DDP reducer's gloo group is not torn down in this frame
-            distributed.park(accelerator, model)
+            distributed.park(accelerator, run.model if run is not None else None)
         accelerator.end_training()  # destroy the process group before the interpreter exits
+
+
+# ---- train()'s steps, in the order it takes them.
+def build_data(run: Run):
+    """The data module: this rank's share of the training stream and the validation set."""
+    cfg, tc = run.cfg, run.tc
+    if cfg.data.num_workers == data.AUTO_WORKERS:  # this device's demand, at most the spare CPU cores
+        cfg.data.num_workers = data.auto_workers(workers_needed(cfg, run.device), cfg.data.readers, run.world)
+    return data.build_data(cfg.data, micro_batch_size=tc.micro_batch_size, rank=run.rank, world_size=run.world,
+                           seed=tc.seed, model_vocab_size=cfg.model.vocab_size,
+                           max_positions=cfg.model.max_position_embeddings,
+                           eval_mode=OmegaConf.select(cfg, "eval.mode", default="tokens"))
+
+
+def check_memory(run: Run) -> dict:
+    """The memory check's entries of the start row (collective: the ranks agree on the verdict, a run
+    that cannot fit stops here with exit 2), with a warning when the check could not be made."""
+    if not run.tc.memory_check:
+        return {"memory_check": "off (train.memory_check=false)"}
+    memory = memory_check.agreed_check(run.cfg, run.opt_cfg, run.dm.vocab_size, run.world, run.device, run.compiled,
+                                       run.accelerator)
+    if "memory_check" in memory:
+        run.say(f"warning: memory check {memory['memory_check']}")
+    return memory
+
+
+def build_model(run: Run) -> tuple:
+    """(raw_model, loss_fn, model): the model itself (activation checkpointing, pure bf16 as set), the
+    compiled blocks' loss (None when eager; blocks compile at their first call), and what forward/
+    backward calls: under ddp the DDP wrapper (or raw_model alone), under fsdp raw_model itself,
+    sharded in place. Built from the same seed on every rank (identical initial weights); after it,
+    every rank seeds its own dropout masks."""
+    tc = run.tc
+    raw_model = models.build_model(run.cfg.model, vocab_size=run.dm.vocab_size)
+    if tc.activation_checkpointing:
+        enable_activation_checkpointing(raw_model)
+    if run.precision == "bf16":
+        raw_model.to(torch.bfloat16)
+    seed_dropout(tc.seed, run.rank)  # ...but every rank its own dropout masks
+    loss_fn = compile_model(raw_model) if run.compiled else None
+    return raw_model, loss_fn, distributed.wrap_model(run.accelerator, raw_model, tc.parallelism, run.precision)
+
+
+def build_optimizer(run: Run) -> tuple:
+    """(optimizer, hooks, scheduler) for the built model: `hooks` gives any torch optimizer
+    FRUGAL's loop hooks (no-ops where it has none); a bad schedule value is a config error naming
+    its group."""
+    optimizer = frugal.build_optimizer(run.raw_model, **run.opt_cfg)
+    try:
+        scheduler = frugal.build_scheduler(optimizer, total_steps=run.tc.steps,
+                                           **OmegaConf.to_container(run.cfg.schedule, resolve=True))
+    except frugal.HyperparameterError as err:  # say which config group the bad value is in
+        raise ConfigError(f"schedule: {err}") from err
+    return optimizer, OptimizerHooks(optimizer), scheduler
+
+
+def stopped_during_startup(run: Run, step: int) -> bool:
+    """Whether a stop signal came during start-up, on any rank (collective: every rank votes). If
+    so: say there is nothing new to save and how to continue, let a submitit job requeue, and leave
+    before step `step` + 1."""
+    votes = torch.tensor([float(STOP.received is not None)], device=run.device)
+    if not run.accelerator.reduce(votes, "sum").item():
+        return False
+    run.say(f"stopped by {STOP.received or 'a signal on another rank'} during start-up, before step {step + 1}; "
+            f"nothing new to save. {report.continue_hint(run.run_dir)}")
+    requeue(STOP.previous or {}, STOP.received)
+    return True
+
+
+def stop_for_signal(run: Run, log: report.StepLog, step: int) -> int:
+    """The end of a run stopped by a signal, after its checkpoint of `step`: the `preempted` row, how
+    to continue, every rank leaving together, a submitit job requeued. Returns EXIT_PREEMPTED."""
+    signame = STOP.received or "a signal on another rank"
+    run.metrics.log({"event": "preempted", "step": step, "signal": signame})
+    log.close()
+    run.say(report.stopped_message(signame, step, run.ckpt_root, run.run_dir))
+    run.accelerator.wait_for_everyone()  # see the end of train(): no rank tears down early
+    requeue(STOP.previous or {}, STOP.received)  # submitit jobs: submitit requeues (rank 0 exits)
+    return EXIT_PREEMPTED
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

@@ -146,7 +146,11 @@ def test_a_spike_right_after_a_resume_is_caught_as_in_the_uninterrupted_run(tmp_
 
 
 def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
+    from types import SimpleNamespace
+
     from accelerate import Accelerator
+
+    from train_utils.run import Run
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     opt = torch.optim.AdamW(model.parameters())
@@ -158,10 +162,10 @@ def test_checkpoint_with_nonfinite_state_is_refused(tmp_path):
     with torch.no_grad():
         model[0].bias[1] = float("inf")
     assert ckpt.nonfinite_state(model, opt) == "weight 0.bias"
+    run = Run(OmegaConf.create({"checkpoint": {"keep": 2}}), str(tmp_path), Accelerator(cpu=True), accum=1, tf32=False)
+    run.raw_model, run.optimizer, run.dm = model, opt, SimpleNamespace(state_dict=dict)
     with pytest.raises(NonFiniteError, match="non-finite values in weight 0.bias after step 7; no checkpoint written"):
-        resume.save_checkpoint(str(tmp_path), 7, model=model, optimizer=opt, scheduler=None, data_state={},
-                             merge_data_states=list, accelerator=Accelerator(cpu=True), tokens=0,
-                             config_yaml="", keep=2)
+        resume.save_checkpoint(run, 7, tokens=0)
     assert os.listdir(tmp_path) == []
 
 

@@ -28,3 +28,14 @@ def test_ruff_finds_nothing():
     out = subprocess.run([*_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
+
+
+def test_train_py_calls_take_few_arguments():
+    """train.py stays readable top to bottom: no call passes more than 8 arguments (positional and
+    keyword). A helper that needs the run's parts takes the run record (train_utils/run.py) whole."""
+    import ast
+
+    tree = ast.parse((ROOT / "train.py").read_text())
+    long = [(node.lineno, ast.unparse(node.func), len(node.args) + len(node.keywords))
+            for node in ast.walk(tree) if isinstance(node, ast.Call) and len(node.args) + len(node.keywords) > 8]
+    assert not long, f"calls in train.py with more than 8 arguments (line, callee, count): {long}"

@@ -1,7 +1,10 @@
-"""What a run tells metrics.jsonl and the console when it starts, stops for a signal and ends.
+"""What a run tells metrics.jsonl and the console when it starts, after each step, when it stops for
+a signal and when it ends.
 
-train.py calls these at the three points; everything they need comes in as arguments (no loop
-variables read from outside), so each can be read, tested and forked on its own.
+train.py calls these at those points with the run record (train_utils/run.py: config, processes,
+model, optimizer, metrics, console) and, as arguments, what only the caller knows (the step, the
+tokens so far, the last evaluation): no loop variables are read from outside, so each can be read,
+tested and forked on its own.
 """
 from __future__ import annotations
 
@@ -9,11 +12,15 @@ import math
 import os
 import time
 
+from tqdm import tqdm
+
 import frugal
+from train_utils.distributed import zero_grad_sets_to_none
 from train_utils.hooks import OptimizerHooks
-from train_utils.loop import evaluate, ranks_in_sync
-from train_utils.measure import optimizer_state_bytes
+from train_utils.loop import activation_checkpointing_on, evaluate, ranks_in_sync
+from train_utils.measure import Interval, StateBytes, input_demand, optimizer_state_bytes
 from train_utils.metrics import plot_losses
+from train_utils.naming import debug_option, optimizer_option
 
 
 def state_full_fraction(optimizer) -> float | None:
@@ -34,17 +41,43 @@ def density_message(report: dict) -> str | None:
                                         else ""))
 
 
-def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, settings: dict, changes: dict,
-              fresh_state: int, saved_world: int | None, world: int) -> dict:
+def start_settings(run, resumed_from: str | None) -> dict:
+    """The start row's account of how the run trains: what, on which processes and device, in which
+    batches and precision, resumed from which checkpoint, and what the loop switched on."""
+    cfg, tc = run.cfg, run.tc
+    return {"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
+            "model": cfg.model.name, "debug": debug_option(), "loss_floor": run.dm.loss_floor,
+            "world_size": run.world, "batch_size": tc.batch_size, "micro_batch_size": tc.micro_batch_size,
+            "accumulation": run.accum, "resumed_from": resumed_from, "device": str(run.device),
+            "precision": run.precision, "flops_per_position": run.flops_per_position, "peak_flops": run.peak_flops,
+            "activation_checkpointing": activation_checkpointing_on(run.raw_model),
+            "ddp_gradient_as_bucket_view": getattr(run.model, "gradient_as_bucket_view", None),
+            "zero_grad_set_to_none": zero_grad_sets_to_none(run.model), "parallelism": tc.parallelism,
+            "compiled": run.compiled, "tf32": run.tf32}
+
+
+def log_start(run, plan: dict, *, step: int, resumed: dict | None, memory: dict) -> dict:
     """The start row (what this run is: sizes, the optimizer's realised density, the memory
-    estimates, the loop's settings in `settings`) and the console's notes on a resume: settings
-    changed on purpose, optimizer state that starts fresh, another process count. Returns the row."""
+    estimates, the loop's settings, the memory check's `memory` entries, the input pipeline's
+    demand on this device) and the console's notes on a resume
+    (`plan`, resume.plan's; `resumed`, resume.restore's, None for a fresh start): settings changed on
+    purpose, optimizer state that starts fresh, another process count; then the console's first
+    lines (`start_block`) and wandb's note. Returns the row."""
+    metrics, say, model, optimizer = run.metrics, run.say, run.raw_model, run.optimizer
+    changes, world = plan["changes"], run.world
+    data_cfg = run.cfg.data
+    inputs = input_demand(data_cfg.name, data_cfg.num_workers, run.flops_per_position, run.peak_flops)  # workers
+    if "input_warning" in inputs:  # ...this device's demand needs
+        say(f"warning: {inputs['input_warning']}")
+    settings = {**start_settings(run, plan["ckpt_dir"]), **memory, **inputs}
+    fresh_state = resumed["fresh_state"] if resumed else 0
+    saved_world = resumed["world_size"] if resumed else None
     density = OptimizerHooks(optimizer).density_report()
     row = {"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
            "state_full_fraction": state_full_fraction(optimizer),
            **({f"density_{k}": v for k, v in density.items()} if density else {}),
            # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows is measured.
-           "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(model, **opt_cfg),
+           "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(model, **run.opt_cfg),
            "adamw_state_bytes": frugal.estimate_state_bytes(model, "adamw"), **settings}
     metrics.log(row)
     if density and density_message(density):
@@ -64,6 +97,10 @@ def log_start(metrics, say, *, step: int, model, optimizer, opt_cfg: dict, setti
         say(f"continuing on {world} processes (the checkpoint was written by {saved_world}): weights, "
             f"optimizer state and schedule are exact, the data stream continues from its global position; "
             f"per-rank dropout streams and float summation order differ (train_utils/resume.py)")
+    tc = run.tc
+    say(start_block(row, run.run_dir, tc.steps, tc.batch_size * run.cfg.data.seq_len))
+    if metrics.note:  # where wandb's run is, and how to upload it
+        say(metrics.note)
     return row
 
 
@@ -71,6 +108,13 @@ def last_eval_at(rows: list[dict], step: int) -> dict | None:
     """The evaluation row of `step` among the rows kept from an earlier attempt, if it got that far."""
     evals = [r for r in rows if "val_loss" in r and "event" not in r and r["step"] == step]
     return evals[-1] if evals else None
+
+
+def finished_message(plan: dict, steps: int) -> str:
+    """A run started again after its end (resume.plan's `finished`): nothing to do."""
+    return (f"this run has already finished: {plan['ckpt_dir']} is its final checkpoint (step {plan['step']} of "
+            f"{steps}) and metrics.jsonl its end row. Nothing to do; to train longer, raise train.steps with "
+            f"train.resume_changes=[train.steps].")
 
 
 def continue_hint(run_dir: str) -> str:
@@ -149,26 +193,71 @@ class EvalProgress:
         return getattr(self._dm, name)
 
     def val_batches(self, eval_tokens: int):
-        from tqdm import tqdm
-
         batches = self._dm.val_batches(eval_tokens)
         if not self._enabled:
             return batches
         return tqdm(batches, desc="evaluating", unit="batch", leave=False, dynamic_ncols=True)
 
 
-def finish(metrics, say, *, step: int, tokens: int, last_eval: dict | None, raw_model, optimizer, dm, tc,
-           accelerator, loss_fn, sharded: bool, started: float, model_name: str, option: str, run_dir: str,
-           name: str, adamw_bytes: int) -> dict:
-    """The end of a run: the final evaluation (unless an earlier attempt logged it), the end row,
-    the loss plot and the console's summary. Returns the end row."""
+class StepLog:
+    """What the loop logs and says after each step: the training row every train.log_every steps and
+    at the last (loss, lr, gradient norm, tokens, the interval's pace and peak memory, the optimizer
+    state's size and state-full share), the progress bar (main process, train.progress_bar), one
+    warning three steps in if the measured pace makes the plan absurd for this device, and a
+    progress line every 5% of the run in train.log (on the console too when there is no bar). Events
+    (window switches, schedule changes, data events) go through `event`: the state's size may follow.
+    Made right before the loop: its clock (`started`) and the interval's peak memory start there."""
+
+    def __init__(self, run, step: int):
+        self.run, self.first_step, self.every = run, step, max(1, run.tc.steps // 20)
+        self.interval = Interval(run.device, run.flops_per_position, run.peak_flops, run.world)
+        self.started = time.perf_counter()
+        self.state_size = StateBytes(run.optimizer, run.sharded, run.device)  # sharded: an all-reduce per change
+        self.shown = run.is_main and run.tc.progress_bar  # the bar on the console; train.log gets progress lines
+        self.bar = tqdm(total=run.tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not self.shown)
+
+    def event(self, row: dict) -> None:
+        self.run.metrics.log(row)
+        self.state_size.stale()  # e.g. a density change or a new window: the state's size may follow
+
+    def step(self, row: dict, targets: int, positions: int, seconds: float, data_wait: float) -> None:
+        """After the step `row` describes (step, loss, lr, grad_norm, tokens): `targets` and
+        `positions` it scored and read on all ranks, its wall time and the part spent waiting for
+        data. Sharded, the row's state size may be an all-reduce: every rank calls this every step."""
+        run, steps, step, loss = self.run, self.run.tc.steps, row["step"], row["loss"]
+        self.interval.add(targets, positions, seconds, data_wait)
+        if step % run.tc.log_every == 0 or step == steps:
+            row = {**row, **self.interval.row(), "optimizer_state_bytes": self.state_size(),
+                   "state_full_fraction": run.hooks.state_full_fraction()}
+            run.metrics.log(row)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
+        self.bar.update(1)
+        if step == self.first_step + 3:  # a measured pace: warn once if the plan is absurd for this device
+            pace = eta_warning(steps - step, (time.perf_counter() - self.started) / 3, run.device)
+            if pace:
+                run.say(pace)
+        if step % self.every == 0 and step < steps:
+            run.say(f"step {step:,}/{steps:,}: loss {loss:.4f}, {time.perf_counter() - self.started:.0f} s",
+                    console=not self.shown)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def finish(run, eval_dm, *, step: int, tokens: int, last_eval: dict | None, started: float,
+           adamw_bytes: int) -> dict:
+    """The end of a run: the final evaluation on `eval_dm` (unless an earlier attempt logged it, as
+    `last_eval`), the end row (`started`: when this attempt's loop started; `adamw_bytes`: the start
+    row's AdamW estimate), the loss plot and the console's summary. Returns the end row."""
+    tc, metrics, optimizer, accelerator, sharded = run.tc, run.metrics, run.optimizer, run.accelerator, run.sharded
     if last_eval is None or last_eval["step"] != step:
-        last_eval = {"step": step, **evaluate(raw_model, dm, tc.eval_tokens, tc.precision, accelerator, loss_fn)}
+        last_eval = {"step": step, **evaluate(run.raw_model, eval_dm, tc.eval_tokens, tc.precision, accelerator,
+                                              run.loss_fn)}
         metrics.log(last_eval)
-    in_sync, checksum = ranks_in_sync(raw_model)
+    in_sync, checksum = ranks_in_sync(run.raw_model)
     device = accelerator.device
     end = {"event": "end", "step": step, "val_loss": last_eval["val_loss"], "val_ppl": last_eval["val_ppl"],
-           "tokens": tokens, "loss_floor": dm.loss_floor,
+           "tokens": tokens, "loss_floor": eval_dm.loss_floor,
            "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
            **({"optimizer_state_bytes_rank0": frugal.state_bytes(optimizer)} if sharded else {}),
            "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
@@ -176,8 +265,8 @@ def finish(metrics, say, *, step: int, tokens: int, last_eval: dict | None, raw_
     metrics.log(end)
     metrics.close()  # wandb prints its own lines at finish; the summary below comes last
     if accelerator.is_main_process and tc.plot:
-        plot_losses(metrics.path, os.path.join(run_dir, "loss.png"), dm.loss_floor, title=name)
-    say(end_of_run_summary(end, model_name, option, run_dir, tc.plot))
+        plot_losses(metrics.path, os.path.join(run.run_dir, "loss.png"), eval_dm.loss_floor, title=run.name)
+    run.say(end_of_run_summary(end, run.cfg.model.name, optimizer_option(run.cfg), run.run_dir, tc.plot))
     return end
 
 

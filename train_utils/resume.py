@@ -33,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's failed load
 
+from data import merge_states
 from frugal import HyperparameterError
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
@@ -203,21 +204,25 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
     return any(r.get("event") == "end" and r.get("step") == step for r in rows)
 
 
-def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_state: dict, merge_data_states,
-                    accelerator, tokens: int, config_yaml: str, keep: int, extra: dict | None = None) -> str | None:
-    """Write the training state after `step` (collective: call on every rank).
+def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> str | None:
+    """Write `run`'s training state after `step` (collective: call on every rank): weights, optimizer
+    state, schedule, data position, RNG states, `tokens` so far, the resolved config and `extra`
+    (the loop's own entries of trainer.pt), keeping checkpoint.keep checkpoints in run.ckpt_root.
 
     Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
-    the last checkpoint, which is then the last finite one). Every rank's data position (`data_state`)
-    and RNG state go into `trainer.pt`; `merge_data_states(per_rank)` makes the stored data position
-    from the ranks' states. Replicated (DDP) weights and optimizer state are written by the main
-    process; sharded (FSDP2) ones by every rank, through torch.distributed.checkpoint
+    the last checkpoint, which is then the last finite one). Every rank's data position and RNG
+    state go into `trainer.pt`; `data.merge_states` makes the stored data position from the ranks'
+    states. Replicated (DDP) weights and optimizer state are written by the main process; sharded
+    (FSDP2) ones by every rank, through torch.distributed.checkpoint
     (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
     writer's message. Returns the checkpoint's path on the main process."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from train_utils.distributed import is_sharded
 
+    root, model, optimizer, accelerator = run.ckpt_root, run.raw_model, run.optimizer, run.accelerator
+    data_state, keep = run.dm.state_dict(), run.cfg.checkpoint.keep
+    config_yaml = OmegaConf.to_yaml(run.cfg, resolve=True)
     sharded = is_sharded(model)
     bad = ckpt.nonfinite_state(model, optimizer)
     if sharded:  # each rank checked its own shards
@@ -230,7 +235,7 @@ def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_s
     trainer = None
     if accelerator.is_main_process:
         trainer = {"step": step, "tokens": tokens, "world_size": accelerator.num_processes,
-                   "scheduler": scheduler.state_dict(), "data": merge_data_states([r["data"] for r in per_rank]),
+                   "scheduler": run.scheduler.state_dict(), "data": merge_states([r["data"] for r in per_rank]),
                    "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
     texts = {"config.yaml": config_yaml}
     if sharded:
@@ -250,18 +255,23 @@ def save_checkpoint(root: str, step: int, *, model, optimizer, scheduler, data_s
     return path
 
 
-def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, rank: int, world: int, seed: int,
-            new_hyperparameters: bool, shapes_may_differ: bool):
-    """Load the checkpoint into the freshly built run; return the schedule, rebuilt at its step, and
-    how many tensors' per-rank optimizer state had to start fresh (sharded_checkpoint: column/row/
-    randk state of a sharded run continued on another process count; 0 otherwise).
+def restore(run, plan: dict) -> dict:
+    """Load the checkpoint resume.plan chose (`plan`) into the freshly built `run`: weights,
+    optimizer state, the data position, this rank's RNG state; `run.scheduler` is rebuilt at the
+    checkpoint's step. Returns what the loop continues from: {"step", "tokens", "active_blocks" (the
+    optimizer's window, None without), "world_size" (the processes that wrote it), "fresh_state"
+    (how many tensors' per-rank optimizer state had to start fresh, sharded_checkpoint: column/row/
+    randk state of a sharded run continued on another process count; 0 otherwise)}.
 
-    `new_hyperparameters`: the current config's optimizer hyperparameters replace the checkpoint's
-    (train.resume_changes named optimizer keys); the state (moments, step counters) is the checkpoint's.
-    `shapes_may_differ`: train.resume_changes named model or optimizer keys, so a checkpoint that does
-    not load is the user's change (one clear line); otherwise a failure to load is a bug and keeps its
-    traceback.
+    Optimizer keys named in train.resume_changes: the current config's hyperparameters replace the
+    checkpoint's (the state, moments and step counters, is the checkpoint's). Model or optimizer keys
+    named there: a checkpoint that does not load is the user's change (one clear line); otherwise a
+    failure to load is a bug and keeps its traceback.
     """
+    ckpt_dir, model, optimizer, rank, world = plan["ckpt_dir"], run.raw_model, run.optimizer, run.rank, run.world
+    trainer = ckpt.load(ckpt_dir, "trainer")
+    new_hyperparameters = any(k.startswith("optimizer.") for k in plan["changes"])
+    shapes_may_differ = any(not k.startswith("train.") for k in plan["changes"])  # model, optimizer, data
     step, reset = trainer["step"], 0
     current = [dict(g) for g in optimizer.param_groups] if new_hyperparameters else None
     try:
@@ -283,15 +293,16 @@ def restore(ckpt_dir: str, trainer: dict, *, model, optimizer, scheduler, dm, ra
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err
     # The schedule from the current config, at the checkpoint's step: identical to the stored one
     # when nothing changed (LambdaLR computes base_lr x multiplier(step) afresh every step).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=step - 1)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.scheduler.lr_lambdas, last_epoch=step - 1)
     if isinstance(trainer["data"], list):  # one position per rank: written before data.merge_states
         raise ConfigError(f"checkpoint {ckpt_dir} stores its data position in an older format (one per rank) that "
                           f"this version cannot continue exactly; start a new run "
                           f"(train.resume=never in a new run dir)")
-    dm.load_state_dict(trainer["data"])  # data.DataConfigError if the stream cannot continue exactly
+    run.dm.load_state_dict(trainer["data"])  # data.DataConfigError if the stream cannot continue exactly
     rng = trainer["rng"]
     if rank < len(rng):
         ckpt.set_rng_state(rng[rank])
     else:  # a rank that did not exist in the checkpoint's run: a fresh dropout stream of its own
-        seed_dropout(seed, rank, offset=step)
-    return scheduler, reset
+        seed_dropout(run.tc.seed, rank, offset=step)
+    return {"step": step, "tokens": trainer["tokens"], "active_blocks": trainer.get("active_blocks"),
+            "world_size": trainer["world_size"], "fresh_state": reset}

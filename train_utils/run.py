@@ -1,0 +1,114 @@
+"""The run record: what train.py builds for one training run, passed whole to the helpers that log,
+checkpoint, restore and end it (report.py, resume.py).
+
+Why one record: the start row, a checkpoint, a restore and the end row each need most of the run's
+parts (config, processes, data, model, optimizer, schedule, metrics). Handed over one by one they
+made calls of 11 to 18 arguments that changed together whenever a part was added; handed over as
+`run`, each helper takes the run and only what it alone needs (the step, the tokens so far, ...).
+
+What it holds: the run's fixed parts. The first are known before anything is built; the others
+(from `dm` on) are None until train() builds them, top to bottom, and are set once (except
+`scheduler`, which resume.restore rebuilds at the checkpoint's step). Filled in place rather than
+made at the end, so that train()'s clean-up sees whatever exists when a step fails (the DDP wrapper
+it must keep alive). What the properties give is derived from these. What changes every step
+(step, tokens, the active blocks, the last evaluation) is not here: it stays in train()'s loop as
+local variables, where a reader sees it change, and is passed to the helpers explicitly.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from train_utils.checkpoint import CHECKPOINT_DIR
+from train_utils.hooks import OptimizerHooks
+from train_utils.loop import compile_wanted
+from train_utils.measure import flops_per_position, peak_flops
+from train_utils.metrics import Console, MetricsLog
+from train_utils.naming import run_name
+
+
+@dataclass(eq=False)
+class Run:
+    """One training run's parts (see the module docstring); the rest are read from these."""
+
+    cfg: DictConfig
+    run_dir: str  # absolute, the same on every rank
+    accelerator: Any  # accelerate.Accelerator: the processes
+    accum: int  # micro-batches per rank and step (gradient accumulation)
+    tf32: bool  # TF32 matmuls are on (train.tf32 on an Ampere or newer GPU)
+    say: Console = field(init=False)  # the console and train.log (main process only)
+    # Built by train(), in this order:
+    dm: Any = None  # the data module (data.build_data)
+    raw_model: Any = None  # the model itself: what is evaluated, checkpointed and measured
+    loss_fn: Callable | None = None  # the compiled blocks' loss, None when eager
+    model: Any = None  # what forward/backward calls: the DDP wrapper, or raw_model (alone, or sharded in place)
+    optimizer: Any = None
+    hooks: OptimizerHooks | None = None  # FRUGAL's loop hooks; no-ops for any other torch optimizer
+    scheduler: Any = None  # the LR schedule (a LambdaLR)
+    metrics: MetricsLog | None = None  # metrics.jsonl (+ wandb), main process only
+
+    def __post_init__(self):
+        self.say = Console(self.run_dir, enabled=self.is_main)
+
+    @property
+    def tc(self):
+        return self.cfg.train
+
+    @property
+    def ckpt_root(self) -> str:
+        return os.path.join(self.run_dir, CHECKPOINT_DIR)
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self):
+        return self.accelerator.device
+
+    @property
+    def precision(self) -> str:
+        return self.tc.precision  # resolved (no `auto`) before the record is made
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: weights and optimizer state per rank are shards (rows sum the ranks)."""
+        return self.tc.parallelism == "fsdp"
+
+    @property
+    def compiled(self) -> bool:
+        """train.compile resolved (auto: on GPUs)."""
+        return compile_wanted(self.tc.compile, self.device)
+
+    @property
+    def opt_cfg(self) -> dict:
+        """The optimizer's keys, resolved: what frugal.build_optimizer and the estimates take."""
+        return OmegaConf.to_container(self.cfg.optimizer, resolve=True)
+
+    @property
+    def name(self) -> str:
+        """wandb's run name and the loss plot's title: <model>-<optimizer option>-<swept values or run dir>."""
+        return run_name(self.cfg, self.run_dir)
+
+    @property
+    def flops_per_position(self) -> float:
+        """Training FLOPs per position of the built model (MFU, the input pipeline's demand)."""
+        model_cfg = self.cfg.model
+        return flops_per_position(self.raw_model, model_cfg.num_hidden_layers, model_cfg.hidden_size,
+                                  self.cfg.data.seq_len)
+
+    @property
+    def peak_flops(self) -> float | None:
+        """One device's peak FLOP/s for MFU (train.peak_flops, else the table's), None if unknown."""
+        return peak_flops(self.device, self.tc.peak_flops)
