@@ -39,3 +39,40 @@ def test_train_py_calls_take_few_arguments():
     long = [(node.lineno, ast.unparse(node.func), len(node.args) + len(node.keywords))
             for node in ast.walk(tree) if isinstance(node, ast.Call) and len(node.args) + len(node.keywords) > 8]
     assert not long, f"calls in train.py with more than 8 arguments (line, callee, count): {long}"
+
+
+PACKAGES = ("frugal", "train_utils", "data", "models")
+
+
+def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
+    """The project modules a module imports, at its top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = f"{package}.{node.module}" if node.level and node.module else package if node.level else node.module
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & modules
+
+
+def test_no_import_circles_between_modules():
+    """No module of the project's packages imports, directly or through others, a module that
+    imports it back (a function-level import counts: it only hides the circle). A package's
+    __init__ re-exporting its modules is not a circle."""
+    files = {f"{pkg}.{path.stem}": (path, pkg) for pkg in PACKAGES for path in (ROOT / pkg).glob("*.py")
+             if path.stem != "__init__"}
+    graph = {name: _imports(path, pkg, set(files)) - {name} for name, (path, pkg) in files.items()}
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in reachable(b)})
+    assert not circles, f"import circles (each pair reaches the other): {circles}"
