@@ -33,10 +33,10 @@ from omegaconf import OmegaConf
 
 from train_utils import checkpoint as ckpt
 from train_utils.loop import NonFiniteError
+from train_utils.metrics import METRICS_FILE, read_metrics
 
 SPIKE_FACTOR = 3.0
 WINDOW = 100
-METRICS = "metrics.jsonl"  # in the run directory, beside checkpoints/
 
 
 def suggested_lr(current: float, optimizer_name: str, good_dir: str | None) -> float:
@@ -74,13 +74,12 @@ class LossWatch:
         self.spike: tuple[int, float, float] | None = None  # (step, loss, median) of the first spike
         numbered = re.match(r"^step_(\d+)$", os.path.basename(os.path.normpath(resumed_from or "")))
         if inside and is_main and numbered:
-            self._replay(os.path.join(os.path.dirname(os.path.abspath(ckpt_root)), METRICS), int(numbered.group(1)))
+            run_dir = os.path.dirname(os.path.abspath(ckpt_root))
+            self._replay(os.path.join(run_dir, METRICS_FILE), int(numbered.group(1)))
 
     def _replay(self, metrics_path: str, step: int) -> None:
         """Judge the losses the run logged up to `step` as `check` did (a missing or unreadable
         file leaves the window empty: a resume never fails over a heuristic)."""
-        from train_utils.metrics import read_metrics
-
         try:
             rows = read_metrics(metrics_path)
         except (OSError, ValueError):
@@ -110,15 +109,14 @@ class LossWatch:
         """Judge step `step`'s loss (computed with the current weights); raise NonFiniteError if it
         or the gradient norm is not finite."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        median = statistics.median(self.losses) if self.losses else None
         if finite and self._judge(step, loss):
             if self.pending and self.is_main:
                 ckpt.point_latest(self.root, self.pending, pointer=ckpt.LAST_GOOD)
             self.pending = None
             return
         self.pending = None  # its weights gave a spike (or worse): never `last_good`
-        if self.spike is None:
-            self.spike = (step, loss, median if median is not None else float("nan"))
+        if self.spike is None:  # non-finite with no spike before it (_judge records a finite spike)
+            self.spike = (step, loss, statistics.median(self.losses) if self.losses else float("nan"))
         if not finite:
             raise NonFiniteError(self.message(step, loss, grad_norm))
 
