@@ -156,6 +156,12 @@ def main(out, ckpt):
         result["error"] = traceback.format_exc()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Both ranks finish every gloo operation before either tears its group down (as tests/_fsdp_worker.py
+    # and train.py do; this worker did not). A rank that destroys its group and exits while the other still
+    # has FSDP2 gloo work in flight dies in std::terminate with SIGABRT at interpreter exit (seen with a
+    # 2-rank FSDP2 backward and one rank 2 s late); on a loaded machine ranks end seconds apart. The likely
+    # cause of the fast tier's "rank 1 died of SIGABRT" in this fixture, which did not recur here.
+    dist.barrier()
     dist.destroy_process_group()
 
 

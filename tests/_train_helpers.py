@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -55,6 +56,35 @@ def subprocess_env() -> dict:
 def run_cli(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = subprocess_env()
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+_HEADERS = ("Traceback (most recent call last)", "Fatal Python error")
+_STACK_LINES = ("Traceback", "Fatal Python error", "Thread 0x", "Current thread", "Stack (most recent",
+                "During handling", "The above exception", "File ")
+
+
+def failure(proc: subprocess.CompletedProcess, tail: int = 1500) -> str:
+    """Why a command of several processes (torchrun, two Popens) failed, for an assertion's message:
+    first every process's Python traceback and faulthandler's fatal-error stack (its thread stacks, to the
+    failing call), with torchrun's per-rank exit lines, then the end of stderr. Faulthandler's list of
+    extension modules (one line of some 3,000 characters) is left out everywhere: as the last thing a
+    crashed rank prints, it used to fill the whole message."""
+    lines = [ln for ln in (proc.stderr or "").splitlines() if "Extension modules:" not in ln]
+    causes, inside = [], False
+    for ln in lines:
+        body = re.sub(r"^\[(?:rank|default)?\d+\]:\s?", "", ln)  # torchrun's per-rank prefix
+        if body.startswith(_HEADERS):
+            inside = True
+            causes.append("----")
+        if inside:
+            causes.append(ln)
+            ends = body and not body[0].isspace() and not body.startswith(_STACK_LINES)
+            inside = not ends and len(causes) < 400
+        elif re.search(r"exitcode\s*:|Signal \d+ \(|rank\s*:\s*\d+ \(local_rank", body):
+            causes.append(ln)
+    end = "\n".join(lines)[-tail:]
+    return (f"exit {proc.returncode}; what each process reported:\n" + "\n".join(causes[:400])
+            + f"\n---- the last {tail} characters of stderr ----\n{end}")
 
 
 def rows(run_dir) -> list[dict]:

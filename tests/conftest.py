@@ -57,6 +57,28 @@ def make_documents(n: int, seed: int) -> list[str]:
     return docs
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core this process may run on (its affinity, not
+    OMP_NUM_THREADS and not psutil's physical count, which is 1 on some 2-vCPU machines), at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+@_pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """With workers (pytest-xdist, `--dist loadgroup`), the tests that share a module-scoped fixture
+    of their own module (a trained run, a torchrun result) go to one worker, so that fixture is built
+    once, as in a run without workers."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        defs = getattr(item, "_fixtureinfo", None)
+        defs = defs.name2fixturedefs if defs else {}
+        for name in item.fixturenames:
+            fixture = defs.get(name, [None])[-1]
+            if fixture is not None and fixture.scope == "module" and fixture.baseid == module:
+                item.add_marker(_pytest.mark.xdist_group(module))
+                break
+
+
 @_pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """One intra-op thread in these tests and their subprocesses: on a shared 2-core machine two

@@ -139,15 +139,16 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
              "train.stepz=5": ("train.stepz", "train", "train.steps"),
              "data.seqlen=5": ("data.seqlen", "data", "data.seq_len"),
              "optimzer=adamw": ("optimzer", "the top level", "optimizer")}
-    for i, (override, (key, node, near)) in enumerate(cases.items()):
-        out = _train_py(override, "+model.hiden=3", f"hydra.run.dir={tmp_path / str(i)}")
-        assert out.returncode == 2, (override, out.stderr[-2000:])
-        last = out.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: ") and (
-            f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last)
-        assert "model.hiden is not a config key" in last  # a forced key too, in the same line
-        assert "+" + override not in out.stderr and "schema" not in out.stderr
-        assert not (tmp_path / str(i) / "metrics.jsonl").exists()
+    # One command with all of them (one train.py start-up, not four): each is named in the one line.
+    out = _train_py(*cases, "+model.hiden=3", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "schema" not in out.stderr
+    assert "model.hiden is not a config key" in last  # a forced key too, in the same line
+    for override, (key, node, near) in cases.items():
+        assert f"{key} is not a config key (did you mean {near}?); valid keys of {node}: " in last, key
+        assert "+" + override not in out.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_a_sweep_stopped_by_a_mistyped_key_exits_2(tmp_path):

@@ -2,7 +2,7 @@
 trajectory equals a single process with the same global batch, and resume is exact under DDP."""
 import pytest
 
-from _train_helpers import (TINY, assert_same_weights, losses, rows, run_cli, run_inprocess,  # noqa: F401
+from _train_helpers import (TINY, assert_same_weights, failure, losses, rows, run_cli, run_inprocess,  # noqa: F401
                             torchrun_cmd, weights)
 from train_utils import checkpoint as ckpt
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def ddp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ddp")
     proc = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={2 * N}"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure(proc)
     return run_dir
 
 
@@ -49,11 +49,11 @@ def test_ranks_identical_and_match_single_process(ddp_run, tmp_path):
 
 def test_ddp_resume_is_exact(ddp_run, tmp_path):
     first = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={N}"))
-    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.returncode == 0, failure(first)
     trainer = ckpt.load(ckpt.latest(str(tmp_path / "checkpoints")), "trainer")
     assert trainer["world_size"] == 2 and len(trainer["rng"]) == 2  # one RNG state per rank
     second = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]"))
-    assert second.returncode == 0, second.stderr[-4000:]
+    assert second.returncode == 0, failure(second)
     assert losses(tmp_path) == losses(ddp_run)
     assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
                         weights(ckpt.latest(str(ddp_run / "checkpoints"))))
@@ -75,7 +75,7 @@ def test_signal_to_one_rank_stops_all_ranks_at_one_step_and_resume_matches(tmp_p
     steps = 30
     reference = tmp_path / "reference"
     done = run_cli(torchrun_cmd(reference, *DDP, f"train.steps={steps}"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, failure(done)
 
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(torchrun_cmd(run_dir, *DDP, f"train.steps={steps}"), cwd=REPO, env=subprocess_env(),
@@ -100,7 +100,7 @@ def test_signal_to_one_rank_stops_all_ranks_at_one_step_and_resume_matches(tmp_p
     assert trainer["step"] == k and len(trainer["rng"]) == 2
 
     resumed = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={steps}"))
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.returncode == 0, failure(resumed)
     assert losses(run_dir) == losses(reference)
     assert_same_weights(weights(ckpt.latest(str(run_dir / "checkpoints"))),
                         weights(ckpt.latest(str(reference / "checkpoints"))))
@@ -128,7 +128,7 @@ def test_each_rank_draws_its_own_dropout_masks_and_resume_stays_bitwise(tmp_path
 
     straight = tmp_path / "straight"
     done = run_cli(torchrun_cmd(straight, *DDP, f"train.steps={2 * N}", base=GPT2))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, failure(done)
     assert rows(straight)[-1]["ranks_in_sync"] is True
     rng = ckpt.load(ckpt.latest(str(straight / "checkpoints")), "trainer")["rng"]
     masks = []
@@ -140,10 +140,10 @@ def test_each_rank_draws_its_own_dropout_masks_and_resume_stays_bitwise(tmp_path
 
     resumed = tmp_path / "resumed"
     first = run_cli(torchrun_cmd(resumed, *DDP, f"train.steps={N}", base=GPT2))
-    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.returncode == 0, failure(first)
     second = run_cli(torchrun_cmd(resumed, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]",
                                   base=GPT2))
-    assert second.returncode == 0, second.stderr[-4000:]
+    assert second.returncode == 0, failure(second)
     assert losses(resumed) == losses(straight)
     assert_same_weights(weights(ckpt.latest(str(resumed / "checkpoints"))),
                         weights(ckpt.latest(str(straight / "checkpoints"))))
@@ -155,7 +155,7 @@ def test_continue_on_another_number_of_processes(ddp_run, tmp_path):
     continues from the global position, so every step sees the same 8 sequences and the run matches
     the 2-process run up to float summation order."""
     first = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={N}"))
-    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.returncode == 0, failure(first)
     assert run_inprocess(tmp_path, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
     log = rows(tmp_path)
     assert [(r["from"], r["to"]) for r in log if r.get("event") == "world_size_changed"] == [(2, 1)]
@@ -178,6 +178,6 @@ def test_every_ranks_epoch_events_reach_the_log(tmp_path, t5_tokenizer_dir):
              "train.micro_batch_size=2", "train.steps=6"]
     run_dir = tmp_path / "run"
     done = run_cli(torchrun_cmd(run_dir, *local))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, failure(done)
     epochs = [(r["step"], r["reader"], r["epoch"]) for r in rows(run_dir) if r.get("event") == "epoch"]
     assert sorted(epochs) == [(6, 0, 1), (6, 1, 1)]

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from _train_helpers import (REPO, TINY, assert_same_weights, losses, rows, run_cli,  # noqa: F401
+from _train_helpers import (REPO, TINY, assert_same_weights, failure, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
 from scripts.fault_inject import catches_signal
@@ -177,7 +177,7 @@ def test_one_run_per_run_dir(tmp_path):
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
     third = run_cli(train_cmd(tmp_path, "train.steps=6", "checkpoint.every=1"))
-    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.returncode == 0, failure(third)
     steps = [r["step"] for r in rows(tmp_path) if "loss" in r]
     assert steps == list(range(1, 7))
 
@@ -295,7 +295,7 @@ def fault_reference(tmp_path_factory):
 
     reference = str(tmp_path_factory.mktemp("fault_inject") / "reference")
     done = fault_inject.run(reference)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     return reference
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from _train_helpers import (TINY, assert_same_weights, compose_cfg, losses, rows, run_cli,  # noqa: F401
+from _train_helpers import (TINY, assert_same_weights, failure, compose_cfg, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, torchrun_cmd)
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
@@ -29,7 +29,7 @@ FSDP = RUN + ["train.parallelism=fsdp", "train.precision=bf16-mixed"]  # the run
 
 def torchrun(run_dir, *overrides, nproc=2):
     proc = run_cli(torchrun_cmd(run_dir, *overrides, nproc=nproc))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure(proc)
     return run_dir
 
 

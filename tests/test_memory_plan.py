@@ -151,6 +151,7 @@ def measured():
     return measured
 
 
+@pytest.mark.slow  # the measured fixture: 19 real steps in fresh interpreters, ~70 CPU-seconds
 @pytest.mark.parametrize("index", range(len(VALIDATION_CASES)))
 def test_plan_matches_measured_peak(measured, index):
     case = VALIDATION_CASES[index]
@@ -176,6 +177,7 @@ def switch_allowance(case: Case) -> int:
     return moments * (2 if case.precision == "bf16" else 4) * facts.layer_matmul_weights
 
 
+@pytest.mark.slow
 def test_bucket_view_saves_a_gradient_copy_only_with_in_place_zeroing(measured):
     """DDP(gradient_as_bucket_view=True) + zero_grad(set_to_none=False): no second copy; with
     set_to_none=True, no_sync micro-batches allocate fresh gradients beside the buckets."""

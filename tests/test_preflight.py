@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from _train_helpers import REPO, subprocess_env
 
 
+@pytest.mark.slow
 def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/preflight.py", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=900)

@@ -286,11 +286,14 @@ def test_readme_train_command_is_valid_as_written(line, command):
 
 def test_ci_runs_the_readmes_setup_and_test_commands():
     """.ci/run: an explicit optional set-up step (Slurm for tests/test_slurm.py), then exactly the README's
-    set-up command and exactly its test command."""
+    set-up command (its two `&&` parts as two timed phases: install, quickstart) and exactly its test
+    command, the last one; `phase NAME` lines only start a phase's clock."""
     quick = README.read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     setup, test = [c for b in blocks(quick)
                    for c in (commands(b["lines"]) and [" ".join(b["lines"]).strip()] or [])][:2]
     ci = [ln.split("#")[0].strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
-    ci = [ln for ln in ci if ln]
-    assert ci[-2:] == [setup, test], ci
-    assert any("slurm_localhost.sh install" in ln for ln in ci[:-2])
+    phases = [ln.split()[1] for ln in ci if ln.startswith("phase ")]
+    ci = [ln for ln in ci if ln and not ln.startswith("phase ")]
+    assert ci[-1] == test and " && ".join(ci[-3:-1]) == setup, ci
+    assert any("slurm_localhost.sh install" in ln for ln in ci[:-3])
+    assert phases == ["slurm", "set-up", "quickstart", "tests"]

@@ -54,6 +54,7 @@ def _local_example() -> list[str]:
     return line.split()[2:]  # after `python train.py`
 
 
+@pytest.mark.slow
 def test_local_launchers_own_example_runs(tmp_path):
     sweep = tmp_path / "multirun"
     cmd = [sys.executable, "train.py", *_local_example(), *TOY, f"hydra.sweep.dir={sweep}"]
@@ -67,6 +68,7 @@ def test_local_launchers_own_example_runs(tmp_path):
             in proc.stdout), proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
     """The example with an explicit micro-batch that does not fit the processes: 8 sequences cannot split
     over 2 x 8. The sweep ends with the job's one clear line, not submitit's traceback of the job runner."""

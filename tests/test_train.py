@@ -10,7 +10,7 @@ import torch
 import frugal
 from hydra.errors import MissingConfigException
 
-from _train_helpers import (TINY, compose_cfg, rows,  # noqa: F401
+from _train_helpers import (TINY, compose_cfg, failure, rows,  # noqa: F401
                             run_cli, run_inprocess, train_cmd, wait_for_wandb_run, wandb_history)
 from train_utils import checkpoint as ckpt
 from train_utils.validation import ConfigError
@@ -105,7 +105,7 @@ def test_wandb_offline_says_one_line_where_its_run_is(tmp_path):
     """wandb stays the logger but keeps quiet: of the console, one line names the offline run and how to
     upload it (wandb's own banner, hints and summary were ~34 lines per run)."""
     proc = run_cli(train_cmd(tmp_path, "train.steps=2", "wandb.mode=offline"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     said = [ln for ln in (proc.stdout + proc.stderr).replace(str(tmp_path), "<run dir>").splitlines()
             if "wandb" in ln.lower()]
     assert len(said) == 1, said
@@ -398,7 +398,7 @@ def test_quickstart_runs_on_two_processes_and_a_bad_micro_batch_ends_torchruns_o
     quick = ["train.steps=2", "data.seq_len=64", "train.eval_tokens=512", "train.progress_bar=false",
              "train.plot=false", "wandb.mode=disabled"]
     proc = run_cli(torchrun_cmd(tmp_path / "ok", *quick, base=[]))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     start = rows(tmp_path / "ok")[0]
     assert (start["world_size"], start["micro_batch_size"], start["accumulation"]) == (2, 4, 1)
     bad = run_cli(torchrun_cmd(tmp_path / "bad", *quick, "train.micro_batch_size=8", base=[]))
@@ -435,7 +435,7 @@ def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path)
     falls far below a fresh model's (uniform over the 512 symbols: ln 512 = 6.24)."""
     proc = run_cli([*train_cmd(tmp_path, "experiment=table2", "model=llama_130m", "optimizer=galore", "debug=toy",
                                "train.progress_bar=false", base=[])], timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     log = rows(tmp_path)
     train_rows = [r for r in log if "loss" in r]
     assert len(train_rows) == 200 and log[0]["debug"] == "toy" and log[0]["params"] < 2e6
