@@ -12,6 +12,7 @@ sys.path.insert(0, str(ROOT))
 from scripts import bench_train  # noqa: E402
 
 
+@pytest.mark.slow
 def test_rates_are_the_training_rows_after_the_warm_up(tmp_path):
     args = argparse.Namespace(model="llama_tiny", steps=3, warmup=1, batch_size=2, micro_batch_size=2, seq_len=32,
                               seed=0, overrides=[])

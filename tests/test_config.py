@@ -151,6 +151,7 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_stopped_by_a_mistyped_key_exits_2(tmp_path):
     """In a multirun the job's one line is the last thing printed and the sweep exits as that job
     would alone: 2 for a config error (Hydra's own exit is 1; a run's own failure stays 1)."""

@@ -87,6 +87,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_does_not_advance_a_stateless_optimizer():
     """torch's get_optimizer_state_dict steps an optimizer without state or gradients once at lr 0
     (signSGD, SGD): the step counter must stay, or checkpointing more often would change the run."""

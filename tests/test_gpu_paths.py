@@ -246,6 +246,7 @@ else:
 
 
 @pytest.mark.parametrize("frozen", [True, False])
+@pytest.mark.slow
 def test_an_unresponsive_rank_is_named_without_a_side_group(tmp_path, frozen):
     import socket
     import subprocess

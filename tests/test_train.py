@@ -447,6 +447,7 @@ def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path)
     assert "shrunk by debug=toy" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_memory_plan_script_plans_the_default_auto_micro_batch():
     import sys as _sys
 
