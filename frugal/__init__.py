@@ -14,6 +14,7 @@ complement, updated with a state-free rule (signSGD, SGD) that keeps no optimize
 from .optimizer import FRUGAL
 from .grouping import param_groups, resolve_params
 from .hparams import HyperparameterError
+from .in_backward import NonFiniteGradientError, StepInBackward, step_in_backward
 from .registry import OPTIMIZERS, build_optimizer
 from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
@@ -48,6 +49,9 @@ __all__ = [
     "state_full_fraction",
     "unwrap",
     "HyperparameterError",
+    "NonFiniteGradientError",
+    "StepInBackward",
+    "step_in_backward",
     "OPTIMIZERS",
     "build_optimizer",
     "build_scheduler",

@@ -225,12 +225,14 @@ class FRUGAL(Optimizer):
         defaults = validate(defaults)
         self._layout = None
         self._events: list[dict] = []
+        self._in_backward = None  # a frugal.in_backward.StepInBackward while one is attached
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:  # deepcopy / unpickle: caches are rebuilt
         super().__setstate__(state)
         self._layout = None
         self.__dict__.setdefault("_events", [])
+        self._in_backward = None  # a copy does not step inside the original's backward
 
     # ---- groups, checkpoints -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -321,8 +323,18 @@ class FRUGAL(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._in_backward is not None:  # the updates ran in backward: the deferred ones, the count
+            self._in_backward.finish()
+            return loss
         step = self.step_count
-        works = self._select(step)                                        # 1. select
+        slots = self._select(step)                                        # 1. select
+        self._apply([self._work(t) for t in slots if t.param.grad is not None], step)
+        self._set_step(step + 1)
+        return loss
+
+    def _apply(self, works: list[Work], step: int) -> None:
+        """Phases 2-5 over ``works`` (tensors of step ``step``): also what a gradient hook of
+        ``frugal.in_backward`` runs for one tensor."""
         fast, single = [], []
         for w in works:
             reference = not w.group["foreach"] or self._rounds_stochastically(w)
@@ -336,16 +348,15 @@ class FRUGAL(Optimizer):
                 self._write_back(w)                                       # 5. write back
         for w in single:
             update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step, w.window)
-        self._set_step(step + 1)
-        return loss
 
     def _set_step(self, step: int) -> None:
         for group in self.param_groups:
             group["step"] = step
 
-    def _select(self, step: int) -> list[Work]:
-        """Phase 1. Tensors leaving the state-full set (and state-free ones) drop their state
-        first, whether or not they have a gradient; state is allocated only in later phases."""
+    def _select(self, step: int) -> list:
+        """Phase 1: every tensor's role (``windows.Slot``) in step ``step``'s window. Tensors
+        leaving the state-full set (and state-free ones) drop their state first, whether or not
+        they have a gradient; state is allocated only in later phases."""
         slots = list(self._get_layout().tensors(self.param_groups, self._window(step, commit=True)))
         for t in slots:
             if t.role == FREE:
@@ -356,9 +367,12 @@ class FRUGAL(Optimizer):
             if t.param.grad is not None and t.param.grad.is_sparse:
                 raise ValueError("FRUGAL does not support sparse gradients (got one for a tensor "
                                  f"of shape {tuple(t.param.shape)}); valid choices: dense gradients")
-        return [Work(t.param, local(t.param), local(t.param.grad), t.group,
-                     self.state[t.param] if t.role != FREE else {}, t.role, t.ident, t.window)
-                for t in slots if t.param.grad is not None]
+        return slots
+
+    def _work(self, t) -> Work:
+        """The step's work for slot ``t`` (a tensor with a gradient)."""
+        return Work(t.param, local(t.param), local(t.param.grad), t.group,
+                    self.state[t.param] if t.role != FREE else {}, t.role, t.ident, t.window)
 
     @staticmethod
     def _rounds_stochastically(w: Work) -> bool:

@@ -328,6 +328,9 @@ class StateFreeRule:
     contextual: Callable | None = None
     init_state: Callable | None = None
     split_step: Callable | None = None
+    # The update is the same for c * g as for g (any c > 0): gradient clipping cannot change it, so
+    # with the step inside backward it runs as soon as the gradient is complete (frugal.in_backward).
+    scale_invariant: bool = False
 
     @property
     def reads_split(self) -> bool:
@@ -336,9 +339,9 @@ class StateFreeRule:
 
 
 STATE_FREE = {
-    "signsgd": StateFreeRule(signsgd_, torch.sign),
+    "signsgd": StateFreeRule(signsgd_, torch.sign, scale_invariant=True),  # sign(c g) = sign(g)
     "sgd": StateFreeRule(sgd_, lambda g: g),
-    "none": StateFreeRule(none_, None),
+    "none": StateFreeRule(none_, None, scale_invariant=True),  # weight decay only
     "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step),
     "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state),
 }

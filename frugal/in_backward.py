@@ -1,0 +1,198 @@
+"""FRUGAL's step inside backward: each tensor is updated as soon as its gradient is complete, and
+its gradient is freed there, so the full set of gradients is never held at once.
+
+    optimizer = frugal.FRUGAL(model, lr=5e-4, density=0.0, update_gap=500)
+    stepper = frugal.step_in_backward(optimizer, max_norm=1.0)  # hooks on every parameter
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 1000))
+    for batch in loader:
+        for micro in batch[:-1]:            # gradient accumulation: the last micro-batch steps
+            with stepper.accumulating():
+                model(**micro).loss.backward()
+        model(**batch[-1]).loss.backward()  # updates run here; the gradients are freed here
+        optimizer.step()                    # the deferred tensors (clipping), the step count
+        scheduler.step()
+        print(float(stepper.grad_norm))     # the global norm before clipping, as clip_grad_norm_'s
+    stepper.remove()                        # back to the ordinary step
+
+What runs when (``StepInBackward``):
+
+- **Selection at the step boundary.** Each tensor's role in the step (state-full, state-free or
+  split: phase 1 of ``FRUGAL.step``) is fixed once per step, before the first tensor of that step
+  is updated, with the window of the step's count; nothing about the subspace changes between two
+  tensors of one backward.
+- **Exact global clipping** (``max_norm``). A clipped gradient is ``c * g`` with ``c = max_norm /
+  (norm + 1e-6)`` capped at 1 (``torch.nn.utils.clip_grads_with_norm_``), and ``c`` is known only
+  once every gradient is. Rules whose update does not change when ``g`` is scaled
+  (``StateFreeRule.scale_invariant``: signSGD, since sign(c g) = sign(g); ``none``) run at once;
+  the others (state-full tensors, split tensors, an SGD state-free rule) keep their gradient until
+  ``optimizer.step()``, which clips and applies them: their gradients are the memory the waiting
+  costs (``deferred_bytes``). Without ``max_norm`` nothing waits. (One difference from clipping
+  first: a subnormal gradient entry that ``c`` would round to zero keeps its sign here.)
+- **Equal to the ordinary step.** Every tensor takes the same phases 2-5 as in ``FRUGAL.step``
+  (``FRUGAL._apply``), with the step's learning rate (the scheduler steps after ``optimizer.step()``),
+  so the weights equal ``backward(); clip_grad_norm_(); step()`` up to float rounding; one optimizer,
+  one ``state_dict`` and one LR scheduler as before.
+- **A bad gradient never half-applies silently.** Each immediately applied gradient is checked
+  first (its squared norm, one host sync per tensor); from the first non-finite one on, no tensor
+  of the step is updated and ``optimizer.step()`` raises ``NonFiniteGradientError``, which says how
+  many tensors had already taken the step (their weights are then one step ahead of the others).
+- **Gradient accumulation** is exact: inside ``accumulating()`` the hooks do nothing, the
+  gradients add up as usual, and the last micro-batch's backward steps on the sums (the memory
+  saving then holds for that backward only: the accumulated gradients are full-size).
+- **Data parallelism.** FSDP2 calls the hooks of its sharded parameters after the reduce-scatter,
+  so each rank updates its shard from the reduced gradient, and the norm's partial sums are
+  all-reduced once in ``optimizer.step()``. DDP's hooks fire before its all-reduce: do not combine
+  it with this (train.py refuses it).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from .rules import STATE_FREE
+from .sharding import is_dtensor, local
+from .windows import FREE
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A non-finite gradient (or norm) reached the step inside backward; the message says which
+    tensors had already taken the step."""
+
+
+def step_in_backward(optimizer, max_norm: float | None = None, model=None) -> "StepInBackward":
+    """Attach ``StepInBackward`` to a ``frugal.FRUGAL`` optimizer (module docstring) and return it;
+    ``model`` (optional) names the tensors in its messages."""
+    return StepInBackward(optimizer, max_norm, model)
+
+
+class StepInBackward:
+    """Gradient hooks that run a FRUGAL optimizer's step tensor by tensor during backward."""
+
+    def __init__(self, optimizer, max_norm: float | None = None, model=None):
+        from .optimizer import FRUGAL
+
+        if not isinstance(optimizer, FRUGAL):
+            raise TypeError(f"the step inside backward needs a frugal.FRUGAL optimizer (got "
+                            f"{type(optimizer).__name__}); valid choices: FRUGAL and the registry entries built on it")
+        if optimizer._in_backward is not None:
+            raise ValueError("this optimizer already steps inside backward; call .remove() on the first one")
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm!r}: valid choices are None (no clipping) or a number > 0")
+        self.optimizer, self.max_norm = optimizer, max_norm
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.grad_norm: Tensor | None = None  # the last step's global norm (before clipping)
+        self._skip = False
+        self._reset()
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        optimizer._in_backward = self
+
+    def remove(self) -> None:
+        """Detach the hooks: ``optimizer.step()`` is the ordinary step again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.optimizer._in_backward is self:
+            self.optimizer._in_backward = None
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward passes inside this block only accumulate gradients (no update)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    @property
+    def applied(self) -> int:
+        """Tensors that took the current step's update so far."""
+        return self._applied
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes of the gradients waiting for ``optimizer.step()`` right now (this rank's)."""
+        return sum(local(p.grad).nbytes for p in self._deferred if p.grad is not None)
+
+    def _reset(self) -> None:
+        self._slots = None  # param -> windows.Slot of this step, fixed before its first update
+        self._deferred: list[Tensor] = []
+        self._sumsq: Tensor | None = None
+        self._sharded = False
+        self._applied = 0
+        self._bad: str | None = None  # the first non-finite gradient of the step
+        self._norm: Tensor | None = None
+
+    def _begin(self) -> None:
+        opt = self.optimizer
+        self._slots = {id(t.param): t for t in opt._select(opt.step_count)}
+
+    def _waits(self, slot) -> bool:
+        if self.max_norm is None:
+            return False
+        return slot.role != FREE or not STATE_FREE[slot.group["state_free"]].scale_invariant
+
+    @torch.no_grad()
+    def _hook(self, param: Tensor) -> None:
+        if self._skip or param.grad is None:
+            return
+        if self._slots is None:
+            self._begin()
+        slot = self._slots.get(id(param))
+        if slot is None:  # a parameter the optimizer does not hold
+            return
+        self._sharded |= is_dtensor(param.grad)
+        sq = local(param.grad).float().square().sum()
+        self._sumsq = sq if self._sumsq is None else self._sumsq + sq
+        if self._waits(slot):
+            self._deferred.append(param)
+            return
+        if self._bad is None and not torch.isfinite(sq):
+            name = self._names.get(id(param), f"parameter {slot.ident} of the optimizer")
+            self._bad = f"{name} (shape {tuple(param.shape)})"
+        if self._bad is None:
+            self.optimizer._apply([self.optimizer._work(slot)], self.optimizer.step_count)
+            self._applied += 1
+        param.grad = None
+
+    def compute_grad_norm(self) -> Tensor:
+        """The step's global gradient norm (a tensor, no host sync; sharded: one all-reduce). Call it
+        after the last backward of the step; ``optimizer.step()`` calls it if you did not."""
+        if self._norm is None:
+            device = self._deferred[0].device if self._deferred else None
+            sumsq = self._sumsq if self._sumsq is not None else torch.zeros((), device=device)
+            if self._sharded:
+                import torch.distributed as dist
+
+                dist.all_reduce(sumsq)
+            self._norm = sumsq.sqrt()
+        return self._norm
+
+    def finish(self) -> None:
+        """``optimizer.step()``: apply the deferred tensors (clipped) and count the step."""
+        opt, step = self.optimizer, self.optimizer.step_count
+        if self._slots is None:  # no gradient this step (or only parameters it does not hold)
+            self._begin()
+        norm = self.compute_grad_norm()
+        deferred, bad, applied = self._deferred, self._bad, self._applied
+        if bad is None and not bool(torch.isfinite(norm)):
+            bad = "the global gradient norm"
+        self.grad_norm = norm
+        if bad is not None:
+            for p in deferred:
+                p.grad = None
+            self._reset()
+            moved = (f"{applied} of the step's tensors had already taken it (their weights are one step ahead of the "
+                     f"others)" if applied else "no tensor had taken it (the weights are those before the step)")
+            raise NonFiniteGradientError(f"non-finite gradient in step {step + 1}: {bad}; the step stopped there: "
+                                         f"{moved}")
+        if deferred:
+            if self.max_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(deferred, self.max_norm, norm, foreach=True)
+            opt._apply([opt._work(self._slots[id(p)]) for p in deferred], step)
+            for p in deferred:
+                p.grad = None
+        opt._set_step(step + 1)
+        self._reset()

@@ -1,0 +1,228 @@
+"""FRUGAL's step inside backward (frugal.in_backward) against the ordinary step: the same weights
+over steps that cross block switches, clipping, accumulation, non-finite gradients, resume."""
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import frugal
+from frugal import FRUGAL, NonFiniteGradientError, step_in_backward
+from frugal.grouping import param_groups
+
+VOCAB, LAYERS = 64, 4
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).float()
+
+
+def batches(n, seed=1, rows=2, length=12):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (rows, length), generator=g) for _ in range(n)]
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def make(seed=0, **kw):
+    model = tiny_llama(seed)
+    opt = FRUGAL(model, lr=3e-3, weight_decay=0.1, update_gap=3, seed=5, **kw)
+    # a schedule whose lr changes every step: each tensor must see the step's own
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def run_ordinary(steps, max_norm=None, accum=1, **kw):
+    model, opt, sched = make(**kw)
+    norms = []
+    data = batches(steps * accum)
+    for s in range(steps):
+        for ids in data[s * accum:(s + 1) * accum]:
+            (loss_of(model, ids) / accum).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
+        norms.append(float(norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, norms
+
+
+def run_in_backward(steps, max_norm=None, accum=1, start=None, **kw):
+    model, opt, sched = make(**kw) if start is None else start
+    stepper = step_in_backward(opt, max_norm=max_norm)
+    norms = []
+    data = batches(steps * accum)
+    for s in range(steps):
+        micro = data[s * accum:(s + 1) * accum]
+        for ids in micro[:-1]:
+            with stepper.accumulating():
+                (loss_of(model, ids) / accum).backward()
+        (loss_of(model, micro[-1]) / accum).backward()
+        opt.step()
+        sched.step()
+        norms.append(float(stepper.grad_norm))
+    return model, opt, norms, sched
+
+
+def assert_same_weights(a, b, atol=2e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("projection", ["block", "column", "randk"])
+@pytest.mark.parametrize("density", [0.0, 0.25])
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_equals_the_ordinary_step_across_switches(projection, density, max_norm):
+    steps = 7  # update_gap 3: windows switch at steps 3 and 6
+    ref, ref_opt, ref_norms = run_ordinary(steps, max_norm, projection=projection, density=density,
+                                           reset_state="reset_all")
+    got, opt, norms, _ = run_in_backward(steps, max_norm, projection=projection, density=density,
+                                         reset_state="reset_all")
+    if max_norm:
+        assert min(ref_norms) > max_norm * 2  # the clipping changed every step's gradient
+    assert_same_weights(ref, got)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert opt.step_count == ref_opt.step_count == steps
+    pairs = list(zip(ref.parameters(), got.parameters()))
+    # the same tensors hold state, and the same state
+    assert [i for i, (p, q) in enumerate(pairs) if p in ref_opt.state] == [i for i, (p, q) in enumerate(pairs)
+                                                                          if q in opt.state]
+    for p, q in pairs:
+        for key, value in ref_opt.state.get(p, {}).items():
+            torch.testing.assert_close(opt.state[q][key], value, atol=2e-6, rtol=1e-5)
+
+
+def test_accumulation_is_exact():
+    ref, _, _ = run_ordinary(4, max_norm=0.05, accum=3, density=0.25)
+    got, _, _, _ = run_in_backward(4, max_norm=0.05, accum=3, density=0.25)
+    assert_same_weights(ref, got)
+
+
+def roles(model, opt):
+    """Names of the non-projectable tensors (always state-full) and of the projectable ones."""
+    groups = param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fixed = {names[id(p)] for g in groups if not g.get("projectable") for p in g["params"]}
+    return fixed, set(names.values()) - fixed
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_gradients_are_freed_during_backward_and_only_scale_dependent_ones_wait(max_norm):
+    model, opt, _ = make(density=0.0)
+    stepper = step_in_backward(opt, max_norm=max_norm)
+    loss_of(model, batches(1)[0]).backward()
+    held = {n for n, p in model.named_parameters() if p.grad is not None}
+    fixed, projectable = roles(model, opt)
+    # rho 0: every projectable tensor is state-free (signSGD), clip-invariant: updated and freed at once.
+    # With clipping, the state-full tensors (AdamW) wait for the global norm; without, nothing waits.
+    assert held == (fixed if max_norm else set())
+    assert stepper.deferred_bytes == sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    assert stepper.applied == len(projectable if max_norm else fixed | projectable)
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_scale_dependent_state_free_rule_waits_for_the_norm():
+    model, opt, _ = make(density=0.0, state_free="sgd")
+    stepper = step_in_backward(opt, max_norm=1.0)
+    loss_of(model, batches(1)[0]).backward()
+    assert all(p.grad is not None for p in model.parameters())  # SGD's update scales with the clip
+    assert stepper.applied == 0
+
+
+def poison(param):
+    """Make `param`'s next gradient NaN (a tensor hook runs before the gradient is accumulated)."""
+    handle = param.register_hook(lambda g: g * float("nan"))
+    return handle
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_a_late_non_finite_gradient_stops_the_step_and_says_what_moved(max_norm):
+    model, opt, _ = make(density=0.0)
+    stepper = step_in_backward(opt, max_norm=max_norm, model=model)
+    late = model.model.layers[0].mlp.down_proj.weight  # layer 0's gradients come last in backward
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poison(late)
+    loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(NonFiniteGradientError) as err:
+        opt.step()
+    message = str(err.value)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert f"{len(moved)} of the step's tensors had already taken it" in message, message
+    assert "step 1: model.layers.0.mlp.down_proj.weight (shape (32, 48))" in message  # the step, the tensor
+    assert "model.layers.0.mlp.down_proj.weight" not in moved
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the NaN reached no weight
+    assert "model.layers.0.self_attn.q_proj.weight" not in moved  # after it in backward: not updated
+    assert moved and all(n.startswith(("model.layers.1", "model.layers.2", "model.layers.3", "model.norm",
+                                       "lm_head")) for n in moved)
+    if max_norm:  # the state-full tensors waited for the norm: none of them moved
+        assert not moved & roles(model, opt)[0]
+    assert opt.step_count == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_non_finite_loss_moves_nothing():
+    model, opt, _ = make(density=0.25)
+    step_in_backward(opt, max_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    (loss_of(model, batches(1)[0]) * float("inf")).backward()
+    with pytest.raises(NonFiniteGradientError, match="no tensor had taken it"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_state_dict_resumes_exactly_in_a_new_optimizer():
+    kw = dict(density=0.25, reset_state="reset_all")
+    full, _, _, _ = run_in_backward(7, max_norm=0.05, **kw)
+    first, opt, _, sched = run_in_backward(4, max_norm=0.05, **kw)
+    model, opt2, sched2 = make(**kw)
+    model.load_state_dict(first.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    # continue with the next three batches of the same stream
+    stepper = step_in_backward(opt2, max_norm=0.05)
+    for ids in batches(7)[4:]:
+        loss_of(model, ids).backward()
+        opt2.step()
+        sched2.step()
+    assert stepper.optimizer is opt2
+    for p, q in zip(full.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_torch_hooks_schedulers_and_remove():
+    model, opt, sched = make(density=0.25)
+    stepper = step_in_backward(opt, max_norm=1.0)
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(o.step_count))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        loss_of(model, batches(1)[0]).backward()
+        opt.step()
+        sched.step()
+    assert calls == [1]
+    with pytest.raises(ValueError, match="already steps inside backward"):
+        step_in_backward(opt)
+    stepper.remove()
+    loss_of(model, batches(1)[0]).backward()
+    assert all(p.grad is not None for p in model.parameters())  # the ordinary step again
+    opt.step()
+    assert opt.step_count == 2 and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan])
+def test_bad_input_is_refused(bad):
+    model, opt, _ = make()
+    with pytest.raises(ValueError, match=f"max_norm={bad}"):
+        step_in_backward(opt, max_norm=bad)
+    with pytest.raises(TypeError, match="AdamW.*valid choices"):
+        step_in_backward(torch.optim.AdamW(model.parameters()))
+    assert isinstance(frugal.StepInBackward(opt), frugal.StepInBackward)
