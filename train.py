@@ -88,7 +88,7 @@ from train_utils.slurm import export_distributed_env, requeue
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
 CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
-RUN_ERRORS = (NonFiniteError, ckpt.CheckpointError, distributed.CollectiveTimeout, MetricsFileError)
+RUN_ERRORS = (NonFiniteError, frugal.NonFiniteGradientError, ckpt.CheckpointError, distributed.CollectiveTimeout, MetricsFileError)
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
@@ -128,7 +128,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         run.dm = build_data(run)
         memory = check_memory(run)
         run.raw_model, run.loss_fn, run.model = build_model(run)
-        run.optimizer, run.hooks, run.scheduler = build_optimizer(run)
+        run.optimizer, run.hooks, run.scheduler, run.in_backward = build_optimizer(run)
         run.dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # empty (or, if required, short): stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
@@ -149,6 +149,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # ---- the loop (its names for the run's parts, fixed from here on)
         dm, model, raw_model, loss_fn, precision = run.dm, run.model, run.raw_model, run.loss_fn, run.precision
         optimizer, scheduler, hooks, metrics = run.optimizer, run.scheduler, run.hooks, run.metrics
+        in_backward = run.in_backward  # None, or the step inside backward: updates run as gradients complete
         watch = divergence.LossWatch(run.ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
@@ -160,20 +161,25 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             t0 = time.perf_counter()
             batches = [next(train_iter) for _ in range(accum)]
             data_wait = time.perf_counter() - t0
-            loss_sum, n_global = forward_backward(model, batches, accelerator, precision, loss_fn)
-            norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
+            loss_sum, n_global = forward_backward(model, batches, accelerator, precision, loss_fn,
+                                                  in_backward.accumulating if in_backward else None)
+            if in_backward:  # clip-invariant tensors took the step already; the norm covers every gradient
+                norm = in_backward.compute_grad_norm()
+            else:
+                norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
             data_events = dm.pop_events()  # e.g. one of this rank's readers wrapped around an epoch
             # The step's one host sync: global loss, gradient norm, target count, stop votes, data events.
             loss, grad_norm, targets, stop_votes, n_events = step_totals(accelerator, loss_sum, norm, n_global,
                                                                          STOP.received, len(data_events))
-            watch.check(step + 1, loss, grad_norm)  # non-finite: NonFiniteError naming the last good checkpoint
+            # non-finite: NonFiniteError naming the last good checkpoint (and what already moved, in backward)
+            watch.check(step + 1, loss, grad_norm, in_backward.applied if in_backward else 0)
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = hooks.active_blocks()
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 log.event({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
             hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
-            optimizer.step()
+            optimizer.step()  # in backward: the tensors that waited for the clipping norm, and the count
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
             step, tokens = step + 1, tokens + targets
@@ -266,16 +272,19 @@ def build_model(run: Run) -> tuple:
 
 
 def build_optimizer(run: Run) -> tuple:
-    """(optimizer, hooks, scheduler) for the built model: `hooks` gives any torch optimizer
-    FRUGAL's loop hooks (no-ops where it has none); a bad schedule value is a config error naming
-    its group."""
+    """(optimizer, hooks, scheduler, in_backward) for the built model: `hooks` gives any torch
+    optimizer FRUGAL's loop hooks (no-ops where it has none); a bad schedule value is a config error
+    naming its group; `in_backward` is the step inside backward (train.optimizer_in_backward), else None."""
     optimizer = frugal.build_optimizer(run.raw_model, **run.opt_cfg)
+    in_backward = None
+    if run.tc.optimizer_in_backward:
+        in_backward = frugal.step_in_backward(optimizer, max_norm=run.tc.grad_clip or None, model=run.raw_model)
     try:
         scheduler = frugal.build_scheduler(optimizer, total_steps=run.tc.steps,
                                            **OmegaConf.to_container(run.cfg.schedule, resolve=True))
     except frugal.HyperparameterError as err:  # say which config group the bad value is in
         raise ConfigError(f"schedule: {err}") from err
-    return optimizer, OptimizerHooks(optimizer), scheduler
+    return optimizer, OptimizerHooks(optimizer), scheduler, in_backward
 
 
 def stopped_during_startup(run: Run, step: int) -> bool:

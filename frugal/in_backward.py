@@ -119,6 +119,7 @@ class StepInBackward:
     def _reset(self) -> None:
         self._slots = None  # param -> windows.Slot of this step, fixed before its first update
         self._deferred: list[Tensor] = []
+        self._seen: set[int] = set()  # parameters whose gradient this step has already taken
         self._sumsq: Tensor | None = None
         self._sharded = False
         self._applied = 0
@@ -143,6 +144,11 @@ class StepInBackward:
         slot = self._slots.get(id(param))
         if slot is None:  # a parameter the optimizer does not hold
             return
+        if id(param) in self._seen:
+            raise RuntimeError(f"a second backward reached {self._name(param, slot)} before optimizer.step(): call "
+                               f"optimizer.step() after each step's last backward, and run the backward passes of "
+                               f"the other micro-batches inside stepper.accumulating()")
+        self._seen.add(id(param))
         self._sharded |= is_dtensor(param.grad)
         sq = local(param.grad).float().square().sum()
         self._sumsq = sq if self._sumsq is None else self._sumsq + sq
@@ -150,12 +156,15 @@ class StepInBackward:
             self._deferred.append(param)
             return
         if self._bad is None and not torch.isfinite(sq):
-            name = self._names.get(id(param), f"parameter {slot.ident} of the optimizer")
-            self._bad = f"{name} (shape {tuple(param.shape)})"
+            self._bad = self._name(param, slot)
         if self._bad is None:
             self.optimizer._apply([self.optimizer._work(slot)], self.optimizer.step_count)
             self._applied += 1
         param.grad = None
+
+    def _name(self, param: Tensor, slot) -> str:
+        name = self._names.get(id(param), f"parameter {slot.ident} of the optimizer")
+        return f"{name} (shape {tuple(param.shape)})"
 
     def compute_grad_norm(self) -> Tensor:
         """The step's global gradient norm (a tensor, no host sync; sharded: one all-reduce). Call it

@@ -232,7 +232,9 @@ class FRUGAL(Optimizer):
         super().__setstate__(state)
         self._layout = None
         self.__dict__.setdefault("_events", [])
-        self._in_backward = None  # a copy does not step inside the original's backward
+        # load_state_dict comes through here too (and keeps it); a copy (deepcopy, unpickling) does not
+        # step inside the original's backward
+        self.__dict__.setdefault("_in_backward", None)
 
     # ---- groups, checkpoints -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

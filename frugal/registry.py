@@ -141,6 +141,11 @@ def _entry(name: str) -> _Entry:
     return _ENTRIES[name]
 
 
+def frugal_based() -> list[str]:
+    """The entries built on ``FRUGAL`` (what ``frugal.step_in_backward`` can drive), sorted."""
+    return sorted(name for name, entry in _ENTRIES.items() if entry.kind == "frugal")
+
+
 def defaults(name: str) -> dict:
     """Every key entry `name` accepts, with its default: the one source of optimizer defaults
     (the training configs are generated from it). FRUGAL-based entries: FRUGAL's constructor

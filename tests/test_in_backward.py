@@ -1,5 +1,6 @@
 """FRUGAL's step inside backward (frugal.in_backward) against the ordinary step: the same weights
 over steps that cross block switches, clipping, accumulation, non-finite gradients, resume."""
+import copy
 import math
 import warnings
 
@@ -184,11 +185,12 @@ def test_state_dict_resumes_exactly_in_a_new_optimizer():
     full, _, _, _ = run_in_backward(7, max_norm=0.05, **kw)
     first, opt, _, sched = run_in_backward(4, max_norm=0.05, **kw)
     model, opt2, sched2 = make(**kw)
+    stepper = step_in_backward(opt2, max_norm=0.05)  # attached before loading, as train.py does
     model.load_state_dict(first.state_dict())
     opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(sched.state_dict())
+    assert opt2._in_backward is stepper and copy.deepcopy(opt2)._in_backward is None
     # continue with the next three batches of the same stream
-    stepper = step_in_backward(opt2, max_norm=0.05)
     for ids in batches(7)[4:]:
         loss_of(model, ids).backward()
         opt2.step()
@@ -209,6 +211,11 @@ def test_torch_hooks_schedulers_and_remove():
         opt.step()
         sched.step()
     assert calls == [1]
+    loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="a second backward reached .* before optimizer.step\\(\\).*accumulating"):
+        loss_of(model, batches(1)[0]).backward()  # a forgotten optimizer.step(): never two steps in one count
+    opt.zero_grad()
+    stepper._reset()
     with pytest.raises(ValueError, match="already steps inside backward"):
         step_in_backward(opt)
     stepper.remove()

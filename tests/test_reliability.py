@@ -124,8 +124,8 @@ def test_a_spike_right_after_a_resume_is_caught_as_in_the_uninterrupted_run(tmp_
 
     real = divergence.LossWatch.check
 
-    def check(self, step, loss, grad_norm):
-        return real(self, step, {5: loss * 100, 6: float("nan")}.get(step, loss), grad_norm)
+    def check(self, step, loss, grad_norm, moved=0):
+        return real(self, step, {5: loss * 100, 6: float("nan")}.get(step, loss), grad_norm, moved)
 
     monkeypatch.setattr(divergence.LossWatch, "check", check)
     job = ["checkpoint.every=1", "checkpoint.keep=2"]
@@ -417,8 +417,8 @@ def test_signal_during_or_after_the_last_step_lets_the_run_finish(tmp_path, monk
 
     real_forward_backward = train.forward_backward
 
-    def signal_in_last_step(model, batches, accelerator, precision, loss_fn=None):
-        out = real_forward_backward(model, batches, accelerator, precision, loss_fn)
+    def signal_in_last_step(model, batches, accelerator, precision, loss_fn=None, accumulating=None):
+        out = real_forward_backward(model, batches, accelerator, precision, loss_fn, accumulating)
         if len([r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]) == 2:
             os.kill(os.getpid(), signal.SIGUSR1)  # during step 3 of 3
         return out

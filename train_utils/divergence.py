@@ -105,9 +105,10 @@ class LossWatch:
     def saved(self, ckpt_dir: str | None) -> None:
         self.pending = ckpt_dir
 
-    def check(self, step: int, loss: float, grad_norm: float) -> None:
+    def check(self, step: int, loss: float, grad_norm: float, moved: int = 0) -> None:
         """Judge step `step`'s loss (computed with the current weights); raise NonFiniteError if it
-        or the gradient norm is not finite."""
+        or the gradient norm is not finite. `moved`: tensors that already took step `step` (the step
+        inside backward, frugal.in_backward), which the message then names."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite and self._judge(step, loss):
             if self.pending and self.is_main:
@@ -118,17 +119,21 @@ class LossWatch:
         if self.spike is None:  # non-finite with no spike before it (_judge records a finite spike)
             self.spike = (step, loss, statistics.median(self.losses) if self.losses else float("nan"))
         if not finite:
-            raise NonFiniteError(self.message(step, loss, grad_norm))
+            raise NonFiniteError(self.message(step, loss, grad_norm, moved))
 
-    def message(self, step: int, loss: float, grad_norm: float) -> str:
+    def message(self, step: int, loss: float, grad_norm: float, moved: int = 0) -> str:
         good = ckpt.last_good(self.root)
         first, spiked, median = self.spike
         began = ("" if first == step else
                  f" The loss first spiked at step {first} ({spiked:.4g}, over {SPIKE_FACTOR:g}x the running median "
                  f"{median:.4g}).")
         lr = suggested_lr(float(self.cfg.optimizer.lr), str(self.cfg.optimizer.name), good)
+        stopped = ("stopped before applying it." if not moved else
+                   f"stopped before applying the rest of it: with the step inside backward, {moved} tensors had "
+                   f"already taken it before the non-finite gradient came, so the weights in memory mix two steps; "
+                   f"nothing was saved from them.")
         head = (f"non-finite training loss or gradient norm (loss {loss}, gradient norm {grad_norm}) at step {step}; "
-                f"stopped before applying it.{began}")
+                f"{stopped}{began}")
         if good is None:
             return (f"{head} No checkpoint from before the divergence exists. Start over in a new run dir with a "
                     f"lower learning rate: the same command with hydra.run.dir=<new dir> optimizer.lr={lr:g} "

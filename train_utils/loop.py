@@ -118,12 +118,14 @@ def seed_everything(seed: int) -> None:
 
 
 def forward_backward(model, batches: list[dict], accelerator, precision: str,
-                     loss_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     loss_fn=None, accumulating=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradient of the global batch's mean token loss over this rank's `batches`.
 
     Returns this rank's summed token loss (float64) and the global target count, both as tensors
     (no host sync here). The count is all-reduced before the first backward (see the module docstring).
-    `loss_fn`: token_loss_sum, or its compiled twin (compile_model).
+    `loss_fn`: token_loss_sum, or its compiled twin (compile_model). `accumulating`: the step in
+    backward's context (frugal.StepInBackward.accumulating) for every micro-batch but the last,
+    whose backward then updates on the summed gradients.
     """
     from train_utils.distributed import is_ddp
 
@@ -139,8 +141,10 @@ def forward_backward(model, batches: list[dict], accelerator, precision: str,
     for i, (ids, labels) in enumerate(moved):
         # DDP: skip the gradient all-reduce on all but the last micro-batch, accumulate locally. (FSDP2
         # reduce-scatters every micro-batch: see train_utils/distributed.py.)
-        skip_sync = is_ddp(model) and i < len(batches) - 1
-        with model.no_sync() if skip_sync else contextlib.nullcontext():
+        last = i == len(batches) - 1
+        skip_sync = is_ddp(model) and not last
+        accumulate = accumulating() if accumulating is not None and not last else contextlib.nullcontext()
+        with model.no_sync() if skip_sync else contextlib.nullcontext(), accumulate:
             with autocast(precision, device):
                 logits = model(input_ids=ids, use_cache=False).logits
             loss = loss_fn(logits, labels)

@@ -47,6 +47,7 @@ class Run:
     model: Any = None  # what forward/backward calls: the DDP wrapper, or raw_model (alone, or sharded in place)
     optimizer: Any = None
     hooks: OptimizerHooks | None = None  # FRUGAL's loop hooks; no-ops for any other torch optimizer
+    in_backward: Any = None  # frugal.StepInBackward with train.optimizer_in_backward: the step runs in backward
     scheduler: Any = None  # the LR schedule (a LambdaLR)
     metrics: MetricsLog | None = None  # metrics.jsonl (+ wandb), main process only
 

@@ -110,7 +110,7 @@ def check_loop_settings(tc) -> None:
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
         raise ConfigError(f"train.peak_flops={peak!r} is invalid: expected null (the device's table entry) or "
                           f"the device's peak FLOP/s, e.g. 312e12")
-    for key in ("require_eval_tokens", "activation_checkpointing", "tf32", "memory_check"):
+    for key in ("require_eval_tokens", "activation_checkpointing", "tf32", "memory_check", "optimizer_in_backward"):
         if not isinstance(tc[key], bool):
             raise ConfigError(f"train.{key}={tc[key]!r} is invalid: expected true or false")
     if tc.compile not in (True, False, "auto"):
@@ -172,10 +172,30 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
         raise ConfigError(f"optimizer.update_gap_growth={growth} (the plateau-growing update gap) cannot resume from "
                           f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
                           f"train.parallelism=ddp")
+    check_in_backward(cfg, world_size)
     resume = cfg.train.resume
     if not isinstance(resume, str) or not resume:
         raise ConfigError(f"train.resume={resume!r} is invalid; choose auto, never or a checkpoint/run directory")
     return batch // per_pass
+
+
+def check_in_backward(cfg: DictConfig, world_size: int) -> None:
+    """train.optimizer_in_backward=true needs a FRUGAL-based optimizer, and no DDP over several
+    processes: DDP all-reduces a gradient after its hook has already used it (FSDP2 reduces first)."""
+    if not OmegaConf.select(cfg, "train.optimizer_in_backward", default=False):
+        return
+    from frugal.registry import frugal_based
+
+    name = OmegaConf.select(cfg, "optimizer.name")
+    if name not in frugal_based():
+        raise ConfigError(f"train.optimizer_in_backward=true runs FRUGAL's step inside backward, but optimizer.name="
+                          f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
+                          f"(or train.optimizer_in_backward=false)")
+    if world_size > 1 and cfg.train.parallelism == "ddp":
+        raise ConfigError(f"train.optimizer_in_backward=true cannot run under DDP ({world_size} processes): each "
+                          f"tensor's update would run on its gradient before DDP all-reduces it; use "
+                          f"train.parallelism=fsdp (FSDP2 reduces each gradient before the update) or "
+                          f"train.optimizer_in_backward=false")
 
 
 def stop_with_error(err: BaseException, exit_code: int) -> None:
