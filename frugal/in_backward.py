@@ -56,6 +56,23 @@ from .sharding import is_dtensor, local
 from .windows import FREE
 
 
+def waiting_numel(optimizer, clipping: bool = True) -> int:
+    """Elements whose gradients wait for ``optimizer.step()`` at the end of the next step's backward
+    (with ``clipping``: every tensor whose rule is not ``scale_invariant``; without: none). The
+    memory planner counts these gradients as held; block windows keep the count from window to
+    window."""
+    if not clipping:
+        return 0
+    layout = optimizer._get_layout()
+    window = optimizer._window(optimizer.step_count, commit=False)
+    return sum(t.param.numel() for t in layout.tensors(optimizer.param_groups, window)
+               if t.param.requires_grad and _waits_for_norm(t))
+
+
+def _waits_for_norm(slot) -> bool:
+    return slot.role != FREE or not STATE_FREE[slot.group["state_free"]].scale_invariant
+
+
 class NonFiniteGradientError(FloatingPointError):
     """A non-finite gradient (or norm) reached the step inside backward; the message says which
     tensors had already taken the step."""
@@ -131,9 +148,7 @@ class StepInBackward:
         self._slots = {id(t.param): t for t in opt._select(opt.step_count)}
 
     def _waits(self, slot) -> bool:
-        if self.max_norm is None:
-            return False
-        return slot.role != FREE or not STATE_FREE[slot.group["state_free"]].scale_invariant
+        return self.max_norm is not None and _waits_for_norm(slot)
 
     @torch.no_grad()
     def _hook(self, param: Tensor) -> None:

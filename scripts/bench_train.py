@@ -4,6 +4,7 @@ same model and batch, and each method's ratio to AdamW (the paper's "no slowdown
     python scripts/bench_train.py                                  # CPU, modest: llama_20m, 3 rounds
     python scripts/bench_train.py --model llama_130m --steps 30 --warmup 10 --rounds 5 \\
         --batch-size 64 --micro-batch-size 64 --seq-len 256 -- train.compile=true   # a GPU
+    python scripts/bench_train.py --in-backward --methods "FRUGAL 0.25" "FRUGAL 0.0"  # the step in backward
 
 Each method runs `python train.py` in its own process, one after another on the same machine, on the
 synthetic corpus (no data loading cost to hide differences) with the same model, batch and seed, no
@@ -14,6 +15,10 @@ warm-up (the first steps compile, allocate and fill caches). Methods are interle
 alike; the ratio to AdamW is taken within each round and its median over rounds is reported with
 the range. Arguments after `--` are passed to train.py as Hydra overrides (e.g. a GPU's
 `train.compile=true`, `train.precision=...`).
+
+`--in-backward` adds, for each FRUGAL method, the same run with the step inside backward
+(`train.optimizer_in_backward=true`, frugal/in_backward.py: per-tensor updates instead of the step's
+multi-tensor kernels), and reports its ratio to the ordinary step of the same round (target >= 0.95).
 """
 from __future__ import annotations
 
@@ -31,11 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = {"AdamW": "adamw", "FRUGAL 0.25": "frugal", "FRUGAL 0.0": "frugal_rho0", "GaLore": "galore",
            "BAdam": "badam"}
 TARGET = 0.98  # the paper's "no slowdown", for FRUGAL
+IN_BACKWARD = " in backward"  # label suffix of a method's run with train.optimizer_in_backward=true
+IN_BACKWARD_TARGET = 0.95  # of the same method's ordinary step
+
+
+def option_of(label: str) -> str:
+    """The train.py overrides of a method label, space-separated."""
+    if label.endswith(IN_BACKWARD):
+        return f"optimizer={METHODS[label[:-len(IN_BACKWARD)]]} train.optimizer_in_backward=true"
+    return f"optimizer={METHODS[label]}"
 
 
 def run_once(option: str, args, run_dir: Path) -> list[float]:
-    """One training process; the per-step rates after the warm-up."""
-    cmd = [sys.executable, str(ROOT / "train.py"), f"optimizer={option}", f"model={args.model}", "data=synthetic",
+    """One training process (`option`: overrides, space-separated); the per-step rates after the warm-up."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *option.split(), f"model={args.model}", "data=synthetic",
            f"data.seq_len={args.seq_len}", f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
            f"train.micro_batch_size={args.micro_batch_size}", "train.log_every=1", "train.eval_every=0",
            "train.eval_tokens=256", "checkpoint.every=0", "train.progress_bar=false", "train.plot=false",
@@ -66,13 +80,16 @@ def benchmark(args) -> dict:
         for r in range(args.rounds):
             for label in args.methods:
                 started = time.time()
-                rates = run_once(METHODS[label], args, Path(tmp) / f"{METHODS[label]}_{r}")
+                rates = run_once(option_of(label), args, Path(tmp) / f"run{args.methods.index(label)}_{r}")
                 results[label]["rates"].append(statistics.median(rates))
                 print(f"round {r + 1}/{args.rounds} {label:<12} {statistics.median(rates):12,.0f} tokens/s "
                       f"({len(rates)} steps, {time.time() - started:.0f} s)", file=sys.stderr, flush=True)
             base = results["AdamW"]["rates"][-1]
             for label in args.methods:
                 results[label]["ratios"].append(results[label]["rates"][-1] / base)
+                if label.endswith(IN_BACKWARD):
+                    ordinary = results[label[:-len(IN_BACKWARD)]]["rates"][-1]
+                    results[label].setdefault("ratios_to_ordinary", []).append(results[label]["rates"][-1] / ordinary)
     return results
 
 
@@ -85,6 +102,11 @@ def table(results: dict, args) -> str:
     for label, res in results.items():
         low, mid, high = min(res["ratios"]), statistics.median(res["ratios"]), max(res["ratios"])
         target = f">= {TARGET}: {'met' if mid >= TARGET else 'missed'}" if label.startswith("FRUGAL") else "-"
+        if "ratios_to_ordinary" in res:
+            own = res["ratios_to_ordinary"]
+            ratio = statistics.median(own)
+            target = (f"{ratio:.3f} ({min(own):.3f}-{max(own):.3f}) of the ordinary step, >= {IN_BACKWARD_TARGET}: "
+                      f"{'met' if ratio >= IN_BACKWARD_TARGET else 'missed'}")
         lines.append(f"| {label} | {statistics.median(res['rates']):,.0f} | {mid:.3f} | {low:.3f}-{high:.3f} "
                      f"| {target} |")
     return "\n".join(lines)
@@ -105,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
                     help=f"from {', '.join(METHODS)} (AdamW is always run: the ratios need it)")
+    ap.add_argument("--in-backward", action="store_true",
+                    help="also run each FRUGAL method with the step inside backward (train.optimizer_in_backward=true)")
     ap.add_argument("--json", action="store_true", help="print the per-round figures as JSON instead of the table")
     args = ap.parse_args(argv)
     args.overrides = overrides
@@ -112,6 +136,9 @@ def main(argv=None) -> int:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}; use fewer warm-up steps")
     if "AdamW" not in args.methods:
         args.methods = ["AdamW", *args.methods]
+    if args.in_backward:  # each FRUGAL method, then its run in backward (the same round compares them)
+        args.methods = [m for label in args.methods
+                        for m in ([label, label + IN_BACKWARD] if label.startswith("FRUGAL") else [label])]
     results = benchmark(args)
     print(json.dumps(results) if args.json else table(results, args))
     return 0

@@ -29,6 +29,7 @@ from hydra.errors import HydraException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from frugal.grouping import transformer_blocks  # noqa: E402
+from train_utils.memory_check import in_backward_settings  # noqa: E402
 from train_utils.memory_plan import (  # noqa: E402
     DEVICES, GIB, PARALLELISMS, PRECISIONS, largest_micro_batch, plan_memory,
 )
@@ -69,6 +70,7 @@ def run_settings(cfg, args) -> dict:
         autocast_cache=not args.no_autocast_cache,
         compiled_loss=args.compiled_loss if args.compiled_loss is not None else
         OmegaConf.select(cfg, "train.compile", default=False) is True,
+        **in_backward_settings(OmegaConf.merge(cfg, {"train": {"micro_batch_size": micro}}), args.world_size),
     )
 
 

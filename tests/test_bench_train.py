@@ -27,14 +27,31 @@ def test_ratios_are_taken_within_rounds(monkeypatch, capsys):
 
     def fake_run(option, args, run_dir):
         calls.append(option)
-        return [speed[option] * (2 if len(calls) > 5 else 1)] * 3
+        return [speed[option.removeprefix("optimizer=")] * (2 if len(calls) > 5 else 1)] * 3
 
     monkeypatch.setattr(bench_train, "run_once", fake_run)
     assert bench_train.main(["--rounds", "2"]) == 0
     out = capsys.readouterr().out
-    assert calls == list(bench_train.METHODS.values()) * 2  # interleaved: round 1 every method, then round 2
+    # interleaved: round 1 every method, then round 2
+    assert calls == [f"optimizer={name}" for name in bench_train.METHODS.values()] * 2
     assert "| FRUGAL 0.25 | 135 | 0.900 | 0.900-0.900 | >= 0.98: missed |" in out
     assert "| FRUGAL 0.0 | 148 | 0.990 | 0.990-0.990 | >= 0.98: met |" in out
+
+
+def test_the_step_in_backward_is_compared_with_the_ordinary_step_of_its_round(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(option, args, run_dir):
+        calls.append(option)
+        base = {"optimizer=adamw": 100.0, "optimizer=frugal": 90.0}.get(option, 81.0)  # in backward: 0.9 of 90
+        return [base * (1 + len(calls) // 4)] * 3  # each round faster than the last: ratios stay
+
+    monkeypatch.setattr(bench_train, "run_once", fake_run)
+    assert bench_train.main(["--rounds", "2", "--in-backward", "--methods", "FRUGAL 0.25"]) == 0
+    out = capsys.readouterr().out
+    assert calls == ["optimizer=adamw", "optimizer=frugal", "optimizer=frugal train.optimizer_in_backward=true"] * 2
+    assert "| FRUGAL 0.25 in backward | 122 | 0.810 | 0.810-0.810 | 0.900 (0.900-0.900) of the ordinary step, " \
+           ">= 0.95: missed |" in out, out
 
 
 def test_bad_warm_up_is_refused():

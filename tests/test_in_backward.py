@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import frugal
 from frugal import FRUGAL, NonFiniteGradientError, step_in_backward
+from frugal.in_backward import waiting_numel
 from frugal.grouping import param_groups
 
 VOCAB, LAYERS = 64, 4
@@ -127,6 +128,8 @@ def test_gradients_are_freed_during_backward_and_only_scale_dependent_ones_wait(
     # With clipping, the state-full tensors (AdamW) wait for the global norm; without, nothing waits.
     assert held == (fixed if max_norm else set())
     assert stepper.deferred_bytes == sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    # what the memory planner counts as held (frugal.in_backward.waiting_numel)
+    assert stepper.deferred_bytes == 4 * waiting_numel(opt, clipping=max_norm is not None)
     assert stepper.applied == len(projectable if max_norm else fixed | projectable)
     opt.step()
     assert all(p.grad is None for p in model.parameters())
@@ -233,3 +236,40 @@ def test_bad_input_is_refused(bad):
     with pytest.raises(TypeError, match="AdamW.*valid choices"):
         step_in_backward(torch.optim.AdamW(model.parameters()))
     assert isinstance(frugal.StepInBackward(opt), frugal.StepInBackward)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.25])
+def test_held_gradients_match_what_waits_at_every_window(density):
+    """Block windows move; what waits for the norm keeps its size (the planner's count holds)."""
+    model, opt, _ = make(density=density)
+    stepper = step_in_backward(opt, max_norm=1.0)
+    for ids in batches(7):
+        expected = 4 * waiting_numel(opt)
+        loss_of(model, ids).backward()
+        assert stepper.deferred_bytes == expected
+        opt.step()
+
+
+def test_the_planner_holds_only_the_gradients_that_wait():
+    from train_utils.memory_plan import plan_memory
+
+    from _train_helpers import compose_cfg
+
+    import models
+
+    cfg = compose_cfg("model=llama_tiny")
+    model = models.build_model(cfg.model, vocab_size=VOCAB)
+    fixed = sum(p.numel() for g in param_groups(model) if not g.get("projectable") for p in g["params"])
+    kw = dict(micro_batch_size=2, seq_len=32, precision="fp32", vocab_size=VOCAB, device_type="cpu")
+    rho0 = {"name": "frugal", "density": 0.0}
+    full = sum(p.numel() for p in model.parameters())
+    ordinary = plan_memory(cfg.model, rho0, **kw)
+    assert ordinary.gradients == 4 * full
+    clipped = plan_memory(cfg.model, rho0, optimizer_in_backward=True, grad_clip=True, **kw)
+    assert clipped.gradients == 4 * fixed  # rho 0: only the state-full (non-projectable) tensors wait
+    assert plan_memory(cfg.model, rho0, optimizer_in_backward=True, **kw).gradients == 0
+    assert plan_memory(cfg.model, rho0, optimizer_in_backward=True, grad_clip=True, accumulation=2,
+                       **kw).gradients == 4 * full  # accumulated gradients are held, as in the ordinary step
+    assert clipped.total < ordinary.total and "step inside backward (clipping" in clipped.format()
+    with pytest.raises(ValueError, match="optimizer_in_backward=True needs an optimizer built on FRUGAL"):
+        plan_memory(cfg.model, {"name": "adamw"}, optimizer_in_backward=True, **kw)

@@ -38,6 +38,15 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def in_backward_settings(cfg, world: int) -> dict:
+    """The planner's keywords for the step inside backward (train.optimizer_in_backward), from the config."""
+    tc = cfg.train
+    micro = tc.micro_batch_size
+    accumulation = max(1, int(tc.batch_size) // (int(micro) * world)) if isinstance(micro, int) else 1
+    return dict(optimizer_in_backward=bool(tc.get("optimizer_in_backward", False)), grad_clip=bool(tc.grad_clip),
+                accumulation=accumulation)
+
+
 def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.device,
           compiled: bool = False) -> dict:
     """Plan this rank's memory and refuse the run if it cannot fit; return what the start row logs
@@ -46,7 +55,8 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     settings = dict(seq_len=cfg.data.seq_len, world_size=world, parallelism=tc.parallelism,
                     precision=tc.precision, activation_checkpointing=tc.activation_checkpointing,
-                    vocab_size=vocab_size, device_type=device.type, compiled_loss=compiled)
+                    vocab_size=vocab_size, device_type=device.type, compiled_loss=compiled,
+                    **in_backward_settings(cfg, world))
     try:
         plan = plan_memory(cfg.model, optimizer_cfg, micro_batch_size=tc.micro_batch_size, **settings)
     except (ValueError, NotImplementedError, RuntimeError, TypeError) as err:
@@ -120,7 +130,7 @@ def auto_micro_batch(cfg: DictConfig, world_size: int, device) -> int:
             cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), device_bytes=max(budget, 1),
             seq_len=cfg.data.seq_len, world_size=world_size, global_batch=batch, parallelism=tc.parallelism,
             precision=resolve_precision(tc.precision, device), activation_checkpointing=tc.activation_checkpointing,
-            vocab_size=cfg.model.vocab_size, device_type=device.type)
+            vocab_size=cfg.model.vocab_size, device_type=device.type, **in_backward_settings(cfg, world_size))
     except (ValueError, NotImplementedError, RuntimeError, TypeError, KeyError):
         return batch // world_size
     return micro or 1

@@ -97,6 +97,9 @@ class _Facts:
     # does not shard (every rank gathers the matrix), and the bf16 bytes gathered per step under FSDP.
     matrix_transient: tuple[int, int] = (0, 0)  # (unsharded, FSDP)
     gathered_per_step: int = 0
+    # The step inside backward (frugal.in_backward): elements whose gradients wait for the clipping
+    # norm until the end of backward; None when the optimizer is not built on FRUGAL (no such mode).
+    clip_waiting: int | None = None
 
 
 def _weight_numel(module: nn.Module) -> list[int]:
@@ -244,6 +247,16 @@ def _muon_step(model: nn.Module, name: str, hp: dict) -> tuple[tuple[int, int], 
     return (peak, peak_fsdp), gathered
 
 
+def _clip_waiting(model: nn.Module, name: str, hp: dict) -> int | None:
+    """With the step inside backward and clipping: the elements whose gradients are held until the
+    end of backward (frugal.in_backward.waiting_numel, from the optimizer built on the meta model)."""
+    import frugal
+    from frugal.in_backward import waiting_numel
+
+    optimizer = frugal.build_optimizer(model, name, **hp)
+    return waiting_numel(optimizer) if isinstance(optimizer, frugal.FRUGAL) else None
+
+
 def optimizer_gather_bytes(model_cfg, optimizer_cfg: Mapping[str, Any], vocab_size: int | None = None) -> int:
     """bf16 bytes every rank all-gathers inside one optimizer step under FSDP2 (0 unless the state-full
     rule orthogonalises whole matrices: Muon gathers the state-full blocks' matrices, docs/muon.md)."""
@@ -283,6 +296,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
     estimate = _estimate(model, name, opt)
     transient = _optimizer_transient(model, name, opt)
     matrix_transient, gathered = _muon_step(model, name, opt)
+    waiting = _clip_waiting(model, name, opt)
     return _Facts(
         activations=activations, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
@@ -292,6 +306,7 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
         head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
         optimizer_state=estimate,
         optimizer_transient=transient, matrix_transient=matrix_transient, gathered_per_step=gathered,
+        clip_waiting=waiting,
     )
 
 
@@ -438,7 +453,9 @@ class MemoryPlan:
         s = self.settings
         lines = [f"{s.get('model', '?')} + {s.get('optimizer', '?')}: micro-batch {s['micro_batch_size']} x "
                  f"{s['seq_len']} tokens, {s['parallelism']} x {s['world_size']}, {s['precision']}, "
-                 f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}",
+                 f"activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}"
+                 + (f", step inside backward ({'clipping' if s['grad_clip'] else 'no clipping'}, accumulation "
+                    f"{s['accumulation']})" if s.get("optimizer_in_backward") else ""),
                  f"  per rank, GiB, at the peak ({self.phase}):"]
         for p in self.PARTS:
             lines.append(f"    {p.replace('_', ' '):<22}{getattr(self, p) / GIB:9.2f}")
@@ -465,7 +482,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                 world_size: int = 1, parallelism: str = "ddp", precision: str = "bf16-mixed",
                 activation_checkpointing: bool = False, vocab_size: int | None = None,
                 device_type: str = "cuda", gradient_as_bucket_view: bool = True,
-                autocast_cache: bool = True, compiled_loss: bool = False) -> MemoryPlan:
+                autocast_cache: bool = True, compiled_loss: bool = False, optimizer_in_backward: bool = False,
+                grad_clip: bool = False, accumulation: int = 1) -> MemoryPlan:
     """Plan the per-rank peak memory of training `model_cfg` with `optimizer_cfg` (module docstring).
 
     `model_cfg`: a configs/model node (dict or DictConfig) as `models.build_model` takes it
@@ -477,8 +495,13 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     `autocast_cache=False` models `torch.autocast(cache_enabled=False)`, which stops the forward pass
     from keeping every bf16 weight copy when blocks are checkpointed. `compiled_loss=True` models the
     loop's compiled loss (train.compile): no fp32 log-softmax tensors, the logits' gradient directly.
+    `optimizer_in_backward=True` plans the step inside backward (frugal.in_backward): with one
+    micro-batch per step (`accumulation` 1) the only gradients held are those that wait for the
+    clipping norm (`grad_clip`: the state-full tensors; none without clipping) besides the one being
+    produced; with accumulation every gradient is held, as in the ordinary step.
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
+    _check_int("accumulation", accumulation, 1)
     _check_int("seq_len", seq_len, 2)
     _check_int("world_size", world_size, 1)
     _check_choice("parallelism", parallelism, PARALLELISMS)
@@ -503,7 +526,14 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     def shard(x: int) -> int:
         return -(-x // n) if fsdp else x
 
-    base = {"weights": shard(f.params * master), "gradients": shard(f.params * master),
+    held = f.params  # gradients held through the step
+    if optimizer_in_backward:
+        if f.clip_waiting is None:
+            raise ValueError(f"optimizer_in_backward=True needs an optimizer built on FRUGAL (got "
+                             f"{_plain(optimizer_cfg)['name']!r})")
+        if accumulation == 1:
+            held = f.clip_waiting if grad_clip else 0
+    base = {"weights": shard(f.params * master), "gradients": shard(held * master),
             "comm_buffers": f.params * master if (not fsdp and n > 1 and not gradient_as_bucket_view) else 0,
             "optimizer_state": shard(f.optimizer_state)}
     layer, head = _layer_terms(f, T, S, r)
@@ -586,7 +616,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                     micro_batch_size=B, seq_len=S, world_size=n, parallelism=parallelism, precision=precision,
                     activation_checkpointing=ac, device_type=device_type,
                     gradient_as_bucket_view=gradient_as_bucket_view, autocast_cache=autocast_cache,
-                    compiled_loss=compiled_loss, params=f.params)
+                    compiled_loss=compiled_loss, params=f.params, optimizer_in_backward=optimizer_in_backward,
+                    grad_clip=grad_clip, accumulation=accumulation)
     return MemoryPlan(**parts, phase=phase, phases=totals, allowance=allowance, settings=settings)
 
 
@@ -687,11 +718,14 @@ def largest_micro_batch(model_cfg, optimizer_cfg, *, device_bytes: int, seq_len:
 
     Candidates are the divisors of global_batch / world_size (powers of two for the paper's 512), or
     powers of two when `global_batch` is None. Returns (None, plan of the smallest candidate) when
-    nothing fits. Other keyword arguments go to `plan_memory`.
+    nothing fits. Other keyword arguments go to `plan_memory` (with the step inside backward, each
+    candidate's own gradient accumulation: global_batch / (micro-batch x world size)).
     """
     _check_int("device_bytes", device_bytes, 1)
     plan = None
     for micro in micro_batch_candidates(global_batch, world_size):
+        if kwargs.get("optimizer_in_backward") and global_batch:
+            kwargs["accumulation"] = max(1, global_batch // (micro * world_size))
         plan = plan_memory(model_cfg, optimizer_cfg, micro_batch_size=micro, seq_len=seq_len,
                            world_size=world_size, **kwargs)
         if plan.fits(device_bytes):
