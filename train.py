@@ -88,7 +88,8 @@ from train_utils.slurm import export_distributed_env, requeue
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
 CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
-RUN_ERRORS = (NonFiniteError, frugal.NonFiniteGradientError, ckpt.CheckpointError, distributed.CollectiveTimeout, MetricsFileError)
+RUN_ERRORS = (NonFiniteError, frugal.NonFiniteGradientError, ckpt.CheckpointError,
+              distributed.CollectiveTimeout, MetricsFileError)
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
@@ -261,11 +262,11 @@ def build_model(run: Run) -> tuple:
     sharded in place. Built from the same seed on every rank (identical initial weights); after it,
     every rank seeds its own dropout masks."""
     tc = run.tc
-    raw_model = models.build_model(run.cfg.model, vocab_size=run.dm.vocab_size)
+    pure_bf16 = run.precision == "bf16"  # built in bf16: a 7B model never exists in fp32
+    raw_model = models.build_model(run.cfg.model, vocab_size=run.dm.vocab_size,
+                                   dtype=torch.bfloat16 if pure_bf16 else None)
     if tc.activation_checkpointing:
         enable_activation_checkpointing(raw_model)
-    if run.precision == "bf16":
-        raw_model.to(torch.bfloat16)
     seed_dropout(tc.seed, run.rank)  # ...but every rank its own dropout masks
     loss_fn = compile_model(raw_model) if run.compiled else None
     return raw_model, loss_fn, distributed.wrap_model(run.accelerator, raw_model, tc.parallelism, run.precision)

@@ -197,16 +197,28 @@ FAMILY = {
 FAMILIES = tuple(FAMILY)
 
 
-def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
+def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None,
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build a randomly initialised causal LM from one ``configs/model/*.yaml`` node (or a dict).
 
     ``vocab_size`` overrides ``cfg.vocab_size``: a data source with its own vocabulary (the synthetic
     language, token files made from it) decides how many ids the model embeds. Building under
     ``with torch.device("meta"):`` allocates nothing, so parameter counts and memory estimates of the
-    7B config are free. Raises ModelConfigError for a missing, unknown or invalid key.
+    7B config are free. ``dtype`` (pure bf16 training): every tensor is created in it, so LLaMA-7B
+    never exists in fp32 (27 GB); the weights equal an fp32 build cast to it (the initialisers draw
+    normals, which torch draws in fp32 and rounds). Raises ModelConfigError for a missing, unknown or
+    invalid key.
     """
     checked = _check(cfg, vocab_size)
-    return FAMILY[_get(cfg, "family")].build(checked)
+    if dtype is None:
+        return FAMILY[_get(cfg, "family")].build(checked)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = FAMILY[_get(cfg, "family")].build(checked)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype)  # buffers computed in fp32 on purpose (rotary frequencies) too, as a cast build
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:

@@ -19,7 +19,8 @@ VOCAB, LAYERS = 64, 4
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).float()
 
 
@@ -152,7 +153,7 @@ def poison(param):
 @pytest.mark.parametrize("max_norm", [None, 1.0])
 def test_a_late_non_finite_gradient_stops_the_step_and_says_what_moved(max_norm):
     model, opt, _ = make(density=0.0)
-    stepper = step_in_backward(opt, max_norm=max_norm, model=model)
+    step_in_backward(opt, max_norm=max_norm, model=model)
     late = model.model.layers[0].mlp.down_proj.weight  # layer 0's gradients come last in backward
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     poison(late)

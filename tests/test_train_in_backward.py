@@ -118,7 +118,8 @@ def test_refused_under_ddp_and_for_optimizers_not_built_on_frugal(tmp_path):
     check_in_backward(cfg, 1)  # one process: nothing to reduce
     check_in_backward(compose_cfg(*TINY, IN_BACKWARD, "train.parallelism=fsdp"), 2)
     with pytest.raises(ConfigError, match="optimizer.name='adamw' is not built on FRUGAL; valid choices: .*frugal"):
-        run_inprocess(tmp_path, IN_BACKWARD, "optimizer=adamw", base=[o for o in TINY if not o.startswith("optimizer.")])
+        run_inprocess(tmp_path, IN_BACKWARD, "optimizer=adamw",
+                      base=[o for o in TINY if not o.startswith("optimizer.")])
     assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))  # refused before the first step
 
 

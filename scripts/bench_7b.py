@@ -1,0 +1,137 @@
+"""LLaMA-7B pre-training steps in the memory of one 24 GB GPU, proven on the CPU: FRUGAL rho=0 with its
+step inside backward (frugal/in_backward.py), pure bf16 with stochastic rounding, activation
+checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 tokens.
+
+    python scripts/bench_7b.py                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
+    python scripts/bench_7b.py --optimizer adamw     # refused by the memory check before allocating
+    python scripts/bench_7b.py --model llama_tiny    # the same script on a tiny model (what CI runs)
+
+It runs in its own process, so the peak resident memory it reports (`peak_rss_gib`, the process's
+high-water mark from getrusage) is this run's alone. Before anything is allocated, the memory planner
+(train_utils/memory_plan.py, the same check train.py makes) plans the run on this host; a run that does
+not fit is refused there with the planner's figure (exit 2). The model is built directly in bf16
+(models.build_model(dtype=...): no fp32 copy of 7B ever exists); the tokens are random ids (what is
+measured is memory and time, not learning). The last line is one JSON object:
+
+    peak_rss_gib     the process's peak resident memory
+    planned_gib      the planner's peak for these tensors plus the process itself (PROCESS_BYTES, 1 GiB)
+    step_s           seconds of each step (forward, backward with the updates inside, optimizer.step())
+    loss             each step's loss
+    weights_changed  whether the steps moved the weights (a sample of three tensors is compared)
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: idle OpenMP threads sleep
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import frugal  # noqa: E402
+import models  # noqa: E402
+from train_utils.loop import count_targets, enable_activation_checkpointing, token_loss_sum  # noqa: E402
+from train_utils.memory_check import PROCESS_BYTES  # noqa: E402
+from train_utils.memory_plan import GIB, device_memory, plan_memory  # noqa: E402
+
+SAMPLED = 1 << 20  # elements per sampled tensor for `weights_changed`
+
+
+def compose(model: str, optimizer: str):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = [f"model={model}", f"optimizer={optimizer}"]
+    if optimizer != "adamw":
+        overrides.append("optimizer.stochastic_rounding=true")  # pure bf16: updates below half an ulp count
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    return cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def sample(model) -> list[torch.Tensor]:
+    tensors = [model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+               next(iter(frugal.grouping.transformer_blocks(model)[0].parameters()))]
+    return [t.detach().flatten()[:SAMPLED].clone() for t in tensors]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama_7b", help="a configs/model name (default llama_7b)")
+    ap.add_argument("--optimizer", default="frugal_rho0",
+                    help="a configs/optimizer name (default frugal_rho0; adamw runs the ordinary step)")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.seq_len < 2 or args.micro_batch < 1:
+        ap.error("--steps and --micro-batch must be >= 1 and --seq-len >= 2")
+    torch.manual_seed(args.seed)
+    model_cfg, opt_cfg = compose(args.model, args.optimizer)
+    in_backward = opt_cfg["name"] in frugal.registry.frugal_based()
+    plan = plan_memory(model_cfg, opt_cfg, micro_batch_size=args.micro_batch, seq_len=args.seq_len,
+                       precision="bf16", activation_checkpointing=True, device_type="cpu",
+                       optimizer_in_backward=in_backward, grad_clip=args.grad_clip > 0)
+    planned, available = plan.total + PROCESS_BYTES, device_memory("cpu")
+    print(plan.format(), file=sys.stderr)
+    result = {"model": args.model, "optimizer": args.optimizer, "in_backward": in_backward,
+              "planned_gib": round(planned / GIB, 2), "available_gib": round(available / GIB, 2)}
+    if planned > available:  # the memory check: before anything is allocated
+        print(f"refused by the memory check before allocating: {args.model} + {args.optimizer} plans "
+              f"{planned / GIB:.1f} GiB (with the process) and this host has {available / GIB:.1f} GiB available",
+              file=sys.stderr)
+        print(json.dumps({**result, "refused": True, "peak_rss_gib": round(peak_rss() / GIB, 2)}))
+        return 2
+
+    started = time.perf_counter()
+    model = models.build_model(model_cfg, dtype=torch.bfloat16)  # never in fp32: 13.5 GB for 7B, not 27
+    enable_activation_checkpointing(model)
+    model.train()
+    optimizer = frugal.build_optimizer(model, **opt_cfg)
+    clip = args.grad_clip or None
+    if in_backward:
+        frugal.step_in_backward(optimizer, max_norm=clip, model=model)
+    build_s = time.perf_counter() - started
+    print(f"built in {build_s:.0f} s; peak RSS so far {peak_rss() / GIB:.2f} GiB", file=sys.stderr, flush=True)
+    before = sample(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(args.seed)
+    losses, times = [], []
+    for step in range(args.steps):
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=g)
+        t0 = time.perf_counter()
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = token_loss_sum(logits, ids) / count_targets(ids)
+        del logits
+        loss.backward()  # in backward: each tensor updated and its gradient freed here
+        if not in_backward and clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(round(time.perf_counter() - t0, 1))
+        losses.append(round(float(loss.detach()), 4))
+        print(f"step {step + 1}/{args.steps}: loss {losses[-1]}, {times[-1]} s, peak RSS {peak_rss() / GIB:.2f} GiB",
+              file=sys.stderr, flush=True)
+    changed = any(not torch.equal(a, b) for a, b in zip(before, sample(model)))
+    print(json.dumps({**result, "peak_rss_gib": round(peak_rss() / GIB, 2), "build_s": round(build_s, 1),
+                      "step_s": times, "loss": losses, "weights_changed": changed}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
