@@ -46,6 +46,7 @@ SCRIPT_ARGS = {
     "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
     "scripts/memory_table.py": ["--measure-max-params", "0"],
     "eval.py": ["train.eval_tokens=64"],
+    "scripts/bench_7b.py": ["--model", "llama_tiny"],  # the 7B steps take minutes and ~17 GiB
 }
 
 
