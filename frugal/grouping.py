@@ -230,17 +230,44 @@ def _normalise_state_free_modules(state_free_modules) -> tuple[str, ...]:
     return chosen
 
 
-def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = ()) -> list[dict]:
+# The order of the weights in a LLaMA layer of the FRUGAL authors' own model (their utils/modeling_llama.py,
+# which their torchrun_main.py builds): the MLP registers gate, down, up; transformers' LlamaMLP registers
+# gate, up, down. With block_granularity "tensor" the block walk follows this order (tensor_order).
+AUTHORS_TENSOR_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")
+TENSOR_ORDERS = ("module", "authors")
+
+
+def _in_authors_order(roles: list[TensorRole]) -> list[TensorRole]:
+    """`roles` (one block's), with the weights named in AUTHORS_TENSOR_ORDER moved, among the places
+    they hold, into that order; every other tensor keeps its place."""
+    def leaf(role: TensorRole) -> str:
+        parts = role.name.split(".")
+        return parts[-2] if len(parts) >= 2 else role.name
+
+    known = [i for i, r in enumerate(roles) if leaf(r) in AUTHORS_TENSOR_ORDER]
+    ordered = sorted((roles[i] for i in known), key=lambda r: AUTHORS_TENSOR_ORDER.index(leaf(r)))
+    out = list(roles)
+    for i, role in zip(known, ordered):
+        out[i] = role
+    return out
+
+
+def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = (),
+            tensor_order: str = "module") -> list[dict]:
+    if tensor_order not in TENSOR_ORDERS:
+        raise ValueError(f"Unknown tensor_order {tensor_order!r}; valid choices: {', '.join(TENSOR_ORDERS)}")
     chosen = set(_normalise_state_free_modules(state_free_modules))
     state_full, state_free = [], []
-    by_block: dict[tuple[int, bool], list[torch.Tensor]] = {}
+    in_block: dict[tuple[int, bool], list[TensorRole]] = {}
     for role in roles:
         if role.block is not None:
-            by_block.setdefault((role.block, role.transposed), []).append(role.param)
+            in_block.setdefault((role.block, role.transposed), []).append(role)
         elif role.kinds & chosen:
             state_free.append(role.param)
         else:
             state_full.append(role.param)
+    by_block = {key: [r.param for r in (_in_authors_order(rs) if tensor_order == "authors" else rs)]
+                for key, rs in in_block.items()}
     groups: list[dict] = []
     if state_full:
         groups.append({"params": state_full, "projectable": False})
@@ -260,7 +287,7 @@ _REMEDY = ("FRUGAL splits the 2-D weights inside transformer blocks, found in a 
 
 
 def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
-                 target_modules=None) -> list[dict]:
+                 target_modules=None, tensor_order: str = "module") -> list[dict]:
     """Split `model`'s trainable parameters into FRUGAL param groups.
 
     Returns, in this order (empty groups omitted):
@@ -273,6 +300,9 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
         (any of "embeddings", "norms", "output"; the paper's Table 4).
 
     `target_modules` replaces the automatic choice of projectable weights (module docstring).
+    `tensor_order`: the order of a block's tensors, which the block walk of ``block_granularity=
+    "tensor"`` follows: "module" (the model's registration order) or "authors" (LLaMA's MLP as the
+    FRUGAL authors' model registers it, gate, down, up: AUTHORS_TENSOR_ORDER).
     Tied parameters (GPT-2's wte = lm_head) are listed once; a tied tensor has every kind of the
     names it is reachable by, and moves to the state-free set if any of those kinds is listed.
     Parameters with `requires_grad=False` are left out (an optimizer has nothing to do for them).
@@ -280,7 +310,7 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     Raises ValueError for unknown `state_free_modules` entries, target_modules that match nothing,
     and a model in which no projectable weight is found.
     """
-    groups = _groups(module_roles(model, target_modules), state_free_modules)
+    groups = _groups(module_roles(model, target_modules), state_free_modules, tensor_order)
     if not any(group["projectable"] for group in groups):
         raise ValueError(f"No projectable weights found in {type(model).__name__}. {_REMEDY}")
     return groups

@@ -1,5 +1,5 @@
-"""FRUGAL's step inside backward: each tensor is updated as soon as its gradient is complete, and
-its gradient is freed there, so the full set of gradients is never held at once.
+"""FRUGAL's step inside backward: each block's tensors are updated as soon as their gradients are
+complete, and the gradients are freed there, so the full set of gradients is never held at once.
 
     optimizer = frugal.FRUGAL(model, lr=5e-4, density=0.0, update_gap=500)
     stepper = frugal.step_in_backward(optimizer, max_norm=1.0)  # hooks on every parameter
@@ -16,6 +16,11 @@ its gradient is freed there, so the full set of gradients is never held at once.
 
 What runs when (``StepInBackward``):
 
+- **A block at a time.** A gradient that can be applied at once waits only for the rest of its block
+  (a layer's weights and norms): the block's tensors then take one call of the optimizer's
+  phases, with its multi-tensor kernels, instead of one call each; the block that completes last is
+  applied when backward ends (an autograd engine callback). So at most one block's gradients are
+  held besides those that wait for the clipping norm.
 - **Selection at the step boundary.** Each tensor's role in the step (state-full, state-free or
   split: phase 1 of ``FRUGAL.step``) is fixed once per step, before the first tensor of that step
   is updated, with the window of the step's count; nothing about the subspace changes between two
@@ -32,10 +37,11 @@ What runs when (``StepInBackward``):
   (``FRUGAL._apply``), with the step's learning rate (the scheduler steps after ``optimizer.step()``),
   so the weights equal ``backward(); clip_grad_norm_(); step()`` up to float rounding; one optimizer,
   one ``state_dict`` and one LR scheduler as before.
-- **A bad gradient never half-applies silently.** Each immediately applied gradient is checked
-  first (its squared norm, one host sync per tensor); from the first non-finite one on, no tensor
-  of the step is updated and ``optimizer.step()`` raises ``NonFiniteGradientError``, which says how
-  many tensors had already taken the step (their weights are then one step ahead of the others).
+- **A bad gradient never half-applies silently.** Each block's gradients are checked before they
+  are applied (their squared norms, one host sync per block); from the block holding the first
+  non-finite one on, no tensor of the step is updated and ``optimizer.step()`` raises
+  ``NonFiniteGradientError``, which says how many tensors had already taken the step (their weights
+  are then one step ahead of the others).
 - **Gradient accumulation** is exact: inside ``accumulating()`` the hooks do nothing, the
   gradients add up as usual, and the last micro-batch's backward steps on the sums (the memory
   saving then holds for that backward only: the accumulated gradients are full-size).
@@ -51,6 +57,9 @@ import contextlib
 import torch
 from torch import Tensor
 
+from torch.autograd import Variable
+
+from .optimizer import _BATCH_TENSORS as BATCH
 from .rules import STATE_FREE
 from .sharding import is_dtensor, local
 from .windows import FREE
@@ -142,6 +151,9 @@ class StepInBackward:
         self._applied = 0
         self._bad: str | None = None  # the first non-finite gradient of the step
         self._norm: Tensor | None = None
+        self._ready: list[tuple] = []  # (slot, squared norm): gradients of one block, applied together
+        self._ready_block = None  # the block of the ready gradients (tensors outside blocks join any)
+        self._flush_queued = False
 
     def _begin(self) -> None:
         opt = self.optimizer
@@ -165,17 +177,44 @@ class StepInBackward:
                                f"the other micro-batches inside stepper.accumulating()")
         self._seen.add(id(param))
         self._sharded |= is_dtensor(param.grad)
-        sq = local(param.grad).float().square().sum()
+        sq = torch.linalg.vector_norm(local(param.grad), dtype=torch.float32).square()  # no full-size temporary
         self._sumsq = sq if self._sumsq is None else self._sumsq + sq
         if self._waits(slot):
             self._deferred.append(param)
             return
-        if self._bad is None and not torch.isfinite(sq):
-            self._bad = self._name(param, slot)
+        # A new block starts a new batch; tensors outside blocks (norms, head) join the current one, or
+        # make batches of their own of at most BATCH tensors (a model without blocks holds no more)
+        if self._ready and (slot.block not in (None, self._ready_block)
+                            or (self._ready_block is None and len(self._ready) == BATCH)):
+            self._flush()
+        self._ready.append((slot, sq))
+        self._ready_block = slot.block if slot.block is not None else self._ready_block
+        if not self._flush_queued:  # the block that completes last is applied when backward ends
+            self._flush_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._flush_queued = False
+        with torch.no_grad():
+            self._flush()
+
+    def _flush(self) -> None:
+        """Apply the ready gradients (one block's) in one call of the optimizer's phases, after one
+        finiteness check of all of them; free them."""
+        ready, self._ready, self._ready_block = self._ready, [], None
+        if not ready:
+            return
         if self._bad is None:
-            self.optimizer._apply([self.optimizer._work(slot)], self.optimizer.step_count)
-            self._applied += 1
-        param.grad = None
+            finite = torch.isfinite(torch.stack([sq for _, sq in ready])).tolist()  # one host sync
+            if not all(finite):
+                slot = ready[finite.index(False)][0]
+                self._bad = self._name(slot.param, slot)
+        if self._bad is None:
+            opt = self.optimizer
+            opt._apply([opt._work(slot) for slot, _ in ready], opt.step_count)
+            self._applied += len(ready)
+        for slot, _ in ready:
+            slot.param.grad = None
 
     def _name(self, param: Tensor, slot) -> str:
         name = self._names.get(id(param), f"parameter {slot.ident} of the optimizer")
@@ -199,6 +238,7 @@ class StepInBackward:
         opt, step = self.optimizer, self.optimizer.step_count
         if self._slots is None:  # no gradient this step (or only parameters it does not hold)
             self._begin()
+        self._flush()  # in case backward ran outside the autograd engine's callbacks
         norm = self.compute_grad_norm()
         deferred, bad, applied = self._deferred, self._bad, self._applied
         if bad is None and not bool(torch.isfinite(norm)):

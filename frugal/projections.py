@@ -170,9 +170,11 @@ def select_blocks(order: str, num_blocks: int, density: float, window: int, seed
     """Positions (0..L-1) of the state-full blocks in ``window``; k = ``block_count``.
 
     Positions are the blocks in module order: layers, or with granularity ``tensor`` the weight
-    tensors in ``named_modules()`` order (q, k, v, o, gate, up, down of layer 0, then layer 1, ...:
-    the order of the authors' list of tensors). The paper's default order is ``descending`` (its
-    scripts; Table 14 compares random, ascending and descending): the walk starts at the last
+    tensors in their param groups' order: the model's registration order by default (transformers'
+    LLaMA: q, k, v, o, gate, up, down of layer 0, then layer 1, ...), or with the registry's
+    ``tensor_order="authors"`` (set by ``setup/algorithm=authors``) the order of the authors' own
+    model (q, k, v, o, gate, down, up: ``grouping.AUTHORS_TENSOR_ORDER``). The paper's default order
+    is ``descending`` (its scripts; Table 14 compares random, ascending and descending): the walk starts at the last
     block, the one nearest the output, and takes the next k blocks down at every window, wrapping
     around cyclically.
 

@@ -55,14 +55,14 @@ import torch
 from torch import nn
 
 from . import external, hparams
-from .grouping import param_groups
+from .grouping import TENSOR_ORDERS, param_groups
 from .hparams import HyperparameterError
 from .optimizer import FRUGAL
 from .rules import STATE_FREE
 
 COMMON_KEYS = ("lr", "weight_decay", "seed")
 # FRUGAL-based entries with layout "blocks" also take the `param_groups` keys.
-GROUPING_DEFAULTS = {"state_free_modules": (), "target_modules": None}
+GROUPING_DEFAULTS = {"state_free_modules": (), "target_modules": None, "tensor_order": "module"}
 # How FRUGAL runs, not what it computes: every FRUGAL-based entry takes these.
 IMPLEMENTATION_KEYS = ("stochastic_rounding", "foreach")
 _ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
@@ -120,7 +120,7 @@ _ENTRIES: dict[str, _Entry] = {
     "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
                    {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
                    ("betas", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn",
-                    "state_free_modules", "target_modules") + IMPLEMENTATION_KEYS,
+                    "state_free_modules", "target_modules", "tensor_order") + IMPLEMENTATION_KEYS,
                    rest={"state_full": "adamw"}),
     "frugal_muon": _Entry("frugal", "FRUGAL with Muon as the state-full rule (block projection)",
                           {"state_full": "muon", "momentum": 0.95}, rest={"state_full": "adamw"}),
@@ -172,6 +172,9 @@ def _validate(name: str, settings: dict) -> dict:
     if _ENTRIES[name].kind == "external":
         settings = external.validate(name, settings)  # first: its choices differ from FRUGAL's
     out = hparams.validate(settings)
+    if out.get("tensor_order", "module") not in TENSOR_ORDERS:
+        raise HyperparameterError(f"Invalid tensor_order {out['tensor_order']!r}; valid choices: "
+                                  f"{', '.join(TENSOR_ORDERS)}")
     if "state_free_modules" in out:
         modules = out["state_free_modules"]
         modules = () if modules is None else (modules,) if isinstance(modules, str) else tuple(modules)

@@ -54,14 +54,14 @@ def _size(n: float) -> str:
 
 def describe(target, model: nn.Module | None = None, **hparams) -> Description:
     """Describe how FRUGAL splits `target`: a model (with FRUGAL's keyword arguments, plus
-    `target_modules` / `state_free_modules` as in `frugal.param_groups`) or a FRUGAL optimizer
+    `target_modules` / `state_free_modules` / `tensor_order` as in `frugal.param_groups`) or a FRUGAL optimizer
     (pass `model=` to see parameter names; wrappers such as accelerate's are looked through)."""
     if not isinstance(target, (nn.Module, FRUGAL)) and isinstance(getattr(target, "optimizer", None), FRUGAL):
         target = target.optimizer
     if isinstance(target, nn.Module):
-        grouping_keys = {k: hparams.pop(k) for k in ("target_modules", "state_free_modules") if k in hparams}
-        roles = grouping.module_roles(target, grouping_keys.get("target_modules"))
-        groups = grouping._groups(roles, grouping_keys.get("state_free_modules", ()))
+        keys = {k: hparams.pop(k) for k in ("target_modules", "state_free_modules", "tensor_order") if k in hparams}
+        roles = grouping.module_roles(target, keys.get("target_modules"))  # a model without blocks is described too
+        groups = grouping._groups(roles, keys.get("state_free_modules", ()), keys.get("tensor_order", "module"))
         optimizer, model = FRUGAL(groups, **hparams), target
     elif isinstance(target, FRUGAL):
         if hparams:

@@ -266,11 +266,44 @@ def test_the_planner_holds_only_the_gradients_that_wait():
     full = sum(p.numel() for p in model.parameters())
     ordinary = plan_memory(cfg.model, rho0, **kw)
     assert ordinary.gradients == 4 * full
+    layer = sum(p.numel() for p in frugal.grouping.transformer_blocks(model)[0].parameters())
     clipped = plan_memory(cfg.model, rho0, optimizer_in_backward=True, grad_clip=True, **kw)
-    assert clipped.gradients == 4 * fixed  # rho 0: only the state-full (non-projectable) tensors wait
-    assert plan_memory(cfg.model, rho0, optimizer_in_backward=True, **kw).gradients == 0
+    # rho 0: one block's gradients (applied together) and the state-full (non-projectable) tensors, which wait
+    assert clipped.gradients == 4 * (layer + fixed)
+    assert plan_memory(cfg.model, rho0, optimizer_in_backward=True, **kw).gradients == 4 * layer
     assert plan_memory(cfg.model, rho0, optimizer_in_backward=True, grad_clip=True, accumulation=2,
                        **kw).gradients == 4 * full  # accumulated gradients are held, as in the ordinary step
     assert clipped.total < ordinary.total and "step inside backward (clipping" in clipped.format()
     with pytest.raises(ValueError, match="optimizer_in_backward=True needs an optimizer built on FRUGAL"):
         plan_memory(cfg.model, {"name": "adamw"}, optimizer_in_backward=True, **kw)
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_a_block_at_a_time_one_call_per_block(max_norm):
+    """Gradients applied at once wait only for the rest of their block (one call of the optimizer's
+    phases per block, not per tensor); at every gradient hook, the held gradients that do not wait for
+    the norm belong to one block (tensors outside blocks, such as norms, join any)."""
+    model, opt, _ = make(density=0.0)
+    stepper = step_in_backward(opt, max_norm=max_norm)
+    block_of = {id(p): g.get("block") for g in opt.param_groups for p in g["params"]}
+    calls, blocks_held = [], []
+    real_apply = opt._apply
+
+    def apply(works, step):
+        calls.append(len(works))
+        return real_apply(works, step)
+
+    opt._apply = apply
+
+    def spy(_):
+        ready = {id(s.param) for s, _ in stepper._ready}
+        blocks_held.append({block_of[id(p)] for p in model.parameters() if id(p) in ready} - {None})
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(spy)  # runs after the stepper's hook
+    loss_of(model, batches(1)[0]).backward()
+    opt.step()
+    assert max(len(b) for b in blocks_held) == 1
+    immediate = LAYERS * 7 if max_norm else sum(1 for _ in model.parameters())
+    assert sum(calls[:-1] if max_norm else calls) == immediate
+    assert len(calls) <= LAYERS + 3 + (1 if max_norm else 0)  # a call per block (+ head, norm, embeddings)

@@ -519,9 +519,9 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     from keeping every bf16 weight copy when blocks are checkpointed. `compiled_loss=True` models the
     loop's compiled loss (train.compile): no fp32 log-softmax tensors, the logits' gradient directly.
     `optimizer_in_backward=True` plans the step inside backward (frugal.in_backward): with one
-    micro-batch per step (`accumulation` 1) the only gradients held are those that wait for the
-    clipping norm (`grad_clip`: the state-full tensors; none without clipping) besides the one being
-    produced; with accumulation every gradient is held, as in the ordinary step.
+    micro-batch per step (`accumulation` 1) the only gradients held are one block's (applied together
+    when the block is complete) and those that wait for the clipping norm (`grad_clip`: the state-full
+    tensors; none without clipping); with accumulation every gradient is held, as in the ordinary step.
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     _check_int("accumulation", accumulation, 1)
@@ -554,8 +554,8 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
         if f.clip_waiting is None:
             raise ValueError(f"optimizer_in_backward=True needs an optimizer built on FRUGAL (got "
                              f"{_plain(optimizer_cfg)['name']!r})")
-        if accumulation == 1:
-            held = f.clip_waiting if grad_clip else 0
+        if accumulation == 1:  # one block's gradients, applied together, and those waiting for the norm
+            held = f.layer_params + (f.clip_waiting if grad_clip else 0)
     base = {"weights": shard(f.params * master), "gradients": shard(held * master),
             "comm_buffers": f.params * master if (not fsdp and n > 1 and not gradient_as_bucket_view) else 0,
             "optimizer_state": shard(f.optimizer_state)}
