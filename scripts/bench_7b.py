@@ -5,6 +5,7 @@ checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 toke
     python scripts/bench_7b.py                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
     python scripts/bench_7b.py --optimizer adamw     # refused by the memory check before allocating
     python scripts/bench_7b.py --model llama_tiny    # the same script on a tiny model (what CI runs)
+    python scripts/bench_7b.py --device cuda --cap-gib 24   # a GPU held to 24 GiB (scripts/preflight.py)
 
 It runs in its own process, so the peak resident memory it reports (`peak_rss_gib`, the process's
 high-water mark from getrusage) is this run's alone. Before anything is allocated, the memory planner
@@ -18,6 +19,11 @@ measured is memory and time, not learning). The last line is one JSON object:
     step_s           seconds of each step (forward, backward with the updates inside, optimizer.step())
     loss             each step's loss
     weights_changed  whether the steps moved the weights (a sample of three tensors is compared)
+
+On a GPU (`--device cuda`) the plan includes the CUDA context and fragmentation allowance, `--cap-gib`
+holds the process to that much of the device (torch.cuda.set_per_process_memory_fraction: what a
+24 GB card would have), and the JSON also has `max_allocated_gib` and `max_reserved_gib`, the
+caching allocator's peaks.
 """
 from __future__ import annotations
 
@@ -78,28 +84,43 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--cap-gib", type=float, default=None, help="cuda: hold the process to this much device memory")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.cap_gib is not None and args.device != "cuda":
+        ap.error("--cap-gib needs --device cuda")
     if args.steps < 1 or args.seq_len < 2 or args.micro_batch < 1:
         ap.error("--steps and --micro-batch must be >= 1 and --seq-len >= 2")
     torch.manual_seed(args.seed)
     model_cfg, opt_cfg = compose(args.model, args.optimizer)
     in_backward = opt_cfg["name"] in frugal.registry.frugal_based()
     plan = plan_memory(model_cfg, opt_cfg, micro_batch_size=args.micro_batch, seq_len=args.seq_len,
-                       precision="bf16", activation_checkpointing=True, device_type="cpu",
+                       precision="bf16", activation_checkpointing=True, device_type=args.device,
                        optimizer_in_backward=in_backward, grad_clip=args.grad_clip > 0)
-    planned, available = plan.total + PROCESS_BYTES, device_memory("cpu")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if args.cap_gib is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), device)
+        planned, available = plan.required, min(total, args.cap_gib * GIB if args.cap_gib else total)
+    else:
+        planned, available = plan.total + PROCESS_BYTES, device_memory("cpu")
     print(plan.format(), file=sys.stderr)
     result = {"model": args.model, "optimizer": args.optimizer, "in_backward": in_backward,
               "planned_gib": round(planned / GIB, 2), "available_gib": round(available / GIB, 2)}
     if planned > available:  # the memory check: before anything is allocated
+        where = "this host has" if device.type == "cpu" else f"{device} may use"
         print(f"refused by the memory check before allocating: {args.model} + {args.optimizer} plans "
-              f"{planned / GIB:.1f} GiB (with the process) and this host has {available / GIB:.1f} GiB available",
+              f"{planned / GIB:.1f} GiB (with the process) and {where} {available / GIB:.1f} GiB",
               file=sys.stderr)
         print(json.dumps({**result, "refused": True, "peak_rss_gib": round(peak_rss() / GIB, 2)}))
         return 2
 
     started = time.perf_counter()
-    model = models.build_model(model_cfg, dtype=torch.bfloat16)  # never in fp32: 13.5 GB for 7B, not 27
+    with device:
+        model = models.build_model(model_cfg, dtype=torch.bfloat16)  # never in fp32: 13.5 GB for 7B, not 27
     enable_activation_checkpointing(model)
     model.train()
     optimizer = frugal.build_optimizer(model, **opt_cfg)
@@ -113,7 +134,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     losses, times = [], []
     for step in range(args.steps):
-        ids = torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=g)
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=g).to(device)
         t0 = time.perf_counter()
         logits = model(input_ids=ids, use_cache=False).logits
         loss = token_loss_sum(logits, ids) / count_targets(ids)
@@ -123,11 +144,16 @@ def main(argv=None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(round(time.perf_counter() - t0, 1))
         losses.append(round(float(loss.detach()), 4))
         print(f"step {step + 1}/{args.steps}: loss {losses[-1]}, {times[-1]} s, peak RSS {peak_rss() / GIB:.2f} GiB",
               file=sys.stderr, flush=True)
     changed = any(not torch.equal(a, b) for a, b in zip(before, sample(model)))
+    if device.type == "cuda":
+        result.update(max_allocated_gib=round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+                      max_reserved_gib=round(torch.cuda.max_memory_reserved(device) / GIB, 2))
     print(json.dumps({**result, "peak_rss_gib": round(peak_rss() / GIB, 2), "build_s": round(build_s, 1),
                       "step_s": times, "loss": losses, "weights_changed": changed}))
     return 0

@@ -15,7 +15,10 @@ A few minutes on one node. It runs the real paths for a few steps and measures w
 - the compiled sign update in use on DDP bucket views (not fallen back to eager ops);
 - a checkpoint written and resumed, under DDP and under FSDP2 (the sharded format): the resumed
   steps equal the uninterrupted run's bitwise;
-- NCCL all-reduce bus bandwidth across the node's GPUs.
+- NCCL all-reduce bus bandwidth across the node's GPUs;
+- LLaMA-7B on one 24 GB GPU: two steps of scripts/bench_7b.py (FRUGAL rho=0 with the step inside
+  backward, pure bf16) with the process held to 24 GiB of the first GPU, its allocated and reserved
+  peaks against the plan (needs a GPU with at least 24 GiB).
 
 It prints one table (check | result | pass/FAIL/skip) and exits 1 if any check failed, so it can
 gate a SLURM sweep (`python scripts/preflight.py && sbatch ...`). Without a GPU it runs what the CPU
@@ -365,6 +368,31 @@ def check_allreduce(table: Table, gpus: int, timeout: float) -> None:
     table.add("NCCL all-reduce", f"{found[0].split()[1]} GB/s bus bandwidth over {gpus} GPUs (256 MiB fp32)", "pass")
 
 
+def check_7b_single_gpu(table: Table, gpus: int, timeout: float) -> None:
+    """Two LLaMA-7B steps of scripts/bench_7b.py on the first GPU, held to 24 GiB."""
+    check = "llama_7b on one 24 GB GPU (step in backward)"
+    if not gpus:
+        table.add(check, "needs a GPU (the CPU proof: python scripts/bench_7b.py)", "skip")
+        return
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    if total < 24:
+        table.add(check, f"the GPU has {total:.1f} GiB, under the 24 GiB the check holds it to", "skip")
+        return
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench_7b.py"), "--device", "cuda", "--cap-gib", "24",
+           "--seq-len", "256"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+                                   .split(",")[0]))
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        table.add(check, f"exit {proc.returncode}: {_error_line(proc.stderr)}", "FAIL")
+        return
+    out = json.loads(lines[-1])
+    result = (f"allocated {out['max_allocated_gib']} / reserved {out['max_reserved_gib']} GiB of 24 "
+              f"(planned {out['planned_gib']} with the CUDA allowance), steps {out['step_s']} s")
+    table.add(check, result, "pass" if out["weights_changed"] else "FAIL")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,6 +473,10 @@ def main(argv=None) -> int:
         else:
             guarded(table, "compiled sign update (DDP bucket views)")(check_sign_update)(table, device)
         guarded(table, "NCCL all-reduce")(check_allreduce)(table, gpus, args.timeout)
+        if args.fast:
+            table.add("llama_7b on one 24 GB GPU (step in backward)", "--fast", "skip")
+        else:
+            guarded(table, "llama_7b on one 24 GB GPU")(check_7b_single_gpu)(table, gpus, args.timeout)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -24,6 +24,7 @@ def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
         assert table[check][0] == "pass", (check, table[check])
     assert table["NCCL all-reduce"] == ("skip", "no GPU on this machine")
     assert table["driver / CUDA / NCCL"] == ("skip", "no GPU on this machine")
+    assert table["llama_7b on one 24 GB GPU (step in backward)"] == ("skip", "--fast")
     for parallelism in ("ddp", "fsdp"):
         assert "bitwise equal" in table[f"checkpoint + resume ({parallelism})"][1]
         assert os.path.exists(tmp_path / f"resume_resumed_{parallelism}" / "metrics.jsonl")
@@ -41,3 +42,13 @@ def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
     assert preflight.main(["--fast"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "exit 1: RuntimeError: NCCL error" in out
+
+
+def test_the_7b_single_gpu_check_needs_a_gpu_and_names_the_cpu_proof():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import preflight
+
+    table = preflight.Table()
+    preflight.check_7b_single_gpu(table, 0, 60)
+    assert table.rows == [("llama_7b on one 24 GB GPU (step in backward)",
+                           "needs a GPU (the CPU proof: python scripts/bench_7b.py)", "skip")]
