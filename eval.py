@@ -44,7 +44,7 @@ from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.report import EvalProgress
-from train_utils.schema import closest
+from train_utils.schema import bad_group_choice, closest
 from train_utils.validation import ConfigError, check_precision, resolve_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
@@ -169,6 +169,9 @@ def main(argv: list[str]) -> dict:
     check_argument_names(argv)
     args = dict(a.split("=", 1) for a in argv if a.startswith(("checkpoint=", "out=")))
     overrides = [a for a in argv if not a.startswith(("checkpoint=", "out="))]
+    bad_choice = bad_group_choice(overrides)
+    if bad_choice:
+        raise ConfigError(bad_choice)
     if "checkpoint" not in args:
         raise ConfigError("missing checkpoint=<checkpoint dir or run dir>")
     # Verified against its manifest; a run dir means its newest intact checkpoint.

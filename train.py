@@ -339,6 +339,10 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     # A plain override of a key no YAML declares (optimizer.densty=0.3) reaches the start-up check,
     # which names the valid keys (exit 2), instead of stopping Hydra with advice to append it with +.
+    bad_choice = schema.bad_group_choice(sys.argv[1:])
+    if bad_choice:  # before Hydra composes (or a sweep launches) anything
+        print(f"error: {bad_choice}", file=sys.stderr)
+        sys.exit(2)
     sys.argv[1:] = schema.force_add_key_overrides(sys.argv[1:])
     code = None
     try:

@@ -56,7 +56,6 @@ import contextlib
 
 import torch
 from torch import Tensor
-
 from torch.autograd import Variable
 
 from .optimizer import _BATCH_TENSORS as BATCH

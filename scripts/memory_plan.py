@@ -30,6 +30,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from frugal.grouping import transformer_blocks  # noqa: E402
 from train_utils.memory_check import in_backward_settings  # noqa: E402
+from train_utils.schema import bad_group_choice  # noqa: E402
 from train_utils.memory_plan import (  # noqa: E402
     DEVICES, GIB, PARALLELISMS, PRECISIONS, largest_micro_batch, plan_memory,
 )
@@ -79,18 +80,34 @@ def device_bytes(args) -> int:
 
 
 def search(cfg, settings: dict, args) -> list[tuple]:
-    """(activation checkpointing, micro-batch or None, plan) for the checkpointing setting(s) asked."""
+    """(activation checkpointing, micro-batch or None, plan) for the checkpointing setting(s) asked: the
+    largest power of two that fits the device, whatever the configured batch (`usable_micro_batch`
+    says what train.py can take with it). With the step inside backward every candidate takes its
+    batch in one micro-batch (accumulation would hold every gradient)."""
     settings = dict(settings)
     settings.pop("micro_batch_size")
+    if settings.get("optimizer_in_backward"):
+        settings["accumulation"] = 1
     ac_given = args.activation_checkpointing is not None
     rows = []
     for ac in ([settings["activation_checkpointing"]] if ac_given else [False, True]):
         settings["activation_checkpointing"] = ac
         micro, plan = largest_micro_batch(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True),
-                                          device_bytes=device_bytes(args),
-                                          global_batch=OmegaConf.select(cfg, "train.batch_size"), **settings)
+                                          device_bytes=device_bytes(args), global_batch=None, **settings)
         rows.append((ac, micro, plan))
     return rows
+
+
+def usable_micro_batch(micro: int, batch: int, world_size: int) -> str | None:
+    """What train.py can take when the largest micro-batch that fits does not divide the configured
+    batch's per-process share (None when it does)."""
+    share, rest = divmod(int(batch), world_size)
+    if rest or share % micro == 0:
+        return None
+    usable = max(m for m in range(1, min(micro, share) + 1) if share % m == 0)
+    return (f"  train.batch_size={batch} over {world_size} process(es) needs a micro-batch that divides {share}: "
+            f"train.micro_batch_size={usable}" + (f", or train.batch_size={micro * world_size} (or a multiple of it) "
+                                                  f"to use {micro}" if micro > usable else ""))
 
 
 def table(args) -> str:
@@ -356,6 +373,10 @@ def main(argv=None) -> int:
             args.world_size = 8
         print(table(args))
         return 0
+    bad_choice = bad_group_choice(args.overrides)
+    if bad_choice:
+        print(f"error: {bad_choice}", file=sys.stderr)
+        return 2
     try:
         cfg = compose(args.overrides)
         settings = run_settings(cfg, args)
@@ -366,6 +387,9 @@ def main(argv=None) -> int:
                     print(f"activation checkpointing {checkpointing}: no micro-batch fits; the smallest:")
                 else:
                     print(f"activation checkpointing {checkpointing}: largest micro-batch that fits: {micro}")
+                    usable = usable_micro_batch(micro, cfg.train.batch_size, args.world_size)
+                    if usable:
+                        print(usable)
                 print(json.dumps(plan.as_dict()) if args.json else plan.format(device_bytes(args)))
             return 0
         plan = plan_memory(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), **settings)

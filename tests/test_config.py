@@ -151,6 +151,33 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_wrong_group_value_is_one_line_with_the_choices_and_the_closest(tmp_path):
+    """model=llama_70m, or one bad value of a sweep: one line, exit 2, in train.py, eval.py and the
+    memory planner, before Hydra composes anything (a sweep starts no job: no sweep dir)."""
+    import eval as eval_py
+    from scripts import memory_plan
+    from train_utils.schema import bad_group_choice
+    from train_utils.validation import ConfigError
+
+    assert bad_group_choice(["model=llama_70m"]) == (
+        "model=llama_70m is not an option of configs/model/; valid choices: gpt2_124m, llama_130m, llama_1b, "
+        "llama_20m, llama_350m, llama_35m, llama_3b, llama_60m, llama_7b, llama_tiny; closest: llama_60m")
+    assert "setup/algorithm=author is not an option of configs/setup/algorithm/" in bad_group_choice(
+        ["setup/algorithm=author"])
+    assert "closest" not in bad_group_choice(["schedule=zzz"])
+    ok = ["model=llama_7b", "optimizer=adamw,frugal", "experiment=table2", "setup/algorithm=authors",
+          "hydra/launcher=local", "train.steps=3", "+model.x=1", "optimizer=choice(adamw,lion)", "debug=toy"]
+    assert bad_group_choice(ok) is None
+    out = _train_py("-m", "optimizer=adamw,frugall", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: optimizer=frugall is not an option of "
+                                                          "configs/optimizer/; valid choices: ")
+    assert out.stderr.strip().endswith("closest: frugal") and not (tmp_path / "sweep").exists()
+    assert memory_plan.main(["model=llama_70m"]) == 2
+    with pytest.raises(ConfigError, match="data=c44 is not an option of configs/data/.*closest: c4"):
+        eval_py.main(["checkpoint=nowhere", "data=c44"])
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_by_a_mistyped_key_exits_2(tmp_path):
     """In a multirun the job's one line is the last thing printed and the sweep exits as that job

@@ -365,6 +365,17 @@ def test_cli(capsys):
     assert main(["model=llama_7b", "optimizer=adamw"]) == 1  # does not fit: exit code 1
     assert main(["model=llama_130m", "optimizer=adamw", "--search", "--activation-checkpointing", "off"]) == 0
     assert "largest micro-batch that fits" in capsys.readouterr().out
+    # the search is not capped by the configured batch (8 sequences): it says what train.py can take
+    assert main(["model=llama_7b", "optimizer=frugal_rho0", "--search", "--activation-checkpointing", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "largest micro-batch that fits: 32" in out
+    assert "train.batch_size=8 over 1 process(es) needs a micro-batch that divides 8: train.micro_batch_size=8, " \
+           "or train.batch_size=32 (or a multiple of it) to use 32" in out
+    from scripts.memory_plan import usable_micro_batch
+
+    assert usable_micro_batch(32, 512, 8) is None  # 64 per process: 32 divides it
+    assert usable_micro_batch(32, 48, 1).startswith("  train.batch_size=48 over 1 process(es) needs a micro-batch "
+                                                    "that divides 48: train.micro_batch_size=24")
     assert main(["--table", "--models", "llama_60m", "--optimizers", "adamw"]) == 0
     out = capsys.readouterr().out
     assert "| llama_60m | AdamW |" in out

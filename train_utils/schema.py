@@ -135,6 +135,37 @@ def _declared_by_every_option(node: str) -> set[str]:
     return set.intersection(*options) if options else set()
 
 
+_SWEEP_FUNCTIONS = ("choice(", "range(", "interval(", "glob(", "tag(", "sort(", "shuffle(", "${")
+
+
+def bad_group_choice(argv: list[str]) -> str | None:
+    """One line for the first override of argv that chooses an option a config group does not have
+    (`model=llama_70m`, a value of a sweep `optimizer=adamw,frugall`): the group, the valid choices and
+    the closest; None when every choice exists. train.py, eval.py and the memory planner check their
+    command lines with it before Hydra composes anything (Hydra's own error is 17 lines, exit 1), so
+    a sweep with a bad value stops before its first job."""
+    for arg in argv:
+        if "=" not in arg or arg.startswith(("-", "~")):
+            continue
+        key, value = arg.lstrip("+").split("=", 1)
+        group = CONFIG_DIR / key
+        if key.split("/")[0] == "hydra" or not _KEY_OR_GROUP.fullmatch(key) or not group.is_dir():
+            continue
+        options = sorted(p.stem for p in group.glob("*.yaml"))
+        if not options or value.startswith(_SWEEP_FUNCTIONS) or value in ("null", ""):
+            continue
+        for choice in value.split(","):
+            choice = choice.strip()
+            if choice and choice not in options:
+                near = difflib.get_close_matches(choice, options, n=1, cutoff=0.6)
+                return (f"{key}={choice} is not an option of configs/{key}/; valid choices: {', '.join(options)}"
+                        + (f"; closest: {near[0]}" if near else ""))
+    return None
+
+
+_KEY_OR_GROUP = re.compile(r"[A-Za-z_][\w-]*(/[\w-]+)*")
+
+
 def force_add_key_overrides(argv: list[str]) -> list[str]:
     """train.py's command line with every plain key override that might name an undeclared key
     (`optimizer.densty=0.3`) written as a force-add (`++optimizer.densty=0.3`: set if present, added if
