@@ -44,7 +44,7 @@ from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.report import EvalProgress
-from train_utils.schema import bad_group_choice, closest
+from train_utils.schema import bad_group_choice, closest, group_option_error, group_options
 from train_utils.validation import ConfigError, check_precision, resolve_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
@@ -75,11 +75,8 @@ def check_argument_names(argv: list[str]) -> None:
 def check_group_option(group: str, option: str) -> None:
     """`data=<option>` names a file of configs/<group>/ (one line with the closest option, where
     Hydra's own error would list the options over several lines)."""
-    options = sorted(p.removesuffix(".yaml") for p in os.listdir(os.path.join(CONFIG_DIR, group))
-                     if p.endswith(".yaml"))
-    if option not in options:
-        raise ConfigError(f"{group}={option!r} is not an option of configs/{group}/"
-                          f"{_did_you_mean(closest(option, options))}; valid options: {', '.join(options)}")
+    if option not in group_options(group):
+        raise ConfigError(group_option_error(group, option))
 
 
 def unknown_key_message(cfg: DictConfig, arg: str) -> str:

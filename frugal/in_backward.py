@@ -145,7 +145,7 @@ class StepInBackward:
         self._slots = None  # param -> windows.Slot of this step, fixed before its first update
         self._deferred: list[Tensor] = []
         self._seen: set[int] = set()  # parameters whose gradient this step has already taken
-        self._sumsq: Tensor | None = None
+        self._norms: list[Tensor] = []  # each gradient's norm (this rank's part of it, sharded)
         self._sharded = False
         self._applied = 0
         self._bad: str | None = None  # the first non-finite gradient of the step
@@ -176,8 +176,9 @@ class StepInBackward:
                                f"the other micro-batches inside stepper.accumulating()")
         self._seen.add(id(param))
         self._sharded |= is_dtensor(param.grad)
-        sq = torch.linalg.vector_norm(local(param.grad), dtype=torch.float32).square()  # no full-size temporary
-        self._sumsq = sq if self._sumsq is None else self._sumsq + sq
+        norm = torch.linalg.vector_norm(local(param.grad))
+        self._norms.append(norm)  # the global norm is taken as get_total_norm takes it: the same rounding
+        sq = norm.float().square()
         if self._waits(slot):
             self._deferred.append(param)
             return
@@ -223,13 +224,15 @@ class StepInBackward:
         """The step's global gradient norm (a tensor, no host sync; sharded: one all-reduce). Call it
         after the last backward of the step; ``optimizer.step()`` calls it if you did not."""
         if self._norm is None:
-            device = self._deferred[0].device if self._deferred else None
-            sumsq = self._sumsq if self._sumsq is not None else torch.zeros((), device=device)
-            if self._sharded:
+            norms = self._norms or [torch.zeros(())]
+            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))  # as get_total_norm (fp32)
+            if self._sharded:  # the ranks' parts: the norm of all of them
                 import torch.distributed as dist
 
-                dist.all_reduce(sumsq)
-            self._norm = sumsq.sqrt()
+                total = total.float().square()
+                dist.all_reduce(total)
+                total = total.sqrt()
+            self._norm = total
         return self._norm
 
     def finish(self) -> None:

@@ -140,10 +140,10 @@ _SWEEP_FUNCTIONS = ("choice(", "range(", "interval(", "glob(", "tag(", "sort(", 
 
 def bad_group_choice(argv: list[str]) -> str | None:
     """One line for the first override of argv that chooses an option a config group does not have
-    (`model=llama_70m`, a value of a sweep `optimizer=adamw,frugall`): the group, the valid choices and
-    the closest; None when every choice exists. train.py, eval.py and the memory planner check their
-    command lines with it before Hydra composes anything (Hydra's own error is 17 lines, exit 1), so
-    a sweep with a bad value stops before its first job."""
+    (`model=llama_70m`, a value of a sweep `optimizer=adamw,frugall`): the group, the closest and the
+    valid options (`group_option_error`); None when every choice exists. train.py, eval.py and the
+    memory planner check their command lines with it before Hydra composes anything (Hydra's own
+    error is 17 lines, exit 1), so a sweep with a bad value stops before its first job."""
     for arg in argv:
         if "=" not in arg or arg.startswith(("-", "~")):
             continue
@@ -151,16 +151,27 @@ def bad_group_choice(argv: list[str]) -> str | None:
         group = CONFIG_DIR / key
         if key.split("/")[0] == "hydra" or not _KEY_OR_GROUP.fullmatch(key) or not group.is_dir():
             continue
-        options = sorted(p.stem for p in group.glob("*.yaml"))
+        options = group_options(key)
         if not options or value.startswith(_SWEEP_FUNCTIONS) or value in ("null", ""):
             continue
         for choice in value.split(","):
             choice = choice.strip()
             if choice and choice not in options:
-                near = difflib.get_close_matches(choice, options, n=1, cutoff=0.6)
-                return (f"{key}={choice} is not an option of configs/{key}/; valid choices: {', '.join(options)}"
-                        + (f"; closest: {near[0]}" if near else ""))
+                return group_option_error(key, choice)
     return None
+
+
+def group_options(group: str) -> list[str]:
+    """The options of configs/<group>/ (its YAML files), sorted."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def group_option_error(group: str, option: str) -> str:
+    """The one line for an option configs/<group>/ does not have: the closest and the valid options."""
+    options = group_options(group)
+    near = closest(option, options)
+    return (f"{group}={option!r} is not an option of configs/{group}/" + (f" (did you mean {near}?)" if near else "")
+            + f"; valid options: {', '.join(options)}")
 
 
 _KEY_OR_GROUP = re.compile(r"[A-Za-z_][\w-]*(/[\w-]+)*")
