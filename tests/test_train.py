@@ -169,14 +169,16 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_cli_errors_are_clear(tmp_path, c4_dir):
-    """The command line shows the message (no traceback) and exits with 2; Hydra's own error for an
-    unknown option names the available options."""
+    """The command line shows the message (no traceback) and exits with 2; an unknown option is one
+    line naming the closest and the available options (schema.bad_group_choice), before Hydra's own."""
     bad_batch = run_cli(train_cmd(tmp_path / "a", "train.batch_size=6"))
     assert bad_batch.returncode == 2, bad_batch.stderr
     assert "error: train.batch_size=6 must equal" in bad_batch.stderr and "Traceback" not in bad_batch.stderr
     unknown = run_cli(train_cmd(tmp_path / "b", "optimizer=adamx"))
-    assert unknown.returncode == 1
-    assert "Could not find 'optimizer/adamx'" in unknown.stderr and "frugal_rho0" in unknown.stderr
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines()[-1].startswith(
+        "error: optimizer='adamx' is not an option of configs/optimizer/ (did you mean badam?); valid options: ")
+    assert "frugal_rho0" in unknown.stderr and "Traceback" not in unknown.stderr
     missing = run_cli(train_cmd(tmp_path / "c", "data=local", f"data.path={tmp_path / 'no_such_corpus'}"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
     assert "no_such_corpus" in missing.stderr and "does not exist" in missing.stderr
