@@ -480,3 +480,17 @@ def test_auto_workers_follow_the_device_demand_within_the_spare_cores(tmp_path, 
     saved = yaml.safe_load(open(os.path.join(ckpt.list_checkpoints(str(tmp_path / "checkpoints"))[-1],
                                              "config.yaml")))
     assert saved["data"]["num_workers"] == 2
+
+
+def test_a_run_shorter_than_one_window_says_no_switch_will_happen_and_a_bad_value_comes_first(tmp_path):
+    """update_gap >= steps with a partly state-full subspace: a note at start; rho 0 (nothing to
+    switch) and runs that do switch get none. optimizer.density=1.5 is the registry's one line before
+    the memory planner sees it (it used to warn that its check was skipped, then stop)."""
+    assert run_inprocess(tmp_path / "a", "train.steps=3", "optimizer.update_gap=3") == 0
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert "note: optimizer.update_gap=3 >= train.steps=3: the state-full subspace never changes in this run" in log
+    assert run_inprocess(tmp_path / "b", "train.steps=4", "optimizer.update_gap=3") == 0
+    assert "never changes" not in (tmp_path / "b" / "train.log").read_text()
+    with pytest.raises(frugal.HyperparameterError, match="Invalid density: 1.5"):
+        run_inprocess(tmp_path / "c", "optimizer.density=1.5")
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()

@@ -56,6 +56,16 @@ def start_settings(run, resumed_from: str | None) -> dict:
             "compiled": run.compiled, "tf32": run.tf32}
 
 
+def no_switch_message(run, density: dict | None) -> str | None:
+    """A note when the run is shorter than one subspace window (optimizer.update_gap >= train.steps)
+    while part of the subspace is state-full: no switch will happen (a toy run of a Table 15 cell)."""
+    gap, steps = run.opt_cfg.get("update_gap"), run.tc.steps
+    if not density or not isinstance(gap, int) or gap < steps or not 0 < density.get("realised", 0) < 1:
+        return None
+    return (f"note: optimizer.update_gap={gap} >= train.steps={steps}: the state-full subspace never changes in "
+            f"this run (no switch)")
+
+
 def log_start(run, plan: dict, *, step: int, resumed: dict | None, memory: dict) -> dict:
     """The start row (what this run is: sizes, the optimizer's realised density, the memory
     estimates, the loop's settings, the memory check's `memory` entries, the input pipeline's
@@ -82,6 +92,8 @@ def log_start(run, plan: dict, *, step: int, resumed: dict | None, memory: dict)
     metrics.log(row)
     if density and density_message(density):
         say(density_message(density))
+    if no_switch_message(run, density):
+        say(no_switch_message(run, density))
     if changes:
         metrics.log({"event": "resume_changes", "step": step,
                      "changes": {k: [old, new] for k, (old, new) in changes.items()}})

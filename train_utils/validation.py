@@ -173,10 +173,20 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
                           f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
                           f"train.parallelism=ddp")
     check_in_backward(cfg, world_size)
+    check_optimizer_values(cfg)
     resume = cfg.train.resume
     if not isinstance(resume, str) or not resume:
         raise ConfigError(f"train.resume={resume!r} is invalid; choose auto, never or a checkpoint/run directory")
     return batch // per_pass
+
+
+def check_optimizer_values(cfg: DictConfig) -> None:
+    """The optimizer's keys and values, checked by the registry before anything uses them (the memory
+    planner would otherwise meet a bad value first, and skip its check with a warning)."""
+    from frugal import registry
+
+    opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    registry.resolve(opt.pop("name"), opt)  # HyperparameterError: one line naming the value and the choices
 
 
 def check_in_backward(cfg: DictConfig, world_size: int) -> None:
