@@ -67,6 +67,10 @@ def test_equals_the_ordinary_step(ordinary, in_backward):
     assert_equal_up_to_sign_flips(final_weights(in_backward), final_weights(ordinary), 7)
     end, ref_end = rows(in_backward)[-1], rows(ordinary)[-1]
     assert end["val_loss"] == pytest.approx(ref_end["val_loss"], rel=1e-4)
+    # the start row and the console say which step ran
+    assert rows(in_backward)[0]["optimizer_in_backward"] is True and rows(ordinary)[0]["optimizer_in_backward"] is False
+    assert "fp32, ddp, optimizer step inside backward; planned memory" in (in_backward / "train.log").read_text()
+    assert "inside backward" not in (ordinary / "train.log").read_text()
 
 
 def test_resume_is_exact(in_backward, tmp_path):

@@ -53,6 +53,7 @@ def start_settings(run, resumed_from: str | None) -> dict:
             "activation_checkpointing": activation_checkpointing_on(run.raw_model),
             "ddp_gradient_as_bucket_view": getattr(run.model, "gradient_as_bucket_view", None),
             "zero_grad_set_to_none": zero_grad_sets_to_none(run.model), "parallelism": tc.parallelism,
+            "optimizer_in_backward": bool(tc.optimizer_in_backward),
             "compiled": run.compiled, "tf32": run.tf32}
 
 
@@ -170,7 +171,8 @@ def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> st
     memory = (f"planned memory {row['memory_planned_bytes'] / gib:.1f} GiB of "
               f"{row['memory_available_bytes'] / gib:.1f} "
               f"GiB available" if "memory_planned_bytes" in row else f"memory check {row.get('memory_check', 'off')}")
-    lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}; {memory}")
+    in_backward = ", optimizer step inside backward" if row.get("optimizer_in_backward") else ""
+    lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}{in_backward}; {memory}")
     if row.get("resumed_from"):
         lines.append(f"  resuming from {row['resumed_from']} (step {row['step']})")
     return "\n".join(lines)
