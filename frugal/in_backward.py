@@ -38,7 +38,7 @@ What runs when (``StepInBackward``):
   so the weights equal ``backward(); clip_grad_norm_(); step()`` up to float rounding; one optimizer,
   one ``state_dict`` and one LR scheduler as before.
 - **A bad gradient never half-applies silently.** Each block's gradients are checked before they
-  are applied (their squared norms, one host sync per block); from the block holding the first
+  are applied (their norms, one host sync per block); from the block holding the first
   non-finite one on, no tensor of the step is updated and ``optimizer.step()`` raises
   ``NonFiniteGradientError``, which says how many tensors had already taken the step (their weights
   are then one step ahead of the others).
@@ -93,7 +93,7 @@ def step_in_backward(optimizer, max_norm: float | None = None, model=None) -> "S
 
 
 class StepInBackward:
-    """Gradient hooks that run a FRUGAL optimizer's step tensor by tensor during backward."""
+    """Gradient hooks that run a FRUGAL optimizer's step a block at a time during backward."""
 
     def __init__(self, optimizer, max_norm: float | None = None, model=None):
         from .optimizer import FRUGAL
@@ -150,7 +150,7 @@ class StepInBackward:
         self._applied = 0
         self._bad: str | None = None  # the first non-finite gradient of the step
         self._norm: Tensor | None = None
-        self._ready: list[tuple] = []  # (slot, squared norm): gradients of one block, applied together
+        self._ready: list[tuple] = []  # (slot, gradient norm): gradients of one block, applied together
         self._ready_block = None  # the block of the ready gradients (tensors outside blocks join any)
         self._flush_queued = False
 
@@ -178,7 +178,6 @@ class StepInBackward:
         self._sharded |= is_dtensor(param.grad)
         norm = torch.linalg.vector_norm(local(param.grad))
         self._norms.append(norm)  # the global norm is taken as get_total_norm takes it: the same rounding
-        sq = norm.float().square()
         if self._waits(slot):
             self._deferred.append(param)
             return
@@ -187,7 +186,7 @@ class StepInBackward:
         if self._ready and (slot.block not in (None, self._ready_block)
                             or (self._ready_block is None and len(self._ready) == BATCH)):
             self._flush()
-        self._ready.append((slot, sq))
+        self._ready.append((slot, norm))
         self._ready_block = slot.block if slot.block is not None else self._ready_block
         if not self._flush_queued:  # the block that completes last is applied when backward ends
             self._flush_queued = True
@@ -205,7 +204,7 @@ class StepInBackward:
         if not ready:
             return
         if self._bad is None:
-            finite = torch.isfinite(torch.stack([sq for _, sq in ready])).tolist()  # one host sync
+            finite = torch.isfinite(torch.stack([norm for _, norm in ready])).tolist()  # one host sync
             if not all(finite):
                 slot = ready[finite.index(False)][0]
                 self._bad = self._name(slot.param, slot)
