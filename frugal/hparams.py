@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
-from . import muon
+from . import muon, state_precision
 from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "density_schedule": DENSITY_KINDS,
     "adjust_lr_fn": muon.ADJUST_LR_FNS,
     "svd_signs": proj.SVD_SIGNS,
+    "state_precision": state_precision.PRECISIONS,
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
@@ -182,6 +183,7 @@ def check_group(group: dict) -> None:
     if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
         full_rule.check(group)
     split = group["projectable"] and not group["always_state_free"]
+    state_precision.check(group, full_rule, split, any(is_dtensor(p) for p in group["params"]))
     projection = group["projection"]
     for p in group["params"]:
         if full_rule.matrix_only and not group["always_state_free"] and (

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from . import external
+from . import external, state_precision
 from .hparams import HyperparameterError
 from . import projections as proj
 from .registry import frugal_defaults, optimizer_groups, resolve
@@ -78,27 +78,29 @@ def _frugal_bytes(model: nn.Module, name: str, shared: dict, svd_layout: str) ->
         if settings.get("projectable"):
             projectable += [(settings, p) for p in group["params"]]
         else:
-            total += sum(_rule_bytes(settings["state_full"], p.shape, p.element_size()) for p in group["params"])
+            total += sum(_rule_bytes(settings["state_full"], p.shape, p.element_size(), settings["state_precision"])
+                         for p in group["params"])
 
     if shared["projection"] == "block":
-        return total + sum(_rule_bytes(shared["state_full"], p.shape, p.element_size())
+        return total + sum(_rule_bytes(shared["state_full"], p.shape, p.element_size(), shared["state_precision"])
                            for p in _active_block_tensors(projectable, shared))
     for settings, p in projectable:
         total += _split_bytes(settings, p, svd_layout)
     return total
 
 
-def _rule_bytes(rule_name: str, shape, elem: int) -> int:
-    """The state-full rule's state for a target of ``shape``: its tensors and a step counter."""
+def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> int:
+    """The state-full rule's state for a target of ``shape``: its tensors (stored as ``precision``,
+    ``frugal.state_precision``) and a step counter."""
     from .rules import STATE_FULL
 
     rule = STATE_FULL[rule_name]
     shape = tuple(shape)
     if rule.shapes is not None:
-        n = sum(math.prod(s) for s in rule.shapes(shape).values())
+        n = sum(math.prod(s) for s in rule.shapes(shape).values()) * elem
     else:
-        n = len(rule.state_names) * math.prod(shape)
-    return n * elem + (_STEP_BYTES if rule.counts_steps else 0)
+        n = len(rule.state_names) * state_precision.moment_bytes(precision, math.prod(shape), elem)
+    return n + (_STEP_BYTES if rule.counts_steps else 0)
 
 
 def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:

@@ -59,7 +59,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import density, grouping, state_management
+from . import density, grouping, state_management, state_precision
 from .adaptive import check_shared
 from .hparams import HyperparameterError, check_group, resolve_momentum, validate
 from .reference import update_tensor
@@ -184,6 +184,9 @@ class FRUGAL(Optimizer):
         sign_update: auto, compiled, eager (``frugal.kernels``).
         stochastic_rounding: round bfloat16 weights stochastically (unbiased) so updates below half
             an ulp are not lost in pure bf16 (off: the paper's runs round to nearest).
+        state_precision: the state-full moments of whole tensors in the weights' dtype (``param``),
+            bfloat16 (``bf16``) or bitsandbytes' blockwise 8 bits (``8bit``), decoded to float32
+            for each update (``frugal.state_precision``; block projection, elementwise rules).
         foreach: False runs the single-tensor reference step (``frugal.reference``).
 
     Subspaces are pure functions of (seed, window, parameter position) drawn from private
@@ -206,7 +209,7 @@ class FRUGAL(Optimizer):
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
                  nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
                  adjust_lr_fn="match_rms_adamw",
-                 sign_update="auto", stochastic_rounding=False, foreach=True):
+                 sign_update="auto", stochastic_rounding=False, state_precision="param", foreach=True):
         params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
@@ -221,7 +224,8 @@ class FRUGAL(Optimizer):
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
                         max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, sign_update=sign_update,
-                        stochastic_rounding=stochastic_rounding, foreach=foreach)
+                        stochastic_rounding=stochastic_rounding, state_precision=state_precision,
+                        foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
         self._events: list[dict] = []
@@ -265,6 +269,8 @@ class FRUGAL(Optimizer):
         super().load_state_dict(state_dict)
         state_management.upgrade_groups(self.param_groups, self.defaults)
         state_management.restore_exact(self.state, self.param_groups, state_dict["param_groups"], exact)
+        for group in self.param_groups:  # torch cast bfloat16 moments to the weights' dtype
+            state_precision.restore_dtypes(self.state, group, STATE_FULL[group["state_full"]])
         self._layout = None
 
     def materialize_state(self, step: int) -> None:
@@ -404,7 +410,7 @@ class FRUGAL(Optimizer):
             w.free_grad = w.grad
             return
         if w.role == FULL:
-            rule.init_state(w.state, w.param)
+            rule.init_state(w.state, w.param, group=group)
             w.target, w.full_grad = w.local, w.grad
             return
         p, projection, transposed = w.local, group["projection"], group["transposed"]
@@ -447,9 +453,14 @@ class FRUGAL(Optimizer):
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
             rule = STATE_FULL[group["state_full"]]
+            options = tuple(tuple(v) if isinstance(v, list) else v for v in (group[k] for k in rule.options))
+            if w.role == FULL and state_precision.storage(group, w.target.numel()) != "param":
+                state_precision.update_(rule, w.target, w.full_grad, w.state, lr=lr_full, betas=tuple(group["betas"]),
+                                        eps=group["eps"], weight_decay=wd_full, momentum=group["momentum"],
+                                        **dict(zip(rule.options, options)))
+                continue
             key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
-                          w.target.device, w.target.dtype,
-                          tuple(tuple(v) if isinstance(v, list) else v for v in (group[k] for k in rule.options)))
+                          w.target.device, w.target.dtype, options)
             targets, grads, states, steps = buckets.setdefault(key, ([], [], defaultdict(list), []))
             whole = rule.gathers and w.role == FULL  # the rule reads FSDP2 DTensors itself (Muon)
             targets.append(w.param if whole else w.target)

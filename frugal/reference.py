@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import projections as proj
-from . import sharding, state_management
+from . import sharding, state_management, state_precision
 from .kernels import stochastic_round_
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
 from .windows import FREE, FULL
@@ -38,8 +38,12 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     new = p.to(torch.promote_types(p.dtype, torch.float32))
     decay = 1.0 - lr * group["weight_decay"]
     if role == FULL:
-        full_rule.init_state(state, param)
+        full_rule.init_state(state, param, group=group)
         whole = {"like": param} if full_rule.gathers else {}  # Muon gathers an FSDP2 shard's matrix
+        if state_precision.storage(group, p.numel()) != "param":  # moments decoded a chunk at a time
+            _full_low_precision(p, grad, state, full_rule, rule_kwargs, lr_full, decay, _rounding(param, group, step,
+                                                                                                  ident))
+            return
         d = full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs, **whole)
         new = (new - lr_full * d) * decay if full_rule.decays_after else new * decay - lr_full * d
     elif role == FREE:
@@ -70,9 +74,36 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
                 new -= lr_free * (d.t() if flip else d)
             elif free_rule.direction is not None:
                 new -= lr_free * free_rule.direction(a - lift(g_full))
-    if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
-        # a pure function of (seed, step, tensor[, shard]): reruns and resumed runs round alike
-        seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))
-        stochastic_round_(p, new, torch.Generator(device=p.device).manual_seed(seed))
+    _write(p, new, _rounding(param, group, step, ident))
+
+
+def _rounding(param: Tensor, group: dict, step: int, ident: int) -> torch.Generator | None:
+    """The generator of the stochastic rounding of bf16 weights (None: round to nearest): a pure
+    function of (seed, step, tensor[, shard]), so reruns and resumed runs round alike."""
+    if not (group["stochastic_rounding"] and param.dtype == torch.bfloat16):
+        return None
+    seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))
+    return torch.Generator(device=sharding.local(param).device).manual_seed(seed)
+
+
+def _write(p: Tensor, new: Tensor, generator: torch.Generator | None) -> None:
+    if generator is not None:
+        stochastic_round_(p, new, generator)
     else:
         p.copy_(new)
+
+
+def _full_low_precision(p: Tensor, grad: Tensor, state: dict, rule, rule_kwargs: dict, lr: float, decay: float,
+                        generator: torch.Generator | None) -> None:
+    """A wholly state-full tensor whose moments are stored in low precision (``frugal.state_precision``):
+    the same update as above, a chunk at a time, so the float32 copies stay small."""
+    dtype = torch.promote_types(p.dtype, torch.float32)
+    flat_p, flat_g = p.view(-1), grad.reshape(-1)
+    for start, stop in state_precision.chunks(flat_p.numel()):
+        moments = state_precision.decode_chunk(state, rule, start, stop, dtype)
+        d = rule.direction(flat_g[start:stop].to(dtype), moments, **rule_kwargs)
+        new = flat_p[start:stop].to(dtype)
+        new = (new - lr * d) * decay if rule.decays_after else new * decay - lr * d
+        _write(flat_p[start:stop], new, generator)
+        state_precision.encode_chunk(state, rule, start, stop, moments)
+    state_precision.advance(state, rule)

@@ -63,8 +63,8 @@ from .rules import STATE_FREE
 COMMON_KEYS = ("lr", "weight_decay", "seed")
 # FRUGAL-based entries with layout "blocks" also take the `param_groups` keys.
 GROUPING_DEFAULTS = {"state_free_modules": (), "target_modules": None, "tensor_order": "module"}
-# How FRUGAL runs, not what it computes: every FRUGAL-based entry takes these.
-IMPLEMENTATION_KEYS = ("stochastic_rounding", "foreach")
+# How FRUGAL runs and stores its state (not which algorithm): every FRUGAL-based entry takes these.
+IMPLEMENTATION_KEYS = ("stochastic_rounding", "state_precision", "foreach")
 _ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
 
 

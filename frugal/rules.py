@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import factored, kernels
+from . import factored, kernels, state_precision
 from . import fira as _fira
 from . import muon as _muon
 
@@ -209,15 +209,22 @@ class StateFullRule:
     options: tuple[str, ...] = ()  # group keys passed to the rule as keywords (Muon's)
     gathers: bool = False  # takes whole FSDP2 DTensors (not local shards) and gathers what it needs
     check: Callable | None = None  # group -> None, raises HyperparameterError for what it cannot update
+    # Its state may be updated a slice at a time (frugal.state_precision: low-precision moments).
+    elementwise: bool = False
+    nonnegative: tuple[str, ...] = ()  # moments that are never negative (8-bit: the unsigned map)
 
-    def init_state(self, state: dict, like: Tensor, shape=None) -> None:
+    def init_state(self, state: dict, like: Tensor, shape=None, group: dict | None = None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
         A fresh moment restarts the step count. ``like`` may be a DTensor (FSDP2 shard): the
-        moments are then DTensors too, so torch.distributed.checkpoint can save and reshard them."""
+        moments are then DTensors too, so torch.distributed.checkpoint can save and reshard them.
+        ``group``: a whole tensor's group, whose ``state_precision`` stores the moments
+        (``frugal.state_precision``); without it, the moments take ``like``'s dtype."""
         shapes = None if self.shapes is None else self.shapes(like.shape if shape is None else shape)
         for name in self.state_names:
             if name not in state:
-                if shapes is not None:
+                if group is not None and state_precision.is_low(group):
+                    state_precision.zeros(state, name, like.shape if shape is None else shape, like, group)
+                elif shapes is not None:
                     state[name] = torch.zeros(shapes[name], dtype=like.dtype, device=like.device)
                 else:
                     state[name] = (torch.zeros_like(like) if shape is None else
@@ -232,10 +239,12 @@ class StateFullRule:
 
 
 STATE_FULL = {
-    "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True),
-    "adamw_hf": StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True, decays_after=True),
-    "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False),
-    "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False),
+    "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True, elementwise=True,
+                           nonnegative=("exp_avg_sq",)),
+    "adamw_hf": StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True, decays_after=True,
+                              elementwise=True, nonnegative=("exp_avg_sq",)),
+    "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False, elementwise=True),
+    "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False, elementwise=True),
     "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
                                         ("exp_avg", "row", "col"), True, _factored_shapes, True),
     # Muon (frugal/muon.py): one momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz.

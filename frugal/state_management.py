@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from . import projections as proj
-from . import subspace
+from . import state_precision, subspace
 from .checks import HyperparameterError
 from .hparams import resolve_momentum
 from .rules import STATE_FREE, STATE_FULL, StateFullRule
@@ -115,7 +115,9 @@ def restart_block(state: dict, rule: StateFullRule, group: dict, window: int) ->
 
 def drop_full_state(state: dict, rule: StateFullRule) -> None:
     """Forget the state-full rule's state (moments, step count, subspace); keep the rest."""
-    for name in (*rule.state_names, "step", "index", "proj", "window"):
+    for name in rule.state_names:
+        state_precision.drop(state, name)
+    for name in ("step", "index", "proj", "window"):
         state.pop(name, None)
 
 
@@ -266,7 +268,7 @@ def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: in
     if whole:
         if block:
             restart_block(state, rule, group, window)
-        rule.init_state(state, param)
+        rule.init_state(state, param, group=group)
         return
     if group["projection"] in proj.COORDINATE:
         coordinates(state, rule, p, group, window, ident, shard_key(param, group))
@@ -321,8 +323,10 @@ def materialize_state(state: dict, groups: list[dict], layout: Layout, step: int
 def exact_entries(state_dict: dict) -> dict:
     """The integer state of a state dict (indices, counters), by parameter key: torch's
     ``load_state_dict`` casts every state tensor of a floating-point parameter to the parameter's
-    dtype, and bfloat16 cannot even represent indices above 256; ``restore_exact`` puts them back."""
-    return {key: {name: v for name, v in s.items() if torch.is_tensor(v) and not v.is_floating_point()}
+    dtype, and bfloat16 cannot even represent indices above 256; ``restore_exact`` puts them back
+    (with the float32 scales of 8-bit moments)."""
+    return {key: {name: v for name, v in s.items()
+                  if torch.is_tensor(v) and (not v.is_floating_point() or name.endswith(state_precision.ABSMAX))}
             for key, s in state_dict["state"].items()}
 
 

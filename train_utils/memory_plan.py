@@ -160,6 +160,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     from frugal import projections as proj
     from frugal.kernels import AUTO_MIN_NUMEL
     from frugal.optimizer import _BATCH_TENSORS
+    from frugal import state_precision
     from frugal.rules import STATE_FULL
 
     optimizer = frugal.build_optimizer(model, name, **hp)
@@ -202,7 +203,15 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     whole = sign + (sum(full_sizes) * elem if lion else 0)
     count = len(active)
     if 0 < count < len(units):  # a switch, at the contract: one block above the resting state
-        whole += n_moments * max(units.values()) * elem
+        whole += n_moments * state_precision.moment_bytes(g0["state_precision"], max(units.values()), elem)
+    def is_low(g, n: int) -> bool:  # a whole tensor whose moments are stored in low precision
+        return (not g["always_state_free"] and (not g["projectable"] or g["projection"] == "block")
+                and state_precision.storage(g, n) != "param")
+
+    low = max([p.numel() for g in groups for p in g["params"] if is_low(g, p.numel())], default=0)
+    if low and not (elem == 2 and g0["stochastic_rounding"]):
+        # decoded a chunk at a time: the chunk's weights, gradient and moments in float32, its codes
+        whole += min(state_precision.CHUNK, low) * (4 * (n_moments + 2) + 1)
 
     def batch_bytes(g, params) -> int:
         projection, density, t = g["projection"], g["density"], g["transposed"]
@@ -230,9 +239,14 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     rounded = 0  # bf16 weights rounded stochastically: the single-tensor path, one tensor at a time
     if elem == 2:
         for g in groups:
-            if g["stochastic_rounding"]:
-                rounded = max([rounded] + [(_ROUNDED_FULL if not g["projectable"] else _ROUNDED_FREE) * p.numel()
-                                           for p in g["params"]])
+            if not g["stochastic_rounding"]:
+                continue
+            for p in g["params"]:
+                n = p.numel()
+                if is_low(g, n):  # a chunk at a time, its moments decoded to float32 and coded back
+                    rounded = max(rounded, min(state_precision.CHUNK, n) * (_ROUNDED_FULL + 4 * n_moments + 1))
+                else:
+                    rounded = max(rounded, (_ROUNDED_FULL if not g["projectable"] else _ROUNDED_FREE) * n)
     return max([whole, rounded] + [batch_bytes(g, params) for g, params in batches])
 
 

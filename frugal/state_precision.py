@@ -1,0 +1,188 @@
+"""How the state-full rule's moments are stored: in the weights' dtype (``param``, the default),
+in bfloat16 (``bf16``) or in 8 bits (``8bit``).
+
+Low-precision moments are decoded to float32 for the update and encoded back after it, a chunk of
+``CHUNK`` elements at a time, so the float32 copies never exceed a few MB whatever the tensor; the
+update itself is the rule's own (``rules.STATE_FULL``), so every elementwise rule (AdamW, Lion,
+SGDM) takes it unchanged.
+
+8 bits are bitsandbytes' blockwise dynamic quantisation, the format of its 8-bit optimizers (Dettmers
+et al., 2022): blocks of 256 elements, each with its float32 absolute maximum, and a dynamic map
+(signed, or unsigned for the moments a rule declares ``nonnegative``, e.g. AdamW's second moment).
+The codes are ``state[name]`` (uint8) and the scales ``state[name + "_absmax"]`` (float32), plain
+tensors, so ``state_dict()`` round-trips. Tensors under ``MIN_8BIT_NUMEL`` elements keep their
+moments in the weights' dtype, as bitsandbytes' default ``min_8bit_size`` does. bitsandbytes is
+imported only when 8-bit state is asked for (the library stays torch-only otherwise).
+
+Low precision applies to whole tensors (block projection and the non-projectable tensors): moments
+that projections move between subspaces (column, svd, ...) stay in the weights' dtype (``check``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .checks import HyperparameterError
+
+PRECISIONS = ("param", "bf16", "8bit")
+BLOCK = 256  # elements per 8-bit block: bitsandbytes' blockwise optimizer kernels
+MIN_8BIT_NUMEL = 4096  # smaller tensors keep full-precision moments (bitsandbytes' min_8bit_size)
+CHUNK = 1 << 20  # elements decoded at once (a multiple of BLOCK): 4 MB per float32 moment
+ABSMAX = "_absmax"
+_CODES: dict = {}
+
+
+def is_low(group: dict) -> bool:
+    return group.get("state_precision", "param") != "param"
+
+
+def storage(group: dict, numel: int) -> str:
+    """How a state-full tensor of ``numel`` elements in ``group`` stores its moments."""
+    precision = group.get("state_precision", "param")
+    if precision == "8bit" and numel < MIN_8BIT_NUMEL:
+        return "param"
+    return precision
+
+
+def moment_bytes(precision: str, numel: int, elem: int) -> int:
+    """Bytes of one moment of ``numel`` elements stored as ``precision`` (weights of ``elem`` bytes)."""
+    if precision == "8bit" and numel >= MIN_8BIT_NUMEL:
+        return numel + 4 * math.ceil(numel / BLOCK)
+    return numel * (2 if precision == "bf16" else elem)
+
+
+def _bnb_ops():
+    try:
+        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+    except ImportError as err:
+        raise ImportError("state_precision='8bit' stores moments in bitsandbytes' blockwise 8-bit format: "
+                          "pip install bitsandbytes (or frugal-optim[8bit])") from err
+    return torch.ops.bitsandbytes
+
+
+def _code(signed: bool, device: torch.device) -> Tensor:
+    key = (signed, device)
+    if key not in _CODES:
+        from bitsandbytes.functional import create_dynamic_map
+        _CODES[key] = create_dynamic_map(signed=signed).to(device)
+    return _CODES[key]
+
+
+def zeros(state: dict, name: str, shape, like: Tensor, group: dict) -> None:
+    """A fresh moment ``name`` of ``shape`` (zeros) in the group's storage."""
+    numel = math.prod(shape)
+    kind = storage(group, numel)
+    if kind == "8bit":
+        _bnb_ops()
+        state[name] = torch.zeros(shape, dtype=torch.uint8, device=like.device)
+        state[name + ABSMAX] = torch.zeros(math.ceil(numel / BLOCK), dtype=torch.float32, device=like.device)
+    else:
+        dtype = torch.bfloat16 if kind == "bf16" else like.dtype
+        state[name] = torch.zeros(shape, dtype=dtype, device=like.device)
+
+
+def drop(state: dict, name: str) -> None:
+    state.pop(name, None)
+    state.pop(name + ABSMAX, None)
+
+
+def compute_dtype(like: Tensor) -> torch.dtype:
+    return torch.promote_types(like.dtype, torch.float32)
+
+
+def decode(state: dict, name: str, start: int, stop: int, dtype: torch.dtype, signed: bool = True) -> Tensor:
+    """Elements ``start:stop`` of the flattened moment ``name``, as ``dtype`` (``signed``: the map of
+    a moment that may be negative)."""
+    codes = state[name].view(-1)[start:stop]
+    if codes.dtype != torch.uint8:
+        return codes.to(dtype)
+    ops = _bnb_ops()
+    absmax = state[name + ABSMAX][start // BLOCK: math.ceil(stop / BLOCK)]
+    return ops.dequantize_blockwise(codes, absmax, _code(signed, codes.device), BLOCK, torch.float32).to(dtype)
+
+
+def encode_(state: dict, name: str, start: int, stop: int, value: Tensor, signed: bool = True) -> None:
+    """Store ``value`` as elements ``start:stop`` of the flattened moment ``name``."""
+    codes = state[name].view(-1)[start:stop]
+    if codes.dtype != torch.uint8:
+        codes.copy_(value)
+        return
+    ops = _bnb_ops()
+    out, absmax = ops.quantize_blockwise(value.float(), _code(signed, codes.device), BLOCK)
+    codes.copy_(out)
+    state[name + ABSMAX][start // BLOCK: math.ceil(stop / BLOCK)].copy_(absmax)
+
+
+def chunks(numel: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the chunks a tensor of ``numel`` elements is updated in."""
+    return [(start, min(start + CHUNK, numel)) for start in range(0, numel, CHUNK)]
+
+
+def decode_chunk(state: dict, rule, start: int, stop: int, dtype: torch.dtype) -> dict:
+    """The rule's moments over flattened elements ``start:stop`` as ``dtype``, with a copy of the
+    step count (the rule advances it once per call; ``advance`` counts the whole tensor's step)."""
+    out = {n: decode(state, n, start, stop, dtype, n not in rule.nonnegative) for n in rule.state_names}
+    if rule.counts_steps:
+        out["step"] = state["step"].clone()
+    return out
+
+
+def encode_chunk(state: dict, rule, start: int, stop: int, moments: dict) -> None:
+    for n in rule.state_names:
+        encode_(state, n, start, stop, moments[n], n not in rule.nonnegative)
+
+
+def advance(state: dict, rule) -> None:
+    if rule.counts_steps:
+        state["step"] += 1
+
+
+def update_(rule, target: Tensor, grad: Tensor, state: dict, **kwargs) -> None:
+    """The state-full ``rule`` (``rules.StateFullRule``) on one whole tensor whose moments are stored
+    in low precision: per chunk, the moments, weights and gradient in float32, the rule's own update,
+    the results stored back."""
+    dtype = compute_dtype(target)
+    flat_t, flat_g = target.view(-1), grad.reshape(-1)
+    for start, stop in chunks(flat_t.numel()):
+        t = flat_t[start:stop].to(dtype)
+        moments = decode_chunk(state, rule, start, stop, dtype)
+        steps = [moments["step"]] if rule.counts_steps else []
+        rule.foreach([t], [flat_g[start:stop].to(dtype)], [[moments[n]] for n in rule.state_names], steps,
+                     **kwargs)
+        if t.data_ptr() != flat_t[start:stop].data_ptr():
+            flat_t[start:stop].copy_(t)
+        encode_chunk(state, rule, start, stop, moments)
+    advance(state, rule)
+
+
+def restore_dtypes(state: dict, group: dict, rule) -> None:
+    """After torch's ``load_state_dict`` (which casts floating state to the weights' dtype): the
+    group's bfloat16 moments as bfloat16 again (exactly: a widened bfloat16 narrows back unchanged)."""
+    for p in group["params"]:
+        s = state.get(p, {})
+        for name in rule.state_names:
+            if name in s and storage(group, s[name].numel()) == "bf16":
+                s[name] = s[name].to(torch.bfloat16)
+
+
+def check(group: dict, rule, projectable: bool, sharded: bool) -> None:
+    """Raise HyperparameterError for a group whose moments cannot be stored as asked."""
+    precision = group.get("state_precision", "param")
+    if precision == "param":
+        return
+    if rule.shapes is not None or rule.gathers or not rule.elementwise:
+        raise HyperparameterError(
+            f"state_precision {precision!r} decodes the moments a chunk at a time, which needs an "
+            f"elementwise state-full rule; got state_full {group['state_full']!r}; valid choices: "
+            "adamw, adamw_hf, lion, sgdm (or state_precision 'param')")
+    if projectable and group["projection"] != "block":
+        raise HyperparameterError(
+            f"state_precision {precision!r} stores whole tensors' moments, but projection "
+            f"{group['projection']!r} moves reduced moments between subspaces in the weights' dtype; "
+            "valid choices: projection 'block' (or state_precision 'param')")
+    if sharded:
+        raise HyperparameterError(
+            f"state_precision {precision!r} is not supported for FSDP2 shards (its state is checkpointed as "
+            "DTensors in the weights' dtype); valid choice with FSDP2: 'param'")

@@ -1,0 +1,192 @@
+"""Low-precision state-full moments (frugal.state_precision): 8 bits against bitsandbytes' own 8-bit
+optimizers on the same tensors, bf16 against a float64 re-implementation, and FRUGAL's contract
+(fast path = reference path, exact resume, the step inside backward, estimate = measured bytes)."""
+import copy
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import frugal
+from frugal import FRUGAL, HyperparameterError, estimate_state_bytes, state_bytes, step_in_backward
+from frugal import state_precision
+
+bnb = pytest.importorskip("bitsandbytes")  # a test dependency (requirements.txt); the library's 8bit extra
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    # two matrices above bitsandbytes' min_8bit_size (4096 elements), one matrix and biases below it
+    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Linear(96, 80), torch.nn.Linear(80, 3))
+
+
+def set_grads(params_a, params_b, step):
+    g = torch.Generator().manual_seed(step)
+    for a, b in zip(params_a, params_b):
+        grad = torch.randn(a.shape, generator=g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+
+
+def whole(model, **kw):
+    """FRUGAL with every tensor state-full: AdamW (or ``state_full``) on the whole model."""
+    return FRUGAL([{"params": list(model.parameters()), "projectable": False}], **kw)
+
+
+@pytest.mark.parametrize("rule,reference", [("adamw", "AdamW8bit"), ("lion", "Lion8bit")])
+def test_8bit_equals_bitsandbytes(rule, reference):
+    ours, theirs = mlp(), mlp()
+    kw = {"betas": (0.9, 0.99)} if rule == "lion" else {}
+    opt = whole(ours, lr=1e-2, weight_decay=0.1, state_full=rule, state_precision="8bit", **kw)
+    ref = getattr(bnb.optim, reference)(theirs.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+    for step in range(6):
+        set_grads(list(ours.parameters()), list(theirs.parameters()), step)
+        opt.step()
+        ref.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+        mine, bnbs = opt.state[p], ref.state[q]
+        if p.numel() >= state_precision.MIN_8BIT_NUMEL:  # the same codes and scales
+            assert mine["exp_avg"].dtype == torch.uint8
+            assert torch.equal(mine["exp_avg"], bnbs["state1"])
+            torch.testing.assert_close(mine["exp_avg_absmax"], bnbs["absmax1"], rtol=1e-6, atol=0)
+            if rule == "adamw":
+                assert torch.equal(mine["exp_avg_sq"], bnbs["state2"])
+        else:  # small tensors keep full-precision moments, as bitsandbytes' min_8bit_size
+            assert mine["exp_avg"].dtype == torch.float32
+
+
+def test_bf16_moments_equal_a_float64_reimplementation():
+    model = mlp()
+    opt = whole(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state_precision="bf16")
+    ref = {p: (p.detach().double(), torch.zeros_like(p, dtype=torch.bfloat16),
+               torch.zeros_like(p, dtype=torch.bfloat16)) for p in model.parameters()}
+    for step in range(1, 6):
+        set_grads(list(model.parameters()), list(model.parameters()), step)
+        opt.step()
+        for p, (w, m, v) in ref.items():
+            g = p.grad.double()
+            m64 = 0.9 * m.double() + 0.1 * g
+            v64 = 0.95 * v.double() + 0.05 * g * g
+            w.mul_(1 - 1e-2 * 0.1).sub_(1e-2 * (m64 / (1 - 0.9 ** step))
+                                        / ((v64 / (1 - 0.95 ** step)).sqrt() + 1e-8))
+            m.copy_(m64), v.copy_(v64)  # stored in bf16
+    for p, (w, m, v) in ref.items():
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        torch.testing.assert_close(p.double(), w, rtol=0, atol=1e-6)
+        # a moment computed in float32 may round to the neighbouring bf16 value of the float64 one
+        torch.testing.assert_close(opt.state[p]["exp_avg"].float(), m.float(), rtol=2 ** -7, atol=1e-12)
+
+
+VOCAB = 64
+
+
+def tiny_llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def train(model, opt, steps, in_backward=False, max_norm=None, check_reference=False):
+    """``steps`` steps of a fixed batch stream; ``check_reference``: before each one, a copy of the
+    model and the optimizer state takes the same step on the single-tensor reference path."""
+    stepper = step_in_backward(opt, max_norm=max_norm) if in_backward else None
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if max_norm and not in_backward:  # the global norm as the step inside backward takes it
+            grads = [p.grad for p in model.parameters()]
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, torch.nn.utils.get_total_norm(grads))
+        if check_reference:
+            twin = copy.deepcopy(model)
+            for p, q in zip(model.parameters(), twin.parameters()):
+                q.grad = p.grad.clone()
+            ref = FRUGAL(twin, foreach=False, **{k: v for k, v in opt.defaults.items() if k != "foreach"})
+            ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+            ref.step()
+        opt.step()
+        opt.zero_grad()
+        if check_reference:
+            for p, q in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    if stepper is not None:
+        stepper.remove()
+    return model
+
+
+HP = dict(lr=3e-3, weight_decay=0.1, density=0.5, update_gap=2, seed=3)
+
+
+@pytest.mark.parametrize("precision", ["8bit", "bf16"])
+def test_frugal_paths_resume_in_backward_and_bytes(precision):
+    """Across block switches: each step of the fast path equals the single-tensor reference's from
+    the same state; the step inside backward (with clipping) equals the ordinary step; a state_dict
+    resumes bit for bit in a new optimizer; the estimate is the measured state to the byte."""
+    fast = tiny_llama()
+    opt = FRUGAL(fast, state_precision=precision, **HP)
+    model_bytes = estimate_state_bytes(tiny_llama(), "frugal", state_precision=precision, **HP)
+    train(fast, opt, 3, check_reference=True)
+    assert state_bytes(opt) == model_bytes
+    codes = torch.uint8 if precision == "8bit" else torch.bfloat16
+    assert opt.state[fast.model.embed_tokens.weight]["exp_avg"].dtype == codes
+    # resume: a new model and optimizer from the state dicts, then 4 more steps on both
+    resumed = copy.deepcopy(fast)
+    opt2 = FRUGAL(resumed, state_precision=precision, **HP)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for s, s2 in zip(opt.state.values(), opt2.state.values()):
+        assert {k: v.dtype for k, v in s.items()} == {k: v.dtype for k, v in s2.items()}
+    train(fast, opt, 4, check_reference=True)
+    train(resumed, opt2, 4)
+    for p, q in zip(fast.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+    # the step inside backward: 7 steps (3 switches) bit for bit; with clipping, whose norm differs
+    # from the ordinary one in float rounding (which Adam amplifies), 3 steps (one switch)
+    for steps, max_norm, atol in ((7, None, 0.0), (3, 0.5, 1e-6)):
+        ordinary, hooked = tiny_llama(), tiny_llama()
+        train(ordinary, FRUGAL(ordinary, state_precision=precision, **HP), steps, max_norm=max_norm)
+        train(hooked, FRUGAL(hooked, state_precision=precision, **HP), steps, in_backward=True, max_norm=max_norm)
+        for p, q in zip(ordinary.parameters(), hooked.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
+def test_pure_bf16_with_stochastic_rounding_and_8bit_state():
+    model = tiny_llama(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = FRUGAL(model, state_precision="8bit", stochastic_rounding=True, **HP)
+    train(model, opt, 3)
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert state_bytes(opt) == estimate_state_bytes(tiny_llama(torch.bfloat16), "frugal", state_precision="8bit",
+                                                    stochastic_rounding=True, **HP)
+    embed = opt.state[model.model.embed_tokens.weight]
+    assert embed["exp_avg"].dtype == torch.uint8 and embed["exp_avg_absmax"].dtype == torch.float32
+    # the moments are about the same as in the weights' dtype: 8 bits lose precision, not the signal
+    plain = tiny_llama(torch.bfloat16)
+    opt_plain = FRUGAL(plain, stochastic_rounding=True, **HP)
+    train(plain, opt_plain, 3)
+    m8 = state_precision.decode(embed, "exp_avg", 0, embed["exp_avg"].numel(), torch.float32)
+    m16 = opt_plain.state[plain.model.embed_tokens.weight]["exp_avg"].float().view(-1)
+    assert torch.corrcoef(torch.stack([m8, m16]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"state_precision": "4bit"}, ["state_precision", "4bit", "param, bf16, 8bit"]),
+    ({"state_precision": "8bit", "projection": "column"}, ["'column'", "projection 'block'"]),
+    ({"state_precision": "bf16", "state_full": "adafactor_momentum", "projection": "column"},
+     ["elementwise", "adamw, adamw_hf, lion, sgdm"]),
+])
+def test_bad_state_precision_names_the_valid_choices(kw, words):
+    with pytest.raises(HyperparameterError) as err:
+        FRUGAL(tiny_llama(), **kw)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_8bit_without_bitsandbytes_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
+    with pytest.raises(ImportError, match="pip install bitsandbytes"):
+        train(mlp_model := tiny_llama(), FRUGAL(mlp_model, state_precision="8bit", **HP), 1)
+    assert frugal.FRUGAL(tiny_llama(), state_precision="bf16", **HP)  # bf16 needs nothing
