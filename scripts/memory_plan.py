@@ -183,6 +183,10 @@ VALIDATION_CASES = [
     # The compiled loss: the logits' gradient instead of three fp32 log-softmax tensors (the eager
     # twin is the llama_tiny case above).
     Case("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64, compiled=True),
+    # 8-bit moments (frugal.state_precision): fp32 weights, and pure bf16 with stochastic rounding
+    Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit"}, 4, 128),
+    Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit", "stochastic_rounding": True}, 4, 128,
+         precision="bf16"),
 ]
 
 

@@ -190,3 +190,54 @@ def test_8bit_without_bitsandbytes_says_what_to_install(monkeypatch):
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
         train(mlp_model := tiny_llama(), FRUGAL(mlp_model, state_precision="8bit", **HP), 1)
     assert frugal.FRUGAL(tiny_llama(), state_precision="bf16", **HP)  # bf16 needs nothing
+
+
+def test_llama7b_rho025_preset_fits_a_24gb_card_with_8bit_moments():
+    """experiment=llama7b_single_gpu_rho025: the 7B single-GPU recipe at density 0.25 with 8-bit
+    moments, at the largest micro-batch the planner allows on a 24 GB card (and what it needs)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from train_utils.memory_check import in_backward_settings
+    from train_utils.memory_plan import DEVICES, plan_memory
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base=None):
+        cfg = compose("config", overrides=["experiment=llama7b_single_gpu_rho025"])
+    OmegaConf.resolve(cfg)
+    opt = OmegaConf.to_container(cfg.optimizer)
+    assert (opt["name"], opt["density"], opt["state_precision"], opt["lr"], opt["update_gap"]) == (
+        "frugal", 0.25, "8bit", 5e-4, 500)
+    assert cfg.train.grad_clip == 1.0 and cfg.train.optimizer_in_backward and cfg.train.precision == "bf16"
+    settings = in_backward_settings(cfg, 1)
+
+    def plan(micro, **changes):
+        return plan_memory(cfg.model, {**opt, **changes}, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                           precision="bf16", activation_checkpointing=True, **settings)
+
+    card = DEVICES["rtx-24gb"]
+    assert cfg.train.micro_batch_size == 2 and plan(2).fits(card) and not plan(4).fits(card)
+    assert not plan(2).fits(DEVICES["l4"])
+    assert not plan(2, state_precision="bf16").fits(card)  # the 8 bits are what make it fit
+    eight, half = plan(2).optimizer_state, plan(2, state_precision="bf16").optimizer_state
+    assert 0.5 < eight / half < 0.52  # one byte per moment element and a float32 scale per 256
+
+
+def test_train_py_with_8bit_moments_in_backward_resumes_exactly(tmp_path):
+    """train.py end to end, as the 7B rho 0.25 preset runs (pure bf16, stochastic rounding, the step in
+    backward, clipping, 8-bit moments): the checkpoint holds the codes, and a resume is bit for bit."""
+    from _train_helpers import assert_same_weights, losses, run_inprocess, weights
+    from train_utils import checkpoint as ckpt
+
+    run = ["train.precision=bf16", "optimizer.stochastic_rounding=true", "optimizer.state_precision=8bit",
+           "train.optimizer_in_backward=true", "train.grad_clip=1.0", "train.steps=6"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_inprocess(straight, *run) == 0
+    assert run_inprocess(resumed, *run, "train.steps=3") == 0
+    assert run_inprocess(resumed, *run, "train.resume_changes=[train.steps]") == 0
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == 6
+    last = ckpt.latest(str(straight / ckpt.CHECKPOINT_DIR))
+    saved = torch.load(f"{last}/optimizer.pt", map_location="cpu", weights_only=True)["state"]
+    assert any(s.get("exp_avg", torch.zeros(0)).dtype == torch.uint8 and "exp_avg_absmax" in s for s in saved.values())
+    assert_same_weights(weights(str(ckpt.latest(str(resumed / ckpt.CHECKPOINT_DIR)))), weights(str(last)))
