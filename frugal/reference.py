@@ -21,7 +21,7 @@ from . import projections as proj
 from . import sharding, state_management, state_precision
 from .kernels import stochastic_round_
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
-from .windows import FREE, FULL
+from .windows import FREE, FULL, SPLIT
 
 
 def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: str, ident: int,
@@ -35,15 +35,22 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     lr = group["lr"]
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
-    new = p.to(torch.promote_types(p.dtype, torch.float32))
     decay = 1.0 - lr * group["weight_decay"]
     if role == FULL:
         full_rule.init_state(state, param, group=group)
+    if role != SPLIT and full_rule.elementwise:
+        # elementwise: a chunk at a time, so the float32 copies stay small (a 7B embedding: 0.5 GiB each)
+        generator = _rounding(param, group, step, ident)
+        local_state = {k: sharding.local(v) for k, v in state.items()}  # views: updated in place
+        for start, stop in state_precision.chunks(p.numel()):
+            _whole_chunk(p, grad, start, stop, local_state, group, role, rule_kwargs, lr_full, lr_free, decay,
+                         generator)
+        if role == FULL:
+            state_precision.advance(state, full_rule)
+        return
+    new = p.to(torch.promote_types(p.dtype, torch.float32))
+    if role == FULL:
         whole = {"like": param} if full_rule.gathers else {}  # Muon gathers an FSDP2 shard's matrix
-        if state_precision.storage(group, p.numel()) != "param":  # moments decoded a chunk at a time
-            _full_low_precision(p, grad, state, full_rule, rule_kwargs, lr_full, decay, _rounding(param, group, step,
-                                                                                                  ident))
-            return
         d = full_rule.direction(grad, {k: sharding.local(v) for k, v in state.items()}, **rule_kwargs, **whole)
         new = (new - lr_full * d) * decay if full_rule.decays_after else new * decay - lr_full * d
     elif role == FREE:
@@ -93,17 +100,27 @@ def _write(p: Tensor, new: Tensor, generator: torch.Generator | None) -> None:
         p.copy_(new)
 
 
-def _full_low_precision(p: Tensor, grad: Tensor, state: dict, rule, rule_kwargs: dict, lr: float, decay: float,
-                        generator: torch.Generator | None) -> None:
-    """A wholly state-full tensor whose moments are stored in low precision (``frugal.state_precision``):
-    the same update as above, a chunk at a time, so the float32 copies stay small."""
+def _whole_chunk(p: Tensor, grad: Tensor, start: int, stop: int, state: dict, group: dict, role: str,
+                 rule_kwargs: dict, lr_full: float, lr_free: float, decay: float,
+                 generator: torch.Generator | None) -> None:
+    """Elements ``start:stop`` of a wholly state-full (``FULL``) or state-free (``FREE``) tensor, with
+    the update above; state-full moments stored in low precision are decoded to float32 and coded back
+    (``frugal.state_precision``), the others are updated in place in their own dtype. The rule's step
+    count is a copy here: the caller advances it once for the whole tensor."""
     dtype = torch.promote_types(p.dtype, torch.float32)
-    flat_p, flat_g = p.view(-1), grad.reshape(-1)
-    for start, stop in state_precision.chunks(flat_p.numel()):
-        moments = state_precision.decode_chunk(state, rule, start, stop, dtype)
-        d = rule.direction(flat_g[start:stop].to(dtype), moments, **rule_kwargs)
-        new = flat_p[start:stop].to(dtype)
-        new = (new - lr * d) * decay if rule.decays_after else new * decay - lr * d
-        _write(flat_p[start:stop], new, generator)
-        state_precision.encode_chunk(state, rule, start, stop, moments)
-    state_precision.advance(state, rule)
+    flat_p, g = p.view(-1)[start:stop], grad.reshape(-1)[start:stop]
+    new = flat_p.to(dtype)
+    if role == FULL:
+        rule = STATE_FULL[group["state_full"]]
+        low = state_precision.storage(group, p.numel()) != "param"
+        moments = state_precision.decode_chunk(state, rule, start, stop, dtype if low else None)
+        d = rule.direction(g.to(dtype) if low else g, moments, **rule_kwargs)
+        new = (new - lr_full * d) * decay if rule.decays_after else new * decay - lr_full * d
+        if low:
+            state_precision.encode_chunk(state, rule, start, stop, moments)
+    else:
+        new *= decay
+        free_rule = STATE_FREE[group["state_free"]]
+        if free_rule.direction is not None:
+            new -= lr_free * free_rule.direction(g)
+    _write(flat_p, new, generator)

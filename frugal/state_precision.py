@@ -93,11 +93,11 @@ def compute_dtype(like: Tensor) -> torch.dtype:
 
 
 def decode(state: dict, name: str, start: int, stop: int, dtype: torch.dtype, signed: bool = True) -> Tensor:
-    """Elements ``start:stop`` of the flattened moment ``name``, as ``dtype`` (``signed``: the map of
-    a moment that may be negative)."""
+    """Elements ``start:stop`` of the flattened moment ``name``, as ``dtype`` (None: a view of a moment
+    stored unquantised; ``signed``: the map of a moment that may be negative)."""
     codes = state[name].view(-1)[start:stop]
     if codes.dtype != torch.uint8:
-        return codes.to(dtype)
+        return codes if dtype is None else codes.to(dtype)
     ops = _bnb_ops()
     absmax = state[name + ABSMAX][start // BLOCK: math.ceil(stop / BLOCK)]
     return ops.dequantize_blockwise(codes, absmax, _code(signed, codes.device), BLOCK, torch.float32).to(dtype)

@@ -241,3 +241,52 @@ def test_train_py_with_8bit_moments_in_backward_resumes_exactly(tmp_path):
     saved = torch.load(f"{last}/optimizer.pt", map_location="cpu", weights_only=True)["state"]
     assert any(s.get("exp_avg", torch.zeros(0)).dtype == torch.uint8 and "exp_avg_absmax" in s for s in saved.values())
     assert_same_weights(weights(str(ckpt.latest(str(resumed / ckpt.CHECKPOINT_DIR)))), weights(str(last)))
+
+
+def _peak_allocated(fn) -> int:
+    """Peak bytes torch's CPU allocator holds while ``fn`` runs, above what it held at the start
+    (the profiler's allocation events, as scripts/memory_plan.py measures its validation cases)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    events.sort()
+    return max(e[2] for e in events) - (events[0][2] - events[0][1])
+
+
+@pytest.mark.parametrize("precision", ["param", "8bit"])
+def test_single_tensor_path_works_a_chunk_at_a_time(precision, monkeypatch):
+    """bf16 weights with stochastic rounding take the single-tensor path: a whole state-full tensor is
+    updated a chunk at a time, bit for bit what the whole tensor at once gives (CPU: the rounding
+    noise is one stream), with float32 copies of one chunk instead of the tensor."""
+    n, chunk = 1 << 20, 1 << 16
+
+    def run(chunk_size):
+        monkeypatch.setattr(state_precision, "CHUNK", chunk_size)
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(n // 1024, 1024).bfloat16())
+        opt = FRUGAL([{"params": [w], "projectable": False}], lr=1e-3, weight_decay=0.1, stochastic_rounding=True,
+                     state_precision=precision)
+        peaks = []
+        for step in range(3):
+            w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+            peaks.append(_peak_allocated(opt.step))
+        return w.detach().clone(), opt.state[w], max(peaks[1:])  # the first step allocates the moments
+
+    whole_w, whole_state, whole_peak = run(1 << 30)
+    chunked_w, chunked_state, chunked_peak = run(chunk)
+    assert torch.equal(whole_w, chunked_w)
+    assert all(torch.equal(whole_state[k], chunked_state[k]) for k in whole_state)
+    assert whole_peak >= 20 * n  # the float32 copy, the update, the rounding noise of the whole tensor
+    assert chunked_peak <= 40 * chunk, (whole_peak, chunked_peak)

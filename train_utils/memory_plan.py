@@ -241,10 +241,13 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
         for g in groups:
             if not g["stochastic_rounding"]:
                 continue
+            whole_tensors = not g["projectable"] or g["always_state_free"] or g["projection"] == "block"
             for p in g["params"]:
                 n = p.numel()
-                if is_low(g, n):  # a chunk at a time, its moments decoded to float32 and coded back
-                    rounded = max(rounded, min(state_precision.CHUNK, n) * (_ROUNDED_FULL + 4 * n_moments + 1))
+                if whole_tensors and STATE_FULL[g["state_full"]].elementwise:
+                    # a chunk at a time (frugal.reference), low-precision moments decoded and coded back too
+                    per_element = _ROUNDED_FULL + (4 * n_moments + 1 if is_low(g, n) else 0)
+                    rounded = max(rounded, min(state_precision.CHUNK, n) * per_element)
                 else:
                     rounded = max(rounded, (_ROUNDED_FULL if not g["projectable"] else _ROUNDED_FREE) * n)
     return max([whole, rounded] + [batch_bytes(g, params) for g, params in batches])
