@@ -70,7 +70,7 @@ import data
 import frugal
 import models
 from train_utils import checkpoint as ckpt
-from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema
+from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema, toy
 from train_utils.memory_check import auto_micro_batch
 from train_utils.naming import debug_option, is_multirun, run_group
 from train_utils.validation import (AUTO, ConfigError, JobError, check_loop_settings,
@@ -114,6 +114,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
         run = Run(cfg, run_dir, accelerator, accum, tf32)  # the run record: its parts are set below as they are built
         say = run.say
+        for note in toy.apply(cfg, write=is_main):  # debug=toy: update gaps that switch in the toy run (its notes)
+            say(note)
 
         # ---- which checkpoint continues this run, and does this config still describe it?
         plan = resume.plan(cfg, run.ckpt_root, os.path.join(run_dir, METRICS_FILE), accelerator)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 PRESETS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 # Presets outside the paper's protocol (the 512-sequence batch on 8 GPUs): one GPU, checked on their own.
-SINGLE_GPU = ["llama7b_single_gpu"]
+SINGLE_GPU = ["llama7b_single_gpu", "llama7b_single_gpu_rho025"]
 PAPER_PRESETS = [p for p in PRESETS if p not in SINGLE_GPU]
 OPTIONS = sorted(p.stem for p in (CONFIGS / "optimizer").glob("*.yaml"))
 # data.num_workers=0: the presets' C4 worker counts would start 4 processes per preset here.
@@ -313,3 +313,119 @@ def test_llama7b_on_one_24gb_gpu_is_the_authors_recipe_and_fits():
     bigger = plan_memory(cfg.model, OmegaConf.to_container(opt), micro_batch_size=64, seq_len=cfg.data.seq_len,
                          precision="bf16", activation_checkpointing=True, **settings)
     assert not bigger.fits(DEVICES["rtx-24gb"])  # the next sizes up do not leave the margin (32: 1 GiB)
+
+
+# ---------------------------------------------------------------- debug=toy keeps a sweep's meaning
+# configs/debug/toy.yaml and train_utils/toy.py: every cell of a paper preset's sweep under debug=toy switches
+# its state-full subspace at least twice, distinct update gaps stay distinct, distinct model sizes stay
+# distinct models. From the composed configs (train_utils.toy.fit, what train() applies), no training.
+PAPER_SIZES = ["llama_20m", "llama_35m", "llama_60m", "llama_130m", "llama_350m", "llama_1b", "llama_3b", "llama_7b"]
+# The issue's two sweeps: Table 15's seven gaps are seven toy gaps (k = 11, 200 steps: switching 199, 99, 39,
+# 19, 10, 4 and 2 times); Table 2's four sizes are four toy models (layers, hidden), 130M the README's 4 x 128.
+TOY_CELLS = {"table15_update_gap": {10: 1, 20: 2, 50: 5, 100: 10, 200: 19, 500: 46, 1000: 91},
+             "table2": {"llama_60m": (4, 96), "llama_130m": (4, 128), "llama_350m": (6, 128), "llama_1b": (6, 160)}}
+
+
+def _toy_params(model_cfg, vocab: int = 512) -> int:  # 512: the synthetic corpus's symbols
+    with torch.device("meta"):
+        return sum(p.numel() for p in models.build_model(model_cfg, vocab_size=vocab).parameters())
+
+
+@pytest.mark.parametrize("preset", PAPER_PRESETS)
+def test_debug_toy_keeps_the_sweeps_cells_apart(preset):
+    """Each value of each axis of the preset's multirun, composed with debug=toy (the axes are independent:
+    an update gap depends on the optimizer option and the swept gaps, not on the model)."""
+    from train_utils import toy
+
+    gaps, sizes, shapes = {}, {}, {}
+    for overrides in _sweep_runs(preset):
+        cfg = _compose([f"experiment={preset}", *overrides, "debug=toy"], hydra_cfg=True)
+        toy.fit(cfg, cfg.hydra)
+        gap, steps = OmegaConf.select(cfg, "optimizer.update_gap", default=None), cfg.train.steps
+        assert steps == 200, (preset, overrides)  # no paper sweep needs a longer toy run
+        if gap is not None:
+            assert toy.switches(steps, gap) >= toy.SWITCHES, (preset, overrides, gap, steps)
+        key, _, value = overrides[0].partition("=") if overrides else ("", "", "")
+        if key == "optimizer.update_gap":
+            gaps[int(value)] = gap
+        if key == "model":
+            sizes[value] = _toy_params(cfg.model, cfg.data.vocab_size)
+            shapes[value] = (cfg.model.num_hidden_layers, cfg.model.hidden_size)
+    assert len(set(gaps.values())) == len(gaps), gaps
+    assert sorted(gaps.values()) == [gaps[g] for g in sorted(gaps)], gaps  # in the paper's order
+    assert len(set(sizes.values())) == len(sizes), sizes
+    assert sorted(sizes.values()) == [sizes[m] for m in PAPER_SIZES if m in sizes], sizes  # larger stays larger
+    if preset in TOY_CELLS:
+        assert (gaps or shapes) == TOY_CELLS[preset]
+
+
+def test_debug_toy_ladder_covers_every_paper_size():
+    from train_utils import toy
+
+    ladder = yaml.safe_load((CONFIGS / "debug" / "toy.yaml").read_text())["paper"]["toy_model"]
+    assert list(ladder) == PAPER_SIZES
+    tiny = OmegaConf.load(CONFIGS / "model" / "llama_tiny.yaml")
+    params = [_toy_params(OmegaConf.merge(tiny, {"num_hidden_layers": r["layers"], "hidden_size": r["hidden"],
+                                                 "intermediate_size": r["intermediate"]})) for r in ladder.values()]
+    assert params == sorted(params) and len(set(params)) == len(params)
+    assert params[-1] < 4.5 * params[PAPER_SIZES.index("llama_130m")]  # the largest toy stays minutes on a CPU
+    m = _compose(["model=llama_7b", "debug=toy"]).model
+    assert _toy_params(m) == params[-1]  # what a run composes is the ladder's rung
+    # a model not in the ladder (GPT-2, llama_tiny, one's own) shrinks to 4 x 128; a gap of 200: 67 (k = 3)
+    for model in ("gpt2_124m", "llama_tiny"):
+        cfg = _compose([f"model={model}", "optimizer=galore", "debug=toy"], hydra_cfg=True)
+        assert (cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.model.intermediate_size) == (4, 128, 352)
+        assert toy.fit(cfg, cfg.hydra)["changed"] == {"optimizer.update_gap": (200, 67)}
+
+
+def test_debug_toy_gap_rule():
+    from train_utils.toy import switches, toy_gaps
+
+    assert toy_gaps([10, 20, 50, 100, 200, 500, 1000], 200) == (
+        11, {10: 1, 20: 2, 50: 5, 100: 10, 200: 19, 500: 46, 1000: 91}, 200)
+    assert toy_gaps([50], 200) == (1, {50: 50}, 200)  # already switches twice: kept
+    # gaps one apart would meet at k = 11: k drops until they are distinct, and the run grows so that the
+    # largest still switches twice; unless its length was given (then it is kept)
+    k, mapping, steps = toy_gaps([998, 999, 1000], 200)
+    assert len(set(mapping.values())) == 3 and switches(steps, mapping[1000]) >= 2 and steps > 200
+    assert toy_gaps([998, 999, 1000], 200, steps_fixed=True)[2] == 200
+    assert toy_gaps([1000], 2, steps_fixed=True) == (1, {1000: 1000}, 2)  # too short to switch: left alone
+    assert [switches(200, g) for g in (99, 100, 199, 200)] == [2, 1, 1, 0]
+
+
+def test_debug_toy_fit_follows_the_command_line(tmp_path):
+    from train_utils import toy
+
+    plain = _compose(["experiment=table15_update_gap", "optimizer.update_gap=1000"], hydra_cfg=True)
+    assert toy.fit(plain, plain.hydra) == {} and plain.optimizer.update_gap == 1000  # only under debug=toy
+    fixed = _compose(["experiment=table15_update_gap", "optimizer.update_gap=1000", "debug=toy", "train.steps=2"],
+                     hydra_cfg=True)
+    assert toy.fit(fixed, fixed.hydra) == {} and fixed.optimizer.update_gap == 1000  # README's 2-step toy
+    # a multirun's own sweep of gaps (multirun.yaml in the sweep dir) replaces the preset's
+    job = _compose(["experiment=table15_update_gap", "optimizer.update_gap=300", "debug=toy",
+                    f"hydra.sweep.dir={tmp_path}"], hydra_cfg=True)
+    OmegaConf.save({"hydra": {"overrides": {"task": ["optimizer.update_gap=299,300", "debug=toy"]},
+                              "sweeper": {"params": OmegaConf.to_container(job.hydra.sweeper.params)}}},
+                   tmp_path / "multirun.yaml")
+    from hydra.types import RunMode
+
+    job.hydra.mode = RunMode.MULTIRUN
+    assert toy.fit(job, job.hydra)["gaps"] == {299: 299, 300: 300}  # any k > 1 would make them one gap...
+    assert (job.optimizer.update_gap, job.train.steps) == (300, 601)  # ...so the run grows: 2 switches
+
+
+def test_debug_toy_run_records_what_it_trains(tmp_path):
+    """The run's saved config (.hydra/config.yaml, which make_tables reads) holds the toy gap and shape."""
+    from train_utils import toy
+
+    cfg = _compose(["experiment=table15_update_gap", "optimizer.update_gap=500", "debug=toy"], hydra_cfg=True)
+    saved = tmp_path / ".hydra" / "config.yaml"
+    saved.parent.mkdir()
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    OmegaConf.save(task, saved)
+    cfg.hydra.runtime.output_dir = str(tmp_path)
+    toy.record(cfg, toy.fit(cfg, cfg.hydra), cfg.hydra)
+    written = OmegaConf.load(saved)
+    assert written.optimizer.update_gap == 46 and written.train.steps == 200
+    assert (written.model.num_hidden_layers, written.model.hidden_size) == (4, 128)  # plain numbers
+    assert written.train.micro_batch_size == cfg.train.micro_batch_size  # the rest as it was

@@ -421,8 +421,10 @@ def test_debug_toy_wins_over_every_preset_and_keeps_the_runs_shape(overrides):
     paper, toy = compose_cfg(*overrides), compose_cfg(*overrides, "debug=toy")
     assert (toy.model.name, toy.model.family, toy.optimizer, toy.schedule.name, toy.train.precision) == \
         (paper.model.name, paper.model.family, paper.optimizer, paper.schedule.name, paper.train.precision)
+    # each model its rung of the toy ladder (configs/debug/toy.yaml; 4 x 128 for 130M and any model not in it)
+    shape = {"llama_1b": (6, 160), "llama_3b": (8, 160)}.get(paper.model.name, (4, 128))
     assert (toy.model.num_hidden_layers, toy.model.hidden_size, toy.data.name, toy.data.num_workers) == \
-        (4, 128, "synthetic", 0)
+        (*shape, "synthetic", 0)
     assert (toy.train.steps, toy.train.batch_size, toy.train.eval_every, toy.train.eval_tokens) == (200, 8, 0, 16384)
     assert toy.schedule.warmup_steps < toy.train.steps and not toy.train.require_eval_tokens
     assert toy.wandb.mode == "disabled" and toy.train.parallelism == "ddp" and toy.train.compile is False
