@@ -3,10 +3,12 @@
     python scripts/plot_runs.py multirun/2025-01-01/12-00-00 --out table15.png
     python scripts/plot_runs.py runs/a runs/b --out cmp.png --smooth 50 --logy
 
-Each curve is labelled by its method, density (rho) and update gap (T) from the run's config, then by
-every other key the runs were swept over (plus the model when the runs differ in model), so a sweep
-reads without a legend lookup. Runs are found as in make_tables.py (directories holding
-metrics.jsonl, searched recursively).
+Each curve is labelled by the values of the keys the runs differ in (what a sweep varied, read from
+each run's `.hydra/overrides.yaml` as make_tables.py does), in short form: `density=0.25 update_gap=200
+seed=1`. What every run shares (model, optimizer option, debug=toy) is the figure's title instead,
+unless --title gives one. Runs that differ in no override key (runs launched one by one) are labelled
+by method, rho and T, plus the model where it differs; two runs that would still look alike get their
+directory. Runs are found as in make_tables.py (directories holding metrics.jsonl, searched recursively).
 """
 from __future__ import annotations
 
@@ -15,26 +17,55 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.make_tables import effective_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
+from scripts.make_tables import asked_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
 from scripts.paper_tables import method  # noqa: E402
 from train_utils.metrics import read_metrics  # noqa: E402
 from train_utils.naming import short_labels  # noqa: E402
 
-SHOWN = ("model", "optimizer.density", "optimizer.update_gap")  # in every label already
-
 
 def label(run: dict, swept: list[str], with_model: bool) -> str:
-    """Method, rho and T, then whatever else the runs were swept over (so no two curves look alike)."""
+    """`density=0.25 update_gap=200 seed=1`: the run's values of the keys the runs differ in (a key the
+    run does not have, AdamW's density, is left out; a value the run trained with instead of the one
+    asked, debug=toy's update gaps, says both: `update_gap=19 (asked 200)`); without any swept key, the
+    method with rho and T."""
+    short, values = short_labels(swept), []
+    for key in swept:
+        value, asked = asked_value(run, key)
+        if value is not None:
+            values.append(f"{short[key]}={value}" + (f" (asked {asked})" if asked is not None else ""))
+    return " ".join(values) if values else describe(run, with_model)
+
+
+def describe(run: dict, with_model: bool) -> str:
+    """"FRUGAL, rho=0.25, T=200" from the run's config (the model first, where the runs differ in it)."""
     opt = run["cfg"].get("optimizer", {})
     text = method(opt)
     if opt.get("name") in ("frugal", "galore", "badam") and "update_gap" in opt:
         text += f", T={opt['update_gap']}"
-    extra = [k for k in swept if k not in SHOWN]
-    short = short_labels(extra)
-    text += "".join(f", {short[k]}={effective_value(run, k)}" for k in extra)
-    if with_model:
-        text = f"{run['model']}: {text}"
-    return text
+    return f"{run['model']}: {text}" if with_model else text
+
+
+def labels(runs: list[dict]) -> list[str]:
+    """One legend entry per run, in the runs' order; runs that would look alike get their directory."""
+    swept = swept_keys(runs)
+    with_model = len({r["model"] for r in runs}) > 1
+    names = [label(r, swept, with_model) for r in runs]
+    return [f"{n} ({_short_dir(r['dir'])})" if names.count(n) > 1 else n for n, r in zip(names, runs)]
+
+
+def common_title(runs: list[dict]) -> str:
+    """What every run shares, for the title: the model, the optimizer option (when the runs differ in
+    neither), and the debug option (toy runs)."""
+    parts = [next(iter(v)) for v in ({r["model"] for r in runs}, {r["option"] for r in runs}) if len(v) == 1]
+    debug = {r["debug"] for r in runs}
+    if len(debug) == 1 and None not in debug:
+        parts.append(f"debug={next(iter(debug))}")
+    return ", ".join(str(p) for p in parts if p)
+
+
+def _short_dir(path: str) -> str:
+    """The run directory's last two parts (`<sweep>/3`): enough to tell runs apart, no machine path."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -51,21 +82,29 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = False, title: str = "") -> str:
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dirs, smooth_window, logy, title)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def figure(run_dirs: list[Path], smooth_window: int = 20, logy: bool = False, title: str = ""):
+    """The four panels (train loss and validation perplexity, against steps and tokens) as a pyplot
+    figure on the Agg backend; the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [load_run(d) for d in run_dirs]
-    with_model = len({r["model"] for r in runs}) > 1
-    swept = swept_keys(runs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
-    for r in runs:
+    for r, name in zip(runs, labels(runs)):
         rows = read_metrics(str(Path(r["dir"]) / "metrics.jsonl"))
         train = [x for x in rows if "loss" in x and "event" not in x]
         evals = [x for x in rows if "val_ppl" in x and x.get("event") is None]
         tokens_at = {x["step"]: x.get("tokens") for x in train}
-        name = label(r, swept, with_model)
         if train:
             loss = smooth([x["loss"] for x in train], smooth_window)
             line, = axes[0][0].plot([x["step"] for x in train], loss, label=name, lw=1)
@@ -95,12 +134,11 @@ def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = F
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
+    title = title or common_title(runs)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None) -> int:

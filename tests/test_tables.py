@@ -241,7 +241,32 @@ def test_real_sweep_plot_labels(real_sweep):
     runs = [make_tables.load_run(d) for d in make_tables.find_runs([str(real_sweep)])]
     swept = make_tables.swept_keys(runs)
     labels = {plot_runs.label(r, swept, with_model=False) for r in runs}
-    assert len(labels) == 4 and "FRUGAL, rho=0.125, T=200" in labels
+    assert labels == {f"density={d} update_gap={t}" for d in ("0.125", "0.25") for t in (100, 200)}
+
+
+def test_real_sweep_pivot(real_sweep, capsys):
+    """The sweep view of real runs: each cell is its one run's end-row perplexity, each row the density
+    the run's start row says the optimizer realised."""
+    capsys.readouterr()
+    assert make_tables.main([str(real_sweep), "--pivot", "optimizer.density", "optimizer.update_gap",
+                             "--format", "csv"]) == 0
+    cells = {r["runs"]: r for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    assert len(cells) == 4
+    for job in (p for p in real_sweep.iterdir() if (p / "metrics.jsonl").is_file()):
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        start, end = rows[0], rows[-1]
+        gap = OmegaConf.load(job / ".hydra" / "config.yaml").optimizer.update_gap
+        cell = cells[str(job)]
+        assert start["event"] == "start" and end["event"] == "end"
+        assert float(cell["mean_ppl"]) == end["val_ppl"] and cell["n"] == "1"
+        assert cell["col"] == f"{gap} (no switch)"  # 2 steps: neither gap changes the subspace
+        assert float(cell["row_value"]) == start["density_realised"]
+        assert cell["row"].startswith(f"{round(start['density_realised'], 4):g}")
+    # ... so T=100 and T=200 are one run: the same numbers, and a note under the grid says so
+    for row in {c["row"] for c in cells.values()}:
+        assert len({c["mean_ppl"] for c in cells.values() if c["row"] == row}) == 1
+    assert make_tables.main([str(real_sweep), "--pivot", "optimizer.density", "optimizer.update_gap"]) == 0
+    assert capsys.readouterr().out.count("hold one run repeated") == 2
 
 
 # ---- every row the paper prints is in its preset's multirun, and lands in that row ---------------
