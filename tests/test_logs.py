@@ -181,7 +181,7 @@ def test_every_row_has_a_finite_grad_norm_without_clipping(tmp_path):
 def test_start_block_progress_and_evaluations_reach_the_console_and_train_log(tmp_path, capsys):
     from train_utils.validation import native_bf16
 
-    assert run_inprocess(tmp_path, "train.steps=8", "train.eval_every=4") == 0
+    assert run_inprocess(tmp_path, "train.steps=8", "train.eval_every=4", "train.progress_bar=true") == 0
     precision = "bf16-mixed" if native_bf16("cpu") else "fp32"  # train.precision=auto, this CPU's choice
     log = (tmp_path / "train.log").read_text()
     start = rows(tmp_path)[0]
@@ -190,8 +190,11 @@ def test_start_block_progress_and_evaluations_reach_the_console_and_train_log(tm
                  "batch 8 sequences per step = micro-batch 4 x accumulation 2 x 1 process; 8 steps",
                  f"device cpu, {precision}, ddp; planned memory", "step 4/8: validation loss"):
         assert text in log, (text, log)
-    # no bar here (train.progress_bar=false): the progress lines go to the console too
-    assert "step 2/8: loss" in log and "step 2/8: loss" in capsys.readouterr().out
+    # a console that is not a terminal (captured here; a SLURM log) gets no bar, even with
+    # train.progress_bar=true: the progress lines go to the console too
+    console = capsys.readouterr()
+    assert "step 2/8: loss" in log and "step 2/8: loss" in console.out
+    assert "\r" not in console.err and "step/s" not in console.err and "s/step" not in console.err
     assert start["micro_batch_size"] == 4 and start["batch_size"] == 8 and start["device"] == "cpu"
     assert log.index("run dir") < log.index("step 2/8") < log.index("validation loss")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 from tqdm import tqdm
@@ -216,7 +217,7 @@ class EvalProgress:
 class StepLog:
     """What the loop logs and says after each step: the training row every train.log_every steps and
     at the last (loss, lr, gradient norm, tokens, the interval's pace and peak memory, the optimizer
-    state's size and state-full share), the progress bar (main process, train.progress_bar), one
+    state's size and state-full share), the progress bar (main process, train.progress_bar, on a terminal), one
     warning three steps in if the measured pace makes the plan absurd for this device, and a
     progress line every 5% of the run in train.log (on the console too when there is no bar). Events
     (window switches, schedule changes, data events) go through `event`: the state's size may follow.
@@ -227,7 +228,9 @@ class StepLog:
         self.interval = Interval(run.device, run.flops_per_position, run.peak_flops, run.world)
         self.started = time.perf_counter()
         self.state_size = StateBytes(run.optimizer, run.sharded, run.device)  # sharded: an all-reduce per change
-        self.shown = run.is_main and run.tc.progress_bar  # the bar on the console; train.log gets progress lines
+        # The bar only on a terminal: redirected (a SLURM log, `> file`), its redraws would fill the file;
+        # there the console gets the progress lines instead, as train.log always does.
+        self.shown = run.is_main and run.tc.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(total=run.tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not self.shown)
 
     def event(self, row: dict) -> None:
