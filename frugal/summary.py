@@ -7,8 +7,9 @@ rounded to whole layers) and the optimizer state this implies against AdamW's:
     >>> print(frugal.describe(model, density=0.25))       # what FRUGAL(model, density=0.25) will do
     >>> print(frugal.describe(optimizer, model=model))    # what an existing optimizer does now
 
-The state figure counts the state-full rule's moments in the parameters' dtype (AdamW: two per
-state-full value); `frugal.state_bytes(optimizer)` measures the real bytes after a step.
+The state figure counts the state-full rule's moments as they are stored (the parameters' dtype, or
+``state_precision``; AdamW: two per state-full value); `frugal.state_bytes(optimizer)` measures the
+real bytes after a step.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from . import grouping
+from . import grouping, state_precision
 from .optimizer import FRUGAL
 from .rules import STATE_FULL
 
@@ -86,14 +87,15 @@ def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Descriptio
             elem, numel = p.element_size(), p.numel()
             total += numel
             adamw_bytes += 2 * numel * elem
+            moment_bytes = state_precision.moment_bytes(group["state_precision"], numel, elem)
             if group["always_state_free"]:
                 role = "state-free"
             elif not group["projectable"]:
-                role, state_values = "state-full", state_values + moments * numel * elem
+                role, state_values = "state-full", state_values + moments * moment_bytes
             else:
                 projectable, n_projectable = projectable + numel, n_projectable + 1
                 blocks.add(group["block"])
-                state_values += moments * numel * elem * fraction
+                state_values += moments * moment_bytes * fraction
                 layers = group["projection"] == "block" and group["block_granularity"] == "layer"
                 role = f"block {group['block']}"
                 if layers and group["block"] in active:
@@ -124,6 +126,9 @@ def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Descriptio
         desc.summary.append(f"state-full now: {where}, {fraction:.1%} of the projectable parameters "
                             f"(density {d['density']:g}, {d['projection']}, update gap {d['update_gap']})")
     ratio = desc.state_bytes / adamw_bytes if adamw_bytes else 0.0
+    stored = "" if d["state_precision"] == "param" else f", stored as {d['state_precision']}"
     desc.summary.append(f"optimizer state ~ {_size(desc.state_bytes)} = {ratio:.1%} of AdamW's "
-                        f"{_size(adamw_bytes)} ({d['state_full']} moments of the state-full values)")
+                        f"{_size(adamw_bytes)} ({d['state_full']} moments of the state-full values{stored})")
+    if optimizer._in_backward is not None:
+        desc.summary.append("the step runs inside backward (frugal.step_in_backward): no full set of gradients is held")
     return desc

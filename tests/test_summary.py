@@ -33,7 +33,8 @@ def test_describe_model_rows_and_fractions(llama):
     assert "28 tensors in 4 blocks" in text and "of AdamW's" in text
 
 
-@pytest.mark.parametrize("hparams", [{"density": 0.25}, {"density": 0.5, "projection": "column"}])
+@pytest.mark.parametrize("hparams", [{"density": 0.25}, {"density": 0.5, "projection": "column"},
+                                     {"density": 0.25, "state_precision": "8bit"}])
 def test_describe_state_estimate_matches_measured_moments(llama, hparams):
     """The estimate counts AdamW's two moments of every state-full value; what the optimizer holds
     on top of that is one 4-byte step counter per state-full tensor and, for column, int64 indices."""
@@ -50,6 +51,11 @@ def test_describe_state_estimate_matches_measured_moments(llama, hparams):
     assert [row[0] for row in desc.rows] == [n for n, _ in llama.named_parameters()]
     unnamed = frugal.describe(optimizer)
     assert unnamed.rows[0][0] == "group 0, tensor 0" and unnamed.state_bytes == desc.state_bytes
+    assert ("stored as 8bit" in str(desc)) == ("state_precision" in hparams)
+    assert "inside backward" not in str(desc)
+    stepper = frugal.step_in_backward(optimizer)
+    assert "the step runs inside backward" in str(frugal.describe(optimizer))
+    stepper.remove()
 
 
 def test_describe_target_modules_state_free_and_no_blocks(llama):
