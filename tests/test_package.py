@@ -1,6 +1,7 @@
 """`frugal/` is what people pip install: it builds with `python -m build`, the wheel holds only the
 package (plus metadata and the license) and imports with torch alone."""
 import email
+import os
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,20 @@ def test_metadata_and_one_torch_policy():
     requirements = [r for r in requirements if r]
     # the research set-up: the same floor, capped at the tested version; every line has a floor
     assert "torch>=2.6,<2.14" in requirements
-    assert all(">=" in r for r in requirements)
+    assert requirements[-1] == "-e ."  # the library itself, editable (below)
+    assert all(">=" in r for r in requirements[:-1])
     assert not any(r.startswith("torchdata") for r in requirements)  # never imported
+
+
+def test_after_the_readme_set_up_frugal_imports_from_any_directory(tmp_path):
+    """requirements.txt ends with `-e .`: the set-up (pip install -r requirements.txt) installs the
+    library editable, so `import frugal` works outside the checkout and is the checkout's code."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    found = subprocess.run([sys.executable, "-c", "import frugal; print(frugal.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert found.returncode == 0, ("import frugal failed outside the checkout: run the README's set-up "
+                                   "(pip install -r requirements.txt)\n" + found.stderr[-1500:])
+    assert Path(found.stdout.strip()).resolve() == (ROOT / "frugal" / "__init__.py").resolve()
 
 
 def test_build_wheel_holds_only_frugal_and_imports_with_torch_alone(tmp_path):
