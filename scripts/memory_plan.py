@@ -3,12 +3,14 @@
     python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 train.micro_batch_size=8
     python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 --search      # largest micro-batch
     python scripts/memory_plan.py experiment=table5_3b optimizer=adamw --world-size 8 --parallelism fsdp
+    python scripts/memory_plan.py experiment=table2 model=llama_1b --gpu-hours --device h100-80gb   # and its cost
     python scripts/memory_plan.py --table                                  # the paper's models, 8 x 80 GB A100
     python scripts/memory_plan.py --validate             # real CPU steps measured beside their plans (~30 s)
 
 Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
 micro-batch, sequence length, precision, global batch, `train.activation_checkpointing` and
-`train.parallelism` come from that config unless an option below sets them.
+`train.parallelism` come from that config unless an option below sets them. A run that does not fit
+is followed by the single changes that would make it fit, cheapest first (exit code 1).
 The vocabulary is the model's (the paper's C4 runs); `--vocab-size` overrides it (data=synthetic: 512).
 
 Memory is planned on the meta device (nothing allocated; seconds for 7B) by
@@ -96,6 +98,124 @@ def search(cfg, settings: dict, args) -> list[tuple]:
                                           device_bytes=device_bytes(args), global_batch=None, **settings)
         rows.append((ac, micro, plan))
     return rows
+
+
+# ---- a run that does not fit: what would ---------------------------------------------------------
+def _plan_with(overrides: list[str], args, world_size: int | None = None):
+    """The plan of the config these overrides compose (the command line's options on top)."""
+    cfg = compose(overrides)
+    local = argparse.Namespace(**{**vars(args), "world_size": world_size or args.world_size})
+    return plan_memory(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), **run_settings(cfg, local))
+
+
+def _frugal_based(cfg) -> bool:
+    import frugal
+
+    return cfg.optimizer.name in frugal.registry.frugal_based()
+
+
+def what_would_fit(cfg, overrides: list[str], args) -> list[tuple[str, float, str]]:
+    """For a run whose plan does not fit the device: changes that would, cheapest first ((change,
+    GiB required, what it costs)). The cost to the researcher orders them: settings that keep the
+    algorithm and the batch (checkpointing, a smaller micro-batch, the step inside backward), then
+    the optimizer's state (8-bit moments, density 0), then more GPUs (FSDP2). When no single change of
+    the first kinds fits, they are tried together (with 8-bit moments, at the largest micro-batch)."""
+    budget, tc, opt = device_bytes(args), cfg.train, cfg.optimizer
+    frugal_based = _frugal_based(cfg)
+    settings = run_settings(cfg, args)
+    micro, share = settings["micro_batch_size"], max(1, int(tc.batch_size) // args.world_size)
+    smaller = [m for m in (micro // 2 ** k for k in range(1, 12)) if m >= 1 and share % m == 0]
+    keep = []  # (changes, cost): the algorithm and the batch stay
+    if not settings["activation_checkpointing"]:
+        keep.append((["train.activation_checkpointing=true"], "recomputes each block's forward (~1/3 more compute)"))
+    keep += [([f"train.micro_batch_size={m}"], f"the same batch in {share // m} micro-batches") for m in smaller]
+    if frugal_based and not tc.get("optimizer_in_backward") and (args.world_size == 1 or tc.parallelism == "fsdp"):
+        keep.append((["train.optimizer_in_backward=true", f"train.micro_batch_size={share}"],
+                     "FRUGAL's step inside backward, the batch in one micro-batch"))
+    state = []
+    if frugal_based and opt.get("projection") == "block" and opt.get("state_precision", "param") == "param":
+        state.append((["optimizer.state_precision=8bit"], "8-bit moments (bitsandbytes' blockwise format)"))
+    if frugal_based and opt.get("density", 0) > 0:
+        state.append((["optimizer.density=0"], "another algorithm: no state-full blocks"))
+
+    def fitting(changes: list[str], world: int | None = None) -> float | None:
+        try:
+            plan = _plan_with(overrides + changes, args, world)
+        except (ValueError, HydraException):
+            return None
+        return plan.required / GIB if plan.fits(budget) else None
+
+    found: list[tuple[str, float, str]] = []
+    for changes, cost in keep:
+        if changes[0].startswith("train.micro_batch_size") and any("micro_batch" in f[0] for f in found):
+            continue  # the largest micro-batch that fits is enough
+        gib = fitting(changes)
+        if gib is not None:
+            found.append((" ".join(changes), gib, cost))
+    if not found and keep:  # together: first without touching the state, then with 8-bit moments
+        for extra in ([], [c for changes, _ in state[:1] for c in changes if "precision" in c]):
+            together = sorted({c for changes, _ in keep for c in changes if "micro_batch_size" not in c} | set(extra))
+            in_backward = "train.optimizer_in_backward=true" in together
+            for m in [share] + [m for m in (share // 2 ** k for k in range(1, 12)) if m >= 1 and share % m == 0]:
+                changes = together + [f"train.micro_batch_size={m}"]
+                if in_backward and m < share:  # accumulation would hold every gradient: a smaller batch
+                    changes.append(f"train.batch_size={m * args.world_size}")
+                gib = fitting(changes)
+                if gib is not None:
+                    found.append((" ".join(changes), gib, "together" + (" (a smaller batch)" if m < share else "")))
+                    break
+            if found:
+                break
+    found += [(" ".join(c), gib, cost) for c, cost in state if (gib := fitting(c)) is not None]
+    if tc.parallelism != "fsdp" or args.world_size == 1:
+        for n in (2, 4, 8):
+            gib = fitting(["train.parallelism=fsdp"], n)
+            if gib is not None:
+                found.append((f"train.parallelism=fsdp --world-size {n}", gib, f"FSDP2 over {n} GPUs"))
+                break
+    return found
+
+
+def format_what_would_fit(found: list[tuple[str, float, str]]) -> str:
+    if not found:
+        return ("  nothing tried fits (checkpointing, micro-batch, the step in backward, 8-bit moments, density 0, "
+                "FSDP2 up to 8 GPUs)")
+    width = max(len(change) for change, _, _ in found)
+    return "\n".join(["  what would fit (cheapest first):"] +
+                     [f"    {change.ljust(width)}  {gib:6.2f} GiB  {cost}" for change, gib, cost in found])
+
+
+# ---- what a run costs in GPU-hours -----------------------------------------------------------------
+# Dense bf16 tensor-core peaks of the --device classes (data sheets; train_utils.measure.PEAK_FLOPS has
+# the CUDA device names): a 24 GB card is counted as an RTX 4090 (165 TFLOP/s with fp32 accumulation).
+DEVICE_PEAK_FLOPS = {"rtx-24gb": 165e12, "l4": 121e12, "a10": 125e12, "a100-40gb": 312e12, "a100-80gb": 312e12,
+                     "h100-80gb": 989e12, "h200": 989e12}
+DEFAULT_MFU = 0.4
+
+
+def gpu_hours(cfg, device: str, mfu: float) -> dict:
+    """A run's training compute from its FLOPs (train_utils.measure.flops_per_position: 6 x the
+    parameters a position passes through, plus attention, per trained position; evaluations not
+    counted) over ``device``'s dense bf16 peak at ``mfu``."""
+    import torch
+
+    import models
+    from train_utils.measure import flops_per_position
+
+    with torch.device("meta"):
+        model = models.build_model(cfg.model)
+    per_position = flops_per_position(model, cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.data.seq_len)
+    positions = int(cfg.train.steps) * int(cfg.train.batch_size) * int(cfg.data.seq_len)
+    flops = per_position * positions
+    return {"flops": flops, "positions": positions, "device": device, "peak_flops": DEVICE_PEAK_FLOPS[device],
+            "mfu": mfu, "gpu_hours": flops / (DEVICE_PEAK_FLOPS[device] * mfu) / 3600}
+
+
+def format_gpu_hours(est: dict, measured: bool) -> str:
+    source = "measured" if measured else "assumed (pass --mfu with a measured one, e.g. scripts/preflight.py's)"
+    return (f"compute estimate: {est['flops']:.3g} FLOPs ({est['positions']:,} trained positions), on "
+            f"{est['device']} ({est['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16) at MFU {est['mfu']:.0%} "
+            f"{source}: ~{est['gpu_hours']:,.0f} GPU-hours (an estimate; evaluations not counted)")
 
 
 def usable_micro_batch(micro: int, batch: int, world_size: int) -> str | None:
@@ -347,6 +467,11 @@ def main(argv=None) -> int:
                     help="the loop's compiled loss (train.compile): 4 instead of 14 bytes per token and vocabulary "
                          "entry; default: train.compile=true in the config (auto counts as eager: the GPU decides)")
     ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
+    ap.add_argument("--gpu-hours", action="store_true",
+                    help="also estimate the run's compute in GPU-hours on --device at --mfu (an estimate)")
+    ap.add_argument("--mfu", type=float, default=None,
+                    help=f"model FLOPs utilisation for --gpu-hours (default {DEFAULT_MFU:.0%}, assumed); a measured "
+                         "one, e.g. from scripts/preflight.py")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
     ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")
@@ -360,6 +485,10 @@ def main(argv=None) -> int:
     if args.activation_checkpointing is not None:
         args.activation_checkpointing = args.activation_checkpointing == "on"
 
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        ap.error(f"--mfu {args.mfu}: expected a fraction in (0, 1], e.g. 0.4")
+    if (args.gpu_hours or args.mfu is not None) and args.device_gib:
+        ap.error("--gpu-hours needs a GPU class (--device), not --device-gib: its peak FLOP/s")
     if args.validate:
         cases = VALIDATION_CASES
         if args.cases:
@@ -397,11 +526,22 @@ def main(argv=None) -> int:
                 print(json.dumps(plan.as_dict()) if args.json else plan.format(device_bytes(args)))
             return 0
         plan = plan_memory(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), **settings)
+        fits = plan.fits(device_bytes(args))
+        found = [] if fits else what_would_fit(cfg, args.overrides, args)
+        cost = gpu_hours(cfg, args.device, args.mfu or DEFAULT_MFU) if args.gpu_hours else None
     except (ValueError, HydraException) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.as_dict()) if args.json else plan.format(device_bytes(args)))
-    return 0 if plan.fits(device_bytes(args)) else 1
+    if args.json:
+        print(json.dumps({**plan.as_dict(), **({} if fits else {"what_would_fit": found}),
+                          **({"compute": cost} if cost else {})}))
+    else:
+        print(plan.format(device_bytes(args)))
+        if not fits:
+            print(format_what_would_fit(found))
+        if cost:
+            print(format_gpu_hours(cost, args.mfu is not None))
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

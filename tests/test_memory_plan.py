@@ -414,3 +414,55 @@ def test_host_memory_respects_cgroup_limits(tmp_path):
 
     write(tmp_path / "none", "4:memory:/\n0::/\n")
     assert cgroup_available(str(tmp_path / "none"), str(v1 / "empty")) is None
+
+
+def _listed_changes(out: str) -> list[list[str]]:
+    """The command-line changes of the planner's "what would fit" lines."""
+    lines = out.split("what would fit (cheapest first):\n")[1].splitlines()
+    return [line.split("  ")[2].split() if line.startswith("    ") else [] for line in lines if line.startswith("    ")]
+
+
+@pytest.mark.parametrize("run,device,expected", [
+    # 7B, FRUGAL rho=0, pure bf16, clipping, on one 24 GB card: only the step in backward together with
+    # checkpointing fits on one card; or FSDP2 over 4
+    (["model=llama_7b", "optimizer=frugal_rho0", "train.precision=bf16", "train.grad_clip=1.0",
+      "train.batch_size=16"], "rtx-24gb", ["train.optimizer_in_backward=true", "--world-size"]),
+    # 1B AdamW at micro-batch 128 on 80 GB: checkpointing, or the largest smaller micro-batch
+    (["model=llama_1b", "optimizer=adamw", "train.batch_size=512", "train.micro_batch_size=128"], "a100-80gb",
+     ["train.activation_checkpointing=true", "train.micro_batch_size=64"]),
+])
+def test_a_run_that_does_not_fit_gets_the_changes_that_would(run, device, expected, capsys):
+    """Each change listed, applied to the same command, plans a run that fits (exit 0)."""
+    from scripts.memory_plan import main
+
+    assert main(run + ["--device", device]) == 1
+    out = capsys.readouterr().out
+    listed = _listed_changes(out)
+    assert listed and all(any(word in " ".join(change) for change in listed) for word in expected), out
+    for change in listed:
+        args = [c for c in change if not c.startswith("--") and not c.isdigit()]
+        world = change[change.index("--world-size") + 1] if "--world-size" in change else "1"
+        assert main(run + args + ["--device", device, "--world-size", world]) == 0, change
+        capsys.readouterr()
+
+
+def test_gpu_hours_from_the_run_s_flops(capsys):
+    """--gpu-hours: 6 x (the weights a position passes through) + attention, per trained position, over
+    the device's dense bf16 peak at the MFU; checked against the same count from the model's shape."""
+    from scripts.memory_plan import main
+
+    run = ["model=llama_1b", "optimizer=frugal", "train.steps=1000", "train.batch_size=512", "data.seq_len=256",
+           "train.micro_batch_size=16"]
+    assert main(run + ["--gpu-hours", "--device", "h100-80gb", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)["compute"]
+    d, ff, layers, vocab = 2048, 5461, 24, 32000
+    weights = layers * (4 * d * d + 3 * d * ff + 2 * d) + d + vocab * d  # blocks, final norm, head (untied)
+    flops = (6 * weights + 12 * layers * d * 256) * 1000 * 512 * 256
+    assert est["flops"] == pytest.approx(flops, rel=1e-9)
+    assert est["gpu_hours"] == pytest.approx(flops / (989e12 * 0.4) / 3600, rel=1e-9)
+    assert main(run + ["--gpu-hours", "--device", "a100-80gb", "--mfu", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert f"~{flops / (312e12 * 0.5) / 3600:,.0f} GPU-hours (an estimate" in out and "MFU 50% measured" in out
+    with pytest.raises(SystemExit):
+        main(run + ["--gpu-hours", "--mfu", "40"])  # a percentage, not a fraction: refused
+    assert "--mfu 40.0: expected a fraction in (0, 1]" in capsys.readouterr().err
