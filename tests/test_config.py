@@ -179,12 +179,15 @@ def test_a_wrong_group_value_is_one_line_with_the_choices_and_the_closest(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_sweep_stopped_by_a_mistyped_key_exits_2(tmp_path):
-    """In a multirun the job's one line is the last thing printed and the sweep exits as that job
-    would alone: 2 for a config error (Hydra's own exit is 1; a run's own failure stays 1)."""
-    out = _train_py("-m", "optimizer.densty=0.3,0.5", f"hydra.sweep.dir={tmp_path / 'a'}")
+def test_a_sweep_stopped_by_a_jobs_own_error_exits_2(tmp_path):
+    """An error only the job itself meets (its data: the sweep's check before the first job reads
+    none, tests/test_sweep_check.py) ends the sweep with the job's one line, and the sweep exits as that
+    job would alone: 2 for a config error (Hydra's own exit is 1; a run's own failure stays 1)."""
+    nowhere = tmp_path / "nowhere"
+    out = _train_py("-m", "data=local", f"data.path={nowhere}", f"hydra.sweep.dir={tmp_path / 'a'}")
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "error: optimizer.densty is not a config key (did you mean optimizer.density?)" in out.stderr
+    assert f"error: data.path={str(nowhere)!r} does not exist" in out.stderr, out.stderr[-2000:]
+    assert "sweep not started" not in out.stderr and (tmp_path / "a" / "0").is_dir()
 
 
 def test_only_overrides_that_may_name_an_undeclared_key_are_forced():

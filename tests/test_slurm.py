@@ -62,7 +62,9 @@ def test_local_launchers_own_example_runs(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world_size"] == 2 and rows[-1]["event"] == "end"
-    # The sweep's console says where the job runs and how to follow it, then how it ended.
+    # The sweep's console says its job was checked before it started (train_utils/sweep_check.py), where
+    # the job runs and how to follow it, then how it ended.
+    assert "Checked 1 job config before starting any (1 with the memory check)" in proc.stdout, proc.stdout[-3000:]
     assert f"#0 runs in {sweep / '0'}; follow it with: tail -F {sweep / '0' / 'train.log'}" in proc.stdout
     assert (f"#0 done: 2 steps, validation loss {rows[-1]['val_loss']:.4f} (perplexity {rows[-1]['val_ppl']:.3f})"
             in proc.stdout), proc.stdout[-3000:]
@@ -70,18 +72,22 @@ def test_local_launchers_own_example_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
-    """The example with an explicit micro-batch that does not fit the processes: 8 sequences cannot split
-    over 2 x 8. The sweep ends with the job's one clear line, not submitit's traceback of the job runner."""
-    cmd = [sys.executable, "train.py", *_local_example(), *TOY, "train.batch_size=8", "train.micro_batch_size=8",
-           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    """The example with a data path that does not exist: an error the job meets itself (the sweep's
+    check before the first job reads no data; a bad value, such as a micro-batch that does not fit the
+    processes, stops the sweep before any job: tests/test_sweep_check.py). The sweep ends with the
+    job's one clear line, not submitit's traceback of the job runner."""
+    nowhere = tmp_path / "nowhere"
+    cmd = [sys.executable, "train.py", *_local_example(), *[o for o in TOY if o != "data=synthetic"], "data=local",
+           f"data.path={nowhere}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    error = f"error: data.path={str(nowhere)!r} does not exist"
     # Hydra's own closing hint follows the job's line.
     assert lines[-1].startswith("Set the environment variable HYDRA_FULL_ERROR=1"), proc.stderr[-3000:]
-    assert lines[-2].startswith("error: train.batch_size=8 must equal train.micro_batch_size (8)"), proc.stderr[-3000:]
+    assert lines[-2].startswith(error), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "#0 failed: error: train.batch_size=8 must equal train.micro_batch_size (8)" in proc.stdout, proc.stdout
+    assert f"#0 failed: {error}" in proc.stdout, proc.stdout
 
 
 def test_local_launcher_reports_each_job_once_as_it_ends(tmp_path):
@@ -184,6 +190,26 @@ def slurm_cluster(tmp_path):
         yield env
     finally:
         subprocess.run(["bash", str(SCRIPT), "down", str(state)], env=env, capture_output=True, timeout=60)
+
+
+def test_a_bad_sweep_submits_nothing(slurm_cluster, tmp_path):
+    """A bad value in the sweep's second job: the sweep stops before submitting anything (no sweep dir,
+    so no `.submitit` job dirs; the cluster has no job), with that job's one line and exit code 2."""
+    env = dict(slurm_cluster, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    sweep = tmp_path / "multirun"
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+           "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.timeout_min=5", *TOY, "optimizer.density=0.25,1.5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sweep not started: job #1 (model=llama_tiny ") and last.endswith(
+        "optimizer.density=1.5): Invalid density: 1.5 (expected a number in [0, 1])"), proc.stderr[-3000:]
+    assert not sweep.exists() and "Submitit" not in proc.stdout, proc.stdout[-3000:]
+    jobs = subprocess.run(["scontrol", "show", "jobs"], env=env, capture_output=True, text=True, timeout=30)
+    assert "No jobs in the system" in jobs.stdout + jobs.stderr, jobs.stdout + jobs.stderr
 
 
 def test_two_task_job_through_submitit_launcher(slurm_cluster, tmp_path):

@@ -16,7 +16,9 @@ closest one.
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import re
 from pathlib import Path
 
@@ -28,6 +30,14 @@ _NOT_SECTIONS = ("defaults", "hydra")
 
 
 def _yaml(path: Path) -> dict:
+    """The file's YAML as plain values (a fresh copy: callers may change it)."""
+    stat = path.stat()
+    return copy.deepcopy(_load_yaml(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_yaml(path: str, mtime_ns: int, size: int) -> dict:
+    """Read once per version of the file: a sweep's check (sweep_check.py) asks for every job."""
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
 
 

@@ -208,14 +208,15 @@ def check_in_backward(cfg: DictConfig, world_size: int) -> None:
                           f"train.optimizer_in_backward=false")
 
 
-def stop_with_error(err: BaseException, exit_code: int) -> None:
+def stop_with_error(err: BaseException, exit_code: int, in_job: bool | None = None) -> None:
     """End the run on an expected error with its message as the last line (never returns).
 
     In a multirun job: raise JobError, which Hydra's job runner records as the job's failure and the
     launching process prints alone (exit status 1 for the sweep). Otherwise: print `error: <message>`
-    on rank 0 and exit with `exit_code`.
+    on rank 0 and exit with `exit_code`. `in_job`: whether this is a multirun job (default: Hydra's
+    config says); False for the launching process of a sweep (sweep_check.py).
     """
-    if is_multirun():
+    if is_multirun() if in_job is None else in_job:
         JobError.exit_code = exit_code
         raise JobError(f"error: {err}") from None
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
