@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hydra_plugins/: the repository's sweeper
 # The file names train.py writes (train_utils/metrics.py, train_utils/run_lock.py); not imported from
 # there, because those modules import torch: seconds per call of a status meant to take well under one.
 METRICS_FILE, LOG_FILE, LOCK_FILE = "metrics.jsonl", "train.log", "run.lock"
@@ -111,16 +112,19 @@ def expected_overrides(hydra_cfg: dict) -> tuple[list[list[str]] | None, str | N
     (and why) where that is not known in advance (another sweeper; a glob() sweep needs the configs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.frugal_sweeper.sweeper import CommandLineWinsSweeper
 
     sweeper = hydra_cfg.get("sweeper") or {}
-    if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+    target = str(sweeper.get("_target_", ""))
+    if not target.endswith((".BasicSweeper", ".CommandLineWinsSweeper")):
         return None, f"the sweeper {sweeper.get('_target_')} chooses its jobs as it goes"
     params = sweeper.get("params") or {}
     task = (hydra_cfg.get("overrides") or {}).get("task") or []
     lines = [f"{k}={v}" for k, v in params.items()] + [str(o) for o in task]
     try:
         overrides = OverridesParser.create().parse_overrides(lines)
-        batches = BasicSweeper.split_arguments(overrides, None)  # Hydra's own product: the same job numbers
+        split = BasicSweeper if target.endswith(".BasicSweeper") else CommandLineWinsSweeper
+        batches = split.split_arguments(overrides, None)  # the sweeper's own product: the same job numbers
     except Exception as err:
         return None, f"its sweep could not be expanded here ({type(err).__name__}: {err})"
     return [list(job) for batch in batches for job in batch], None

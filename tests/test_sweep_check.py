@@ -141,3 +141,25 @@ def test_train_py_stops_a_bad_sweep_before_any_job(tmp_path):
         assert err.strip().splitlines()[-1] == line, (name, err[-3000:])
         assert "Traceback" not in err and "Launching" not in out and "runs in" not in out, (name, out, err)
     assert list(tmp_path.iterdir()) == [], "a sweep dir was made: something started"
+
+
+def test_the_command_line_s_sweep_of_a_key_replaces_the_preset_s():
+    """A preset's sweep narrowed on the command line (`optimizer.update_gap=10,20`, which train.py forces in
+    as `++optimizer.update_gap`) runs 2 jobs, not the product with the preset's 7 gaps (Hydra's basic
+    sweeper keys on the prefixed text: 14 jobs, the command line's value in each); numbered as the
+    preset orders its keys. hydra_plugins/frugal_sweeper/sweeper.py, configs/config.yaml's sweeper."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.frugal_sweeper.sweeper import CommandLineWinsSweeper
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    argv = force_add_key_overrides(["experiment=table15_update_gap", "optimizer.update_gap=10,20", "debug=toy"])
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        hydra = GlobalHydra.instance().hydra
+        cfg = hydra.compose_config("config", argv, run_mode=RunMode.MULTIRUN)
+        assert cfg.hydra.sweeper._target_ == sweep_check.SWEEPER
+        jobs = sweep_check.sweep_jobs(cfg, hydra.config_loader)
+    assert [job[0] for job in jobs] == ["++optimizer.update_gap=10", "++optimizer.update_gap=20"]
+    lines = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()] + argv
+    overrides = OverridesParser.create().parse_overrides(lines)
+    assert len(BasicSweeper.split_arguments(overrides, None)[0]) == 14  # what it was
+    assert len(CommandLineWinsSweeper.split_arguments(overrides, 1)) == 2  # batches of one, as max_batch_size asks

@@ -45,6 +45,8 @@ from hydra.experimental.callback import Callback
 log = logging.getLogger(__name__)
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+SWEEPER = "hydra_plugins.frugal_sweeper.sweeper.CommandLineWinsSweeper"  # configs/config.yaml's
+SWEEPERS = (BASIC_SWEEPER, SWEEPER)
 
 
 def config_errors() -> tuple:
@@ -63,15 +65,18 @@ def sweep_jobs(config, config_loader) -> list[list[str]] | None:
     for another sweeper (which then launches unchecked: its jobs still check themselves)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.frugal_sweeper.sweeper import CommandLineWinsSweeper
     from omegaconf import OmegaConf
 
-    if OmegaConf.select(config, "hydra.sweeper._target_", default=None) != BASIC_SWEEPER:
+    target = OmegaConf.select(config, "hydra.sweeper._target_", default=None)
+    if target not in SWEEPERS:
         return None
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     lines = [f"{k}={v}" for k, v in params.items()]
     lines += OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
     overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(lines)
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    sweeper = CommandLineWinsSweeper if target == SWEEPER else BasicSweeper
+    return [job for batch in sweeper.split_arguments(overrides, None) for job in batch]
 
 
 def job_processes(job_cfg) -> tuple[int, object | None]:
