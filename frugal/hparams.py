@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import projections as proj
-from . import muon, state_precision
+from . import state_precision
 from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
 from .kernels import SIGN_UPDATES
@@ -26,17 +26,15 @@ from .sharding import is_dtensor
 RESET_MODES = ("reset", "reset_all", "reproject", "keep", "transport")
 GRANULARITIES = ("layer", "tensor")
 
-# Keys whose value is one of a fixed set of names.
+# Keys whose value is one of a fixed set of names (the rules: those registered when a value is checked,
+# `choices()`; a rule's own keys are its own to check, `StateFullRule.validate_options`).
 CHOICES: dict[str, tuple[str, ...]] = {
     "projection": proj.PROJECTIONS,
-    "state_full": tuple(STATE_FULL),
-    "state_free": tuple(STATE_FREE),
     "reset_state": RESET_MODES,
     "block_order": proj.BLOCK_ORDERS,
     "block_granularity": GRANULARITIES,
     "sign_update": SIGN_UPDATES,
     "density_schedule": DENSITY_KINDS,
-    "adjust_lr_fn": muon.ADJUST_LR_FNS,
     "svd_signs": proj.SVD_SIGNS,
     "state_precision": state_precision.PRECISIONS,
 }
@@ -62,7 +60,7 @@ _OPTIONAL_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "fira_gamma": (1.0, None, False),
     "momentum": (0.0, 1.0, True),
 }
-_NONE_MEANS = {"fira_gamma": "off", "momentum": "the state-full rule's default: 0.95 for muon, 0.9 otherwise"}
+_NONE_MEANS = {"fira_gamma": "off", "momentum": "the state-full rule's default (StateFullRule.default_momentum)"}
 # Integer keys: lowest value, and whether None is allowed.
 _INTEGERS: dict[str, tuple[int | None, bool]] = {
     "update_gap": (1, False),
@@ -98,8 +96,11 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     Returns a new dict: numbers as float/int, betas as a tuple. Raises HyperparameterError naming
     the key, the value and the valid range or choices.
     """
-    out = muon.check_options(hparams)  # ns_steps, ns_coefficients (Muon's: frugal/muon.py)
-    for key, choices in CHOICES.items():
+    out = dict(hparams)
+    for rule in STATE_FULL.values():  # the rules' own keys (Muon's ns_steps, ns_coefficients, ...)
+        if rule.validate_options is not None:
+            out = rule.validate_options(out)
+    for key, choices in choices_now().items():
         if key in out and out[key] not in choices:
             raise HyperparameterError(f"Invalid {key}: {out[key]!r}; valid choices: {', '.join(choices)}")
     for key, (low, high, high_open) in _RANGES.items():
@@ -128,6 +129,11 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def choices_now() -> dict[str, tuple[str, ...]]:
+    """CHOICES with the rules registered now (a rule in its own module registers itself at import)."""
+    return {**CHOICES, "state_full": tuple(STATE_FULL), "state_free": tuple(STATE_FREE)}
+
+
 def check_combination(group: Mapping[str, Any]) -> None:
     """Settings that are valid alone but not together (one param group's resolved values): the
     concurrent methods' rules need a split with a reduced dimension, LDAdam's pieces need a matrix
@@ -144,23 +150,21 @@ def check_combination(group: Mapping[str, Any]) -> None:
                 f"state_free {free!r} needs a projection with a reduced dimension (the paper: block "
                 f"projection cannot carry norm-based scaling); got projection {projection!r}; valid "
                 f"choices: {', '.join(CONTEXTUAL_PROJECTIONS)}")
+    adam = ", ".join(name for name, rule in STATE_FULL.items() if rule.adam_moments)
     if group.get("error_feedback") and projectable:
-        if projection not in proj.MATRIX or free != "none" or full != "adamw":
+        silent = ", ".join(name for name, rule in STATE_FREE.items() if rule.direction is None and not rule.reads_split)
+        if projection not in proj.MATRIX or free not in silent.split(", ") or not STATE_FULL[full].adam_moments:
             raise HyperparameterError(
                 "error_feedback=True (LDAdam) carries what the low-rank step leaves out to the next "
-                f"step, so it needs a matrix projection ({', '.join(proj.MATRIX)}), state_free 'none' "
-                f"and state_full 'adamw'; got projection {projection!r}, state_free {free!r}, "
-                f"state_full {full!r}")
+                f"step, so it needs a matrix projection ({', '.join(proj.MATRIX)}), a state_free rule "
+                f"without an update of its own ({silent}) and a state_full rule with Adam's two moments "
+                f"({adam}); got projection {projection!r}, state_free {free!r}, state_full {full!r}")
     if projectable and (group["reset_state"] == "transport" or projection == "power") and (
-            projection not in proj.MATRIX or full != "adamw"):
+            projection not in proj.MATRIX or not STATE_FULL[full].adam_moments):
         raise HyperparameterError(
             f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
             f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
-            f"({', '.join(proj.MATRIX)}) and state_full 'adamw' (its two moments)")
-    if full == "muon" and projectable and projection not in muon.PROJECTIONS:
-        raise HyperparameterError(
-            f"state_full 'muon' orthogonalises a matrix, but projection {projection!r} has no reduced matrix to "
-            f"orthogonalise; valid projections with state_full 'muon': {', '.join(muon.PROJECTIONS)}")
+            f"({', '.join(proj.MATRIX)}) and a state_full rule with Adam's two moments ({adam})")
     if group["density_schedule"] != "constant" and group["density_steps"] is None:
         raise HyperparameterError(
             f"density_schedule {group['density_schedule']!r} needs density_steps (the steps over which the "
@@ -216,9 +220,10 @@ def check_group(group: dict) -> None:
 
 
 def resolve_momentum(group: dict) -> None:
-    """``momentum=None``: the state-full rule's own default, torch's Muon 0.95, the paper's SGDM 0.9."""
+    """``momentum=None``: the state-full rule's own default (``StateFullRule.default_momentum``: the
+    paper's SGDM 0.9, torch's Muon 0.95)."""
     if group["momentum"] is None:
-        group["momentum"] = 0.95 if group["state_full"] == "muon" else 0.9
+        group["momentum"] = STATE_FULL[group["state_full"]].default_momentum
 
 
 def _plain(rules) -> list[str]:

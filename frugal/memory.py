@@ -104,13 +104,12 @@ def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> i
 
 
 def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:
-    """A contextual state-free rule's state: Fira's previous norm (one value), AdaMeM's one-sided
-    statistic (one value per index of the side the projection did not reduce) and its int64 counter."""
-    if free == "fira":
-        return elem
-    if free == "one_sided_adafactor":
-        return other_side * elem + _COUNTER_BYTES
-    return 0
+    """A contextual state-free rule's state for one split tensor, as the rule declares it
+    (``StateFreeRule.state_bytes``: Fira's previous norm, AdaMeM's one-sided statistic)."""
+    from .rules import STATE_FREE
+
+    state_bytes = STATE_FREE[free].state_bytes
+    return state_bytes(other_side, elem) if state_bytes is not None else 0
 
 
 def _split_bytes(settings: dict, p: torch.Tensor, svd_layout: str) -> int:

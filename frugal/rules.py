@@ -212,6 +212,13 @@ class StateFullRule:
     # Its state may be updated a slice at a time (frugal.state_precision: low-precision moments).
     elementwise: bool = False
     nonnegative: tuple[str, ...] = ()  # moments that are never negative (8-bit: the unsigned map)
+    default_momentum: float = 0.9  # what momentum=None means for it (the paper's SGDM 0.9; torch's Muon 0.95)
+    # Target-sized tensors its foreach update allocates for a whole bucket at once (the memory planner):
+    # Lion's update direction (torch._foreach_lerp returns a new tensor per target); the fused AdamW none.
+    bucket_temporaries: int = 0
+    # Adam's two moments, which LDAdam's moment transport and error feedback are written for.
+    adam_moments: bool = False
+    validate_options: Callable | None = None  # hparams -> hparams: checks and normalises its own keys
 
     def init_state(self, state: dict, like: Tensor, shape=None, group: dict | None = None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
@@ -240,16 +247,17 @@ class StateFullRule:
 
 STATE_FULL = {
     "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True, elementwise=True,
-                           nonnegative=("exp_avg_sq",)),
+                           nonnegative=("exp_avg_sq",), adam_moments=True),
     "adamw_hf": StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True, decays_after=True,
                               elementwise=True, nonnegative=("exp_avg_sq",)),
-    "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False, elementwise=True),
+    "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False, elementwise=True, bucket_temporaries=1),
     "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False, elementwise=True),
     "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
                                         ("exp_avg", "row", "col"), True, _factored_shapes, True),
     # Muon (frugal/muon.py): one momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz.
     "muon": StateFullRule(_muon.muon_, _muon.muon_direction, ("momentum_buffer",), False,
-                          options=_muon.OPTIONS, gathers=True, check=_muon.check_group),
+                          options=_muon.OPTIONS, gathers=True, check=_muon.check_group, default_momentum=0.95,
+                          validate_options=_muon.check_options),
 }
 
 
@@ -340,6 +348,12 @@ class StateFreeRule:
     # The update is the same for c * g as for g (any c > 0): gradient clipping cannot change it, so
     # with the step inside backward it runs as soon as the gradient is complete (frugal.in_backward).
     scale_invariant: bool = False
+    # Bytes of the state init_state gives one split tensor: (elements of the side the projection did not
+    # reduce, element size) -> bytes (the memory estimate, frugal.memory).
+    state_bytes: Callable[[int, int], int] | None = None
+    # Bytes its update allocates for one tensor at a time: (param group, elements, element size) ->
+    # bytes (the memory planner): signSGD's sign(g) where the compiled single pass does not run.
+    temporary_bytes: Callable[[dict, int, int], int] | None = None
 
     @property
     def reads_split(self) -> bool:
@@ -347,13 +361,45 @@ class StateFreeRule:
         return self.contextual is not None or self.split_step is not None
 
 
+def _eager_sign_bytes(group: dict, numel: int, elem: int) -> int:
+    """signSGD's one sign(g) temporary, where the compiled single pass (frugal.kernels) does not run."""
+    if group["sign_update"] == "compiled":
+        return 0
+    return numel * elem if group["sign_update"] == "eager" or numel < kernels.AUTO_MIN_NUMEL else 0
+
+
 STATE_FREE = {
-    "signsgd": StateFreeRule(signsgd_, torch.sign, scale_invariant=True),  # sign(c g) = sign(g)
+    "signsgd": StateFreeRule(signsgd_, torch.sign, scale_invariant=True,  # sign(c g) = sign(g)
+                             temporary_bytes=_eager_sign_bytes),
     "sgd": StateFreeRule(sgd_, lambda g: g),
     "none": StateFreeRule(none_, None, scale_invariant=True),  # weight decay only
-    "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step),
-    "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state),
+    # Fira's previous norm: one value per matrix
+    "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step,
+                          state_bytes=lambda other_side, elem: elem),
+    # AdaMeM's one-sided statistic (a value per index of the side not reduced) and its int64 counter
+    "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state,
+                                         state_bytes=lambda other_side, elem: other_side * elem + 8),
 }
+
+
+def register_state_full(name: str, rule: StateFullRule) -> None:
+    """Make ``rule`` the state-full rule ``name`` (``FRUGAL(state_full=name)``, the registry, the configs'
+    ``optimizer.state_full``): what it declares is all the optimizer, its checks, the memory estimate
+    and the planner read. A rule in its own module registers itself at import."""
+    _register(STATE_FULL, "state_full", name, rule, StateFullRule)
+
+
+def register_state_free(name: str, rule: StateFreeRule) -> None:
+    """Make ``rule`` the state-free rule ``name`` (``FRUGAL(state_free=name)``); see ``register_state_full``."""
+    _register(STATE_FREE, "state_free", name, rule, StateFreeRule)
+
+
+def _register(table: dict, key: str, name: str, rule, kind: type) -> None:
+    if not isinstance(rule, kind):
+        raise TypeError(f"register a {kind.__name__} as {key} {name!r}, got {type(rule).__name__}")
+    if name in table and table[name] is not rule:
+        raise ValueError(f"{key} {name!r} is taken (by {table[name]!r}); registered: {', '.join(table)}")
+    table[name] = rule
 # Projections a contextual rule can run on: a reduced gradient with a reduced dimension, so that a
 # norm or a statistic along the other dimension exists (not block, not randk).
 CONTEXTUAL_PROJECTIONS = ("svd", "random", "power", "column", "row", "randperm")

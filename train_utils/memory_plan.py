@@ -103,8 +103,8 @@ class _Facts:
     dropout: tuple[float, float, float]  # embeddings, attention, residual (0 where the family has none)
     optimizer_state: int
     optimizer_transient: int
-    # Muon (state_full="muon"): the whole-matrix orthogonalisation of one matrix at a time, which FSDP
-    # does not shard (every rank gathers the matrix), and the bf16 bytes gathered per step under FSDP.
+    # A rule that orthogonalises whole matrices (Muon): the orthogonalisation of one matrix at a time, which
+    # FSDP does not shard (every rank gathers the matrix), and the bf16 bytes gathered per step under FSDP.
     matrix_transient: tuple[int, int] = (0, 0)  # (unsharded, FSDP)
     gathered_per_step: int = 0
     # The step inside backward (frugal.in_backward): elements whose gradients wait for the clipping
@@ -146,22 +146,21 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     svd, random, ...) a batch of at most 8 at a time, whose temporaries are freed before the next:
 
     - whole tensors: a block switch (the optimizer's contract: resting state + at most one block; it
-      frees what leaves before it allocates what enters, so it stays at or below that); signSGD on
-      tensors the compiled single pass does not take (eager: one sign(g) at a time; with
-      sign_update="auto" those below frugal.kernels.AUTO_MIN_NUMEL elements); Lion's update direction
-      (torch._foreach_lerp returns a new tensor per target).
+      frees what leaves before it allocates what enters, so it stays at or below that); what the
+      state-free rule allocates per tensor (``StateFreeRule.temporary_bytes``: signSGD's sign(g) where
+      the compiled single pass does not run); the state-full rule's bucket temporaries
+      (``StateFullRule.bucket_temporaries``: Lion's update direction, a new tensor per target).
     - a batch of split tensors: the gathered reduced weights and gradients (coordinate projections;
       randk also its indices as int64), or the projected gradient, the update and the residual
       gradient (matrix projections) of every tensor of the batch; at a window change the draw of one
       tensor's randk coordinates (_DRAW_BYTES per draw), svd's decomposition of one gradient, or
-      re-projected moments; Lion's direction per reduced target.
+      re-projected moments; the state-full rule's bucket temporaries per reduced target.
     Torch's fused AdamW allocates nothing."""
     import frugal
     from frugal import projections as proj
-    from frugal.kernels import AUTO_MIN_NUMEL
-    from frugal.optimizer import _BATCH_TENSORS
     from frugal import state_precision
-    from frugal.rules import STATE_FULL
+    from frugal.optimizer import _BATCH_TENSORS
+    from frugal.rules import STATE_FREE, STATE_FULL
 
     optimizer = frugal.build_optimizer(model, name, **hp)
     if not isinstance(optimizer, frugal.FRUGAL):
@@ -170,13 +169,12 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     g0 = groups[0]
     elem = next(iter(model.parameters())).element_size()
     n_moments = len(STATE_FULL[g0["state_full"]].state_names)
-    lion = g0["state_full"] == "lion"
+    temporaries = STATE_FULL[g0["state_full"]].bucket_temporaries  # target-sized, for a whole bucket
     active = set(optimizer.active_blocks() or [])
 
-    def eager_sign(g, numel: int) -> int:  # the one sign(g) temporary of an eager update
-        if g["state_free"] != "signsgd" or g["sign_update"] == "compiled":
-            return 0
-        return numel * elem if g["sign_update"] == "eager" or numel < AUTO_MIN_NUMEL else 0
+    def eager_sign(g, numel: int) -> int:  # what the state-free rule allocates for one tensor (sign(g))
+        temporary = STATE_FREE[g["state_free"]].temporary_bytes
+        return temporary(g, numel, elem) if temporary is not None else 0
 
     full_sizes, sign, units, batches = [], 0, {}, []
     for gi, g in enumerate(groups):
@@ -200,7 +198,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
                 sign = max(sign, eager_sign(g, n))
         if batch:
             batches.append((g, batch))
-    whole = sign + (sum(full_sizes) * elem if lion else 0)
+    whole = sign + sum(full_sizes) * elem * temporaries
     count = len(active)
     if 0 < count < len(units):  # a switch, at the contract: one block above the resting state
         whole += n_moments * state_precision.moment_bytes(g0["state_precision"], max(units.values()), elem)
@@ -216,7 +214,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     def batch_bytes(g, params) -> int:
         projection, density, t = g["projection"], g["density"], g["transposed"]
         reduced = [math.prod(proj.reduced_shape(projection, p.shape, t, density)) for p in params]
-        total = 2 * sum(reduced) * elem + (sum(reduced) * elem if lion else 0)
+        total = 2 * sum(reduced) * elem + sum(reduced) * elem * temporaries
         # the largest one-tensor-at-a-time temporary of the batch (phase 4: the sign update of each)
         once = max(eager_sign(g, p.numel()) for p in params)
         if projection in proj.COORDINATE:
@@ -228,7 +226,8 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
                 once = max(once, n_moments * max(reduced) * elem)
         else:
             full = [p.numel() for p in params]
-            if g["state_free"] != "none":
+            free = STATE_FREE[g["state_free"]]
+            if free.direction or free.contextual or free.split_step:  # the rule reads the residual
                 total += sum(full) * elem  # each tensor's residual gradient, kept until the write back
             once = max(once, max(full) * elem)  # one tensor projected back at a time
             if projection == "svd":  # the decomposition at a projection change (at least fp32)
