@@ -172,32 +172,31 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
             data_events = dm.pop_events()  # e.g. one of this rank's readers wrapped around an epoch
             # The step's one host sync: global loss, gradient norm, target count, stop votes, data events.
-            loss, grad_norm, targets, stop_votes, n_events = step_totals(accelerator, loss_sum, norm, n_global,
-                                                                         STOP.received, len(data_events))
+            totals = step_totals(accelerator, loss_sum, norm, n_global, STOP.received, len(data_events))
             # non-finite: NonFiniteError naming the last good checkpoint (and what already moved, in backward)
-            watch.check(step + 1, loss, grad_norm, in_backward.applied if in_backward else 0)
+            watch.check(step + 1, totals.loss, totals.grad_norm, in_backward.applied if in_backward else 0)
             lr = scheduler.get_last_lr()[0]  # the lr this step uses
             blocks = hooks.active_blocks()
             if blocks is not None and blocks != active:  # this step starts a new state-full window
                 log.event({"event": "switch", "step": step + 1, "active_blocks": blocks})
                 active = blocks
-            hooks.observe_loss(loss)  # optimizers that adapt to the loss see the global one
+            hooks.observe_loss(totals.loss)  # optimizers that adapt to the loss see the global one
             optimizer.step()  # in backward: the tensors that waited for the clipping norm, and the count
             scheduler.step()
             optimizer.zero_grad(set_to_none=set_to_none)
-            step, tokens = step + 1, tokens + targets
+            step, tokens = step + 1, tokens + totals.targets
             # Every rank's data events (optimizer events are the same on all), then the optimizer's.
-            for event in [*gather_events(data_events, n_events), *hooks.pop_events()]:
+            for event in [*gather_events(data_events, totals.events), *hooks.pop_events()]:
                 log.event({**event, "step": step})
-            log.step({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens}, targets,
-                     sum(b["input_ids"].numel() for b in batches) * world, time.perf_counter() - t0, data_wait)
+            log.step(step, totals, lr, tokens, sum(b["input_ids"].numel() for b in batches) * world,
+                     time.perf_counter() - t0, data_wait)
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 last_eval = {"step": step, **evaluate(raw_model, eval_dm, tc.eval_tokens, precision, accelerator,
                                                       loss_fn)}
                 metrics.log(last_eval)
                 if step < tc.steps:  # the last one is in the summary
                     say(report.eval_line(step, tc.steps, last_eval))
-            stopping = stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
+            stopping = totals.stop_votes > 0 and step < tc.steps  # a signal in the last step lets the run finish
             if step == tc.steps or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 saved = resume.save_checkpoint(run, step, tokens, extra={"active_blocks": active})
                 watch.saved(saved)  # becomes last_good if the next step's loss is no spike

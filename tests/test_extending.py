@@ -174,3 +174,19 @@ def test_the_estimate_the_planner_and_the_checks_name_no_rule():
         assert named in ([], ["adamw"]), (path, named)
         if named:
             assert all('name == "adamw"' in line for line in text.splitlines() if '"adamw"' in line), path
+
+
+def test_an_optimizer_metric_in_one_method_reaches_metrics_jsonl_and_wandb(tmp_path, monkeypatch):
+    """The training row is assembled in one place (train_utils.report.training_row); an optimizer adds
+    its own numbers with one method, `log_metrics()`, read through the loop's hooks adapter."""
+    from _train_helpers import rows, run_inprocess, wandb_history
+
+    def log_metrics(self):  # the one edit: which subspace window the next step is in
+        return {"window": self.step_count // self.defaults["update_gap"]}
+
+    monkeypatch.setattr(frugal.FRUGAL, "log_metrics", log_metrics, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert run_inprocess(tmp_path, "train.steps=4", "optimizer.update_gap=2", "wandb.mode=offline") == 0
+    logged = {r["step"]: r["window"] for r in rows(tmp_path) if "loss" in r}
+    assert logged == {1: 0, 2: 1, 3: 1, 4: 2}  # after step s: the window of step s + 1
+    assert {h["_step"]: h["window"] for h in wandb_history(tmp_path) if "window" in h} == logged

@@ -36,6 +36,11 @@ class OptimizerHooks:
         own = self._own("state_full_fraction")
         return own() if own else None
 
+    def metrics(self) -> dict:
+        """The optimizer's own numbers for the training row (`log_metrics()`: {name: number}); none for others."""
+        own = self._own("log_metrics")
+        return dict(own()) if own else {}
+
     def density_report(self) -> dict | None:
         own = self._own("density_report")
         return own() if own else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -188,11 +189,19 @@ def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tens
     return norm
 
 
+class StepTotals(NamedTuple):
+    """What the step's one host sync brings back (every rank has the same)."""
+    loss: float  # the global mean loss over scored targets
+    grad_norm: float  # before clipping
+    targets: int  # scored targets, all ranks
+    stop_votes: int  # ranks that received a stop signal
+    events: int  # data events, all ranks
+
+
 def step_totals(accelerator, loss_sum: torch.Tensor, norm: torch.Tensor, n_global: torch.Tensor,
-                stop_received, events: int = 0) -> tuple[float, float, int, int, int]:
-    """The step's one host sync: (global mean loss, gradient norm, global target count, the number of
-    ranks that received a stop signal, the number of data events on all ranks). One all-reduce of
-    [this rank's loss sum, its stop vote, its count of data events]."""
+                stop_received, events: int = 0) -> StepTotals:
+    """The step's one host sync (StepTotals). One all-reduce of [this rank's loss sum, its stop vote,
+    its count of data events]."""
     # Filled on the device: torch.tensor([...], device=cuda) would be a blocking copy from host memory,
     # a second sync per step. Scalar fills are kernels; loss_sum is copied device to device.
     mine = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
@@ -202,7 +211,7 @@ def step_totals(accelerator, loss_sum: torch.Tensor, norm: torch.Tensor, n_globa
     summed = accelerator.reduce(mine, reduction="sum")
     loss_total, votes, all_events, grad_norm, targets = torch.cat(
         [summed, norm.double().view(1), n_global.double().view(1)]).tolist()
-    return loss_total / targets, grad_norm, int(targets), int(votes), int(all_events)
+    return StepTotals(loss_total / targets, grad_norm, int(targets), int(votes), int(all_events))
 
 
 def gather_events(events: list[dict], total: int) -> list[dict]:

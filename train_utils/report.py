@@ -214,6 +214,16 @@ class EvalProgress:
         return tqdm(batches, desc="evaluating", unit="batch", leave=False, dynamic_ncols=True)
 
 
+def training_row(step: int, totals, lr: float, tokens: int, interval: dict, state_bytes: int, hooks) -> dict:
+    """The training row of metrics.jsonl and wandb, the one place it is assembled: the step's totals
+    (train_utils.loop.StepTotals), its lr, the tokens so far, the interval's pace and peak memory
+    (measure.Interval.row), the optimizer state's size, and what the optimizer reports through its
+    hooks adapter (its state-full share; any `log_metrics()` it has: one method adds a metric)."""
+    return {"step": step, "loss": totals.loss, "lr": lr, "grad_norm": totals.grad_norm, "tokens": tokens,
+            **interval, "optimizer_state_bytes": state_bytes, "state_full_fraction": hooks.state_full_fraction(),
+            **hooks.metrics()}
+
+
 class StepLog:
     """What the loop logs and says after each step: the training row every train.log_every steps and
     at the last (loss, lr, gradient norm, tokens, the interval's pace and peak memory, the optimizer
@@ -237,15 +247,15 @@ class StepLog:
         self.run.metrics.log(row)
         self.state_size.stale()  # e.g. a density change or a new window: the state's size may follow
 
-    def step(self, row: dict, targets: int, positions: int, seconds: float, data_wait: float) -> None:
-        """After the step `row` describes (step, loss, lr, grad_norm, tokens): `targets` and
-        `positions` it scored and read on all ranks, its wall time and the part spent waiting for
+    def step(self, step: int, totals, lr: float, tokens: int, positions: int, seconds: float,
+             data_wait: float) -> None:
+        """After step `step` (its `totals`: train_utils.loop.StepTotals; the lr it used; the tokens
+        scored so far), `positions` read on all ranks, its wall time and the part spent waiting for
         data. Sharded, the row's state size may be an all-reduce: every rank calls this every step."""
-        run, steps, step, loss = self.run, self.run.tc.steps, row["step"], row["loss"]
-        self.interval.add(targets, positions, seconds, data_wait)
+        run, steps, loss = self.run, self.run.tc.steps, totals.loss
+        self.interval.add(totals.targets, positions, seconds, data_wait)
         if step % run.tc.log_every == 0 or step == steps:
-            row = {**row, **self.interval.row(), "optimizer_state_bytes": self.state_size(),
-                   "state_full_fraction": run.hooks.state_full_fraction()}
+            row = training_row(step, totals, lr, tokens, self.interval.row(), self.state_size(), run.hooks)
             run.metrics.log(row)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['scored_tokens_per_s']:,.0f}", refresh=False)
         self.bar.update(1)
