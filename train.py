@@ -47,15 +47,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if __name__ == "__main__":  # a stop signal while the libraries below import: remembered, not fatal
-    import importlib.util
-    import sys
+    from train_utils.signals import STOP as _EARLY_STOP  # train_utils imports no torch: milliseconds
 
-    # By path: importing the train_utils package first would import torch (seconds without a handler).
-    _spec = importlib.util.spec_from_file_location(
-        "train_utils.signals", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_utils", "signals.py"))
-    sys.modules[_spec.name] = _early_signals = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_early_signals)
-    _early_signals.STOP.install()
+    _EARLY_STOP.install()
 
 import sys
 import time
@@ -72,18 +66,18 @@ import models
 from train_utils import checkpoint as ckpt
 from train_utils import distributed, divergence, memory_check, report, resume, run_lock, schema, toy
 from train_utils.memory_check import auto_micro_batch
-from train_utils.naming import debug_option, is_multirun, run_group
+from train_utils.naming import is_multirun, run_group
 from train_utils.validation import (AUTO, ConfigError, JobError, check_loop_settings,
-                                    resolve_precision, stop_with_error, validate_config)
-from train_utils.loop import (NonFiniteError, allow_tf32, compile_model, enable_activation_checkpointing, evaluate,
+                                    stop_with_error, validate_config)
+from train_utils.loop import (NonFiniteError, compile_model, enable_activation_checkpointing, evaluate,
                               forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
                               training_batches)
 from train_utils.measure import workers_needed
 from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
-from train_utils.run import Run
+from train_utils.run import Run, session
 from train_utils.signals import STOP
-from train_utils.slurm import export_distributed_env, requeue
+from train_utils.slurm import requeue
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
@@ -96,23 +90,17 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     """Run (or continue) the training job described by `cfg` in `run_dir`; return the exit code."""
     tc = cfg.train
     check_loop_settings(tc)
-    installed = STOP.install()  # from here on a stop signal ends the run cleanly (train_utils/signals.py)
-    export_distributed_env()  # SLURM tasks without torchrun (srun, submitit): rank/world from the job
-    accelerator = distributed.make_accelerator(tc.collective_timeout_s)
-    rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
-                                    accelerator.is_main_process, accelerator.device)
-    tf32 = allow_tf32(tc.tf32, device)
-    tc.precision = resolve_precision(tc.precision, device, debug_option())  # auto: bf16-mixed where native, else fp32
-    monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
-    run = log = lock = None
-    try:
+    # the processes, the stop signals, and on the way out the clean-up (train_utils/run.py)
+    with session(cfg, run_dir, STOP) as s:
+        accelerator, world, is_main = s.accelerator, s.world, s.accelerator.is_main_process
         if tc.micro_batch_size == AUTO:  # rank 0 chooses (from its free memory), every rank uses its choice
-            tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, device) if is_main else 0])[0]
+            tc.micro_batch_size = broadcast_object_list([auto_micro_batch(cfg, world, accelerator.device)
+                                                         if is_main else 0])[0]
         accum = validate_config(cfg, world)
         # Every rank must write to the same place even if each resolved ${now:...} on its own.
         run_dir = broadcast_object_list([os.path.abspath(run_dir)])[0]
-        lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
-        run = Run(cfg, run_dir, accelerator, accum, tf32)  # the run record: its parts are set below as they are built
+        s.lock = run_lock.hold(run_dir, accelerator)  # one run per run dir: a second writer is refused here
+        run = s.run = Run(cfg, run_dir, accelerator, accum, s.tf32)  # the run record: parts set below as built
         say = run.say
         for note in toy.apply(cfg, write=is_main):  # debug=toy: update gaps that switch in the toy run (its notes)
             say(note)
@@ -157,7 +145,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         train_iter = training_batches(dm)
         params = [p for p in raw_model.parameters() if p.requires_grad]
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
-        log = report.StepLog(run, step)  # rows, progress bar, progress lines; its clock starts here
+        log = s.log = report.StepLog(run, step)  # rows, progress bar, progress lines; its clock starts here
         eval_dm = report.EvalProgress(dm, log.shown)
         model.train()
         while step < tc.steps:
@@ -211,25 +199,6 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         # connections) while a peer is alive can make the peer abort (std::terminate). Leave together.
         accelerator.wait_for_everyone()
         return 0
-    except RuntimeError as err:
-        if world > 1 and distributed.is_collective_timeout(err):
-            raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
-                monitor, rank, tc.collective_timeout_s, err)) from err
-        raise
-    except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
-        raise ckpt.out_of_space(err, run_dir) or err
-    finally:
-        if log is not None:
-            log.close()
-        if run is not None and run.metrics is not None:
-            run.metrics.close()
-        if lock is not None:
-            lock.release()
-        if installed:
-            STOP.restore()
-        if world > 1:  # see distributed.park: the DDP reducer's gloo group is not torn down in this frame
-            distributed.park(accelerator, run.model if run is not None else None)
-        accelerator.end_training()  # destroy the process group before the interpreter exits
 
 
 # ---- train()'s steps, in the order it takes them.

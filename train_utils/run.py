@@ -16,9 +16,10 @@ local variables, where a reader sees it change, and is passed to the helpers exp
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -113,3 +114,66 @@ class Run:
     def peak_flops(self) -> float | None:
         """One device's peak FLOP/s for MFU (train.peak_flops, else the table's), None if unknown."""
         return peak_flops(self.device, self.tc.peak_flops)
+
+
+@dataclass(eq=False)
+class Session:
+    """What surrounds a run's training story (`session`): the processes and their settings, and the
+    parts `train()` hands over as it builds them, for the clean-up to close."""
+
+    accelerator: Any
+    tf32: bool
+    run: Run | None = None
+    log: Any = None  # report.StepLog: its progress bar
+    lock: Any = None  # run_lock.hold's: one run per run dir
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+
+@contextlib.contextmanager
+def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
+    """Everything around the training story in `train()`: on the way in, the stop-signal handler
+    (`stop`: train_utils.signals.STOP; from here on a signal ends the run cleanly), the processes
+    (accelerate, NCCL or gloo, SLURM tasks without torchrun), TF32, `train.precision=auto` resolved for
+    this device, the collective-timeout monitor; on the way out, whatever happened: a collective
+    timeout named with the rank that stopped answering, a full disk as one line, the progress bar and
+    the metrics closed, the run dir's lock released, the signal handler restored, the ranks leaving
+    together, the process group destroyed."""
+    from train_utils import checkpoint as ckpt
+    from train_utils import distributed
+    from train_utils.loop import allow_tf32
+    from train_utils.naming import debug_option
+    from train_utils.slurm import export_distributed_env
+    from train_utils.validation import resolve_precision
+
+    tc = cfg.train
+    installed = stop.install()
+    export_distributed_env()  # SLURM tasks without torchrun (srun, submitit): rank/world from the job
+    accelerator = distributed.make_accelerator(tc.collective_timeout_s)
+    tf32 = allow_tf32(tc.tf32, accelerator.device)
+    tc.precision = resolve_precision(tc.precision, accelerator.device, debug_option())  # auto: bf16-mixed if native
+    monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
+    s = Session(accelerator, tf32)
+    try:
+        yield s
+    except RuntimeError as err:
+        if s.world > 1 and distributed.is_collective_timeout(err):
+            raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
+                monitor, accelerator.process_index, tc.collective_timeout_s, err)) from err
+        raise
+    except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
+        raise ckpt.out_of_space(err, run_dir) or err
+    finally:
+        if s.log is not None:
+            s.log.close()
+        if s.run is not None and s.run.metrics is not None:
+            s.run.metrics.close()
+        if s.lock is not None:
+            s.lock.release()
+        if installed:
+            stop.restore()
+        if s.world > 1:  # see distributed.park: the DDP reducer's gloo group is not torn down in this frame
+            distributed.park(accelerator, s.run.model if s.run is not None else None)
+        accelerator.end_training()  # destroy the process group before the interpreter exits
