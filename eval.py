@@ -44,7 +44,8 @@ from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
 from train_utils import sharded_checkpoint
 from train_utils.report import EvalProgress
-from train_utils.schema import bad_group_choice, closest, group_option_error, group_options
+from train_utils.schema import (bad_group_choice, closest, did_you_mean, group_option_error, group_options,
+                                 unknown_key_line)
 from train_utils.validation import ConfigError, check_precision, resolve_precision
 from train_utils.loop import evaluate
 from train_utils.resume import choose_checkpoint
@@ -55,10 +56,6 @@ OWN_ARGUMENTS = ("checkpoint", "out")  # eval.py's own; every other argument set
 _ABSENT = object()
 
 
-def _did_you_mean(near: str | None) -> str:
-    return f" (did you mean {near}?)" if near else ""
-
-
 def check_argument_names(argv: list[str]) -> None:
     """A top-level argument is checkpoint=, out= or data=; any other must be a dotted key (checked
     against the checkpoint's config by `load_config`). Checked before the checkpoint is looked for, so
@@ -67,7 +64,7 @@ def check_argument_names(argv: list[str]) -> None:
     for arg in argv:
         key, sep, _ = arg.partition("=")
         if sep and "." not in key and key not in valid:
-            raise ConfigError(f"unknown argument {arg!r}{_did_you_mean(closest(key, valid))}; valid arguments: "
+            raise ConfigError(f"unknown argument {arg!r}{did_you_mean(closest(key, valid))}; valid arguments: "
                               f"checkpoint=<checkpoint dir or run dir>, out=<file>, data=<option>, or "
                               f"<section>.<key>=<value> of the checkpoint's config (e.g. train.eval_tokens=100000)")
 
@@ -90,14 +87,13 @@ def unknown_key_message(cfg: DictConfig, arg: str) -> str:
     valid = [str(k) for k in node.keys()]
     near = closest(missing, valid)
     if not parent:  # a section the checkpoint's config does not have: suggest the key under the closest one
-        hint = _did_you_mean(".".join([near, *parts[1:]]) if near else None)
+        hint = did_you_mean(".".join([near, *parts[1:]]) if near else None)
         return (f"unknown argument {arg!r}: the checkpoint's config has no section {missing!r}{hint}; "
                 f"valid sections: {', '.join(valid)}")
     if missing in node:  # the key is a value, and the argument goes below it
         return f"unknown argument {arg!r}: {parent}.{missing} is a value, not a section"
-    hint = _did_you_mean(f"{parent}.{near}" if near else None)
-    return (f"unknown argument {arg!r}: {parent}.{missing} is not a key of the checkpoint's config{hint}; "
-            f"valid keys of {parent}: {', '.join(valid)}")
+    return f"unknown argument {arg!r}: " + unknown_key_line(f"{parent}.{missing}", valid,
+                                                             "a key of the checkpoint's config")
 
 
 class EvalLines:

@@ -10,6 +10,23 @@ complement, updated with a state-free rule (signSGD, SGD) that keeps no optimize
 
     optimizer = frugal.build_optimizer(model, "frugal", lr=1e-3, density=0.25, update_gap=200)
     scheduler = frugal.build_scheduler(optimizer, "cosine_restarts", total_steps=200_000, cycle_length=10_000)
+
+Modules (tests/test_extending.py keeps this list whole):
+
+- optimizer: `FRUGAL`, the phased step; reference: Algorithm 1 for one tensor (the fast path's reference)
+- rules: the state-full and state-free rules, each declaring its facts (`register_state_full/free`
+  adds one); muon, fira, factored: the rules of Muon, Fira and AdaMeM
+- projections: how the state-full subspace is chosen; windows: which tensors are state-full in a
+  step's window; state_management: a projected tensor's subspace and state, window by window;
+  subspace: LDAdam's power iteration and error feedback
+- state_precision: the moments in bf16 or 8 bits; kernels: the sign update and stochastic rounding
+- in_backward: the step inside backward
+- grouping: which parameters are split, and their blocks; sharding: FSDP2 shards
+- hparams: the hyperparameters' checks; checks: the shared error and integer check
+- registry: `build_optimizer` for every optimizer of the paper; external: APOLLO and Adam-mini
+- memory: optimizer-state bytes, measured and estimated; summary: `describe`; density: the realised
+  density
+- schedules: learning-rate schedules; adaptive: the opt-in density schedule and growing update gap
 """
 from .optimizer import FRUGAL
 from .grouping import param_groups, resolve_params

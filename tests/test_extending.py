@@ -190,3 +190,34 @@ def test_an_optimizer_metric_in_one_method_reaches_metrics_jsonl_and_wandb(tmp_p
     logged = {r["step"]: r["window"] for r in rows(tmp_path) if "loss" in r}
     assert logged == {1: 0, 2: 1, 3: 1, 4: 2}  # after step s: the window of step s + 1
     assert {h["_step"]: h["window"] for h in wandb_history(tmp_path) if "window" in h} == logged
+
+
+def test_one_validation_pass_per_construction(monkeypatch):
+    """FRUGAL(model) checks its hyperparameters once; a group's own values are checked when it is added."""
+    from frugal import hparams, optimizer
+
+    calls = []
+
+    def counting(values):
+        calls.append(sorted(values))
+        return hparams.validate(values)
+
+    monkeypatch.setattr(optimizer, "validate", counting)
+    model = models.build_model(MODEL, vocab_size=VOCAB)
+    frugal.FRUGAL(model, lr=1e-3)
+    assert len(calls) == 1
+    opt = frugal.FRUGAL([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5}], lr=1e-3)
+    assert calls[-1] == ["lr"] and opt.param_groups[0]["lr"] == 0.5
+    with pytest.raises(frugal.HyperparameterError, match="Invalid lr"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1.0})
+
+
+def test_the_package_docstrings_list_every_module():
+    """train_utils/__init__.py and frugal/__init__.py name each of their modules (the map a newcomer reads)."""
+    import ast
+
+    for package in ("train_utils", "frugal"):
+        doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+        modules = sorted(p.stem for p in (ROOT / package).glob("*.py") if p.stem != "__init__")
+        missing = [m for m in modules if m not in doc]
+        assert not missing, f"{package}/__init__.py's docstring does not name {missing}"

@@ -130,6 +130,19 @@ def closest(key: str, valid: list[str]) -> str | None:
     return match[0] if match else None
 
 
+def did_you_mean(near: str | None) -> str:
+    return f" (did you mean {near}?)" if near else ""
+
+
+def unknown_key_line(key: str, valid: list[str], what: str = "a config key") -> str:
+    """The one line for a dotted `key` that is not in its node (train.py's config, eval.py's checkpoint
+    config): the closest valid key, with its section, and the node's valid keys."""
+    section, _, _ = key.rpartition(".")
+    near = closest(key, valid)
+    return (f"{key} is not {what}{did_you_mean(f'{section}.{near}' if near and section else near)}; "
+            f"valid keys of {section or 'the top level'}: {', '.join(valid)}")
+
+
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 
 
@@ -180,8 +193,8 @@ def group_option_error(group: str, option: str) -> str:
     """The one line for an option configs/<group>/ does not have: the closest and the valid options."""
     options = group_options(group)
     near = closest(option, options)
-    return (f"{group}={option!r} is not an option of configs/{group}/" + (f" (did you mean {near}?)" if near else "")
-            + f"; valid options: {', '.join(options)}")
+    return (f"{group}={option!r} is not an option of configs/{group}/{did_you_mean(near)}; "
+            f"valid options: {', '.join(options)}")
 
 
 _KEY_OR_GROUP = re.compile(r"[A-Za-z_][\w-]*(/[\w-]+)*")

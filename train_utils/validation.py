@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from frugal.checks import check_integer
 
 from .naming import is_multirun
-from .schema import closest, unknown_keys
+from .schema import unknown_key_line, unknown_keys
 
 PRECISIONS = ("bf16-mixed", "bf16", "fp32")  # bf16 autocast over fp32 weights | pure bf16 | fp32
 AUTO = "auto"  # train.micro_batch_size, train.precision: chosen for the run's device at start-up
@@ -89,12 +89,7 @@ def check_known_keys(cfg: DictConfig) -> None:
     unknown = unknown_keys(cfg)
     if not unknown:
         return
-    lines = []
-    for key, valid in unknown:
-        section = key.rpartition(".")[0] or "the top level"
-        near = closest(key, valid)
-        hint = f" (did you mean {key.rpartition('.')[0] + '.' if '.' in key else ''}{near}?)" if near else ""
-        lines.append(f"{key} is not a config key{hint}; valid keys of {section}: {', '.join(valid)}")
+    lines = [unknown_key_line(key, valid) for key, valid in unknown]
     raise ConfigError("; ".join(lines) + ". (A new key is declared in the YAML file of its section; the "
                       "optimizer's are written from its frugal registry entry by scripts/write_optimizer_configs.py.)")
 
