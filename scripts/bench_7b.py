@@ -4,6 +4,7 @@ checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 toke
 
     python scripts/bench_7b.py                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
     python scripts/bench_7b.py --optimizer adamw     # refused by the memory check before allocating
+    python scripts/bench_7b.py optimizer.density=0.25 optimizer.state_precision=8bit   # density 0.25, 8-bit moments
     python scripts/bench_7b.py --model llama_tiny    # the same script on a tiny model (what CI runs)
     python scripts/bench_7b.py --device cuda --cap-gib 24   # a GPU held to 24 GiB (scripts/preflight.py)
 
@@ -52,11 +53,11 @@ from train_utils.memory_plan import GIB, device_memory, plan_memory  # noqa: E40
 SAMPLED = 1 << 20  # elements per sampled tensor for `weights_changed`
 
 
-def compose(model: str, optimizer: str):
+def compose(model: str, optimizer: str, extra: list[str] = ()):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    overrides = [f"model={model}", f"optimizer={optimizer}"]
+    overrides = [f"model={model}", f"optimizer={optimizer}", *extra]
     if optimizer != "adamw":
         overrides.append("optimizer.stochastic_rounding=true")  # pure bf16: updates below half an ulp count
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
@@ -76,6 +77,8 @@ def sample(model) -> list[torch.Tensor]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="optimizer settings as Hydra overrides, e.g. "
+                    "optimizer.density=0.25 optimizer.state_precision=8bit (the single-GPU preset at density 0.25)")
     ap.add_argument("--model", default="llama_7b", help="a configs/model name (default llama_7b)")
     ap.add_argument("--optimizer", default="frugal_rho0",
                     help="a configs/optimizer name (default frugal_rho0; adamw runs the ordinary step)")
@@ -93,8 +96,11 @@ def main(argv=None) -> int:
         ap.error("--cap-gib needs --device cuda")
     if args.steps < 1 or args.seq_len < 2 or args.micro_batch < 1:
         ap.error("--steps and --micro-batch must be >= 1 and --seq-len >= 2")
+    others = [o for o in args.overrides if not o.startswith("optimizer.")]
+    if others:
+        ap.error(f"overrides set optimizer.* keys only, got {others}")
     torch.manual_seed(args.seed)
-    model_cfg, opt_cfg = compose(args.model, args.optimizer)
+    model_cfg, opt_cfg = compose(args.model, args.optimizer, args.overrides)
     in_backward = opt_cfg["name"] in frugal.registry.frugal_based()
     plan = plan_memory(model_cfg, opt_cfg, micro_batch_size=args.micro_batch, seq_len=args.seq_len,
                        precision="bf16", activation_checkpointing=True, device_type=args.device,
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
     else:
         planned, available = plan.total + PROCESS_BYTES, device_memory("cpu")
     print(plan.format(), file=sys.stderr)
-    result = {"model": args.model, "optimizer": args.optimizer, "in_backward": in_backward,
+    result = {"model": args.model, "optimizer": args.optimizer, "overrides": args.overrides, "in_backward": in_backward,
               "planned_gib": round(planned / GIB, 2), "available_gib": round(available / GIB, 2)}
     if planned > available:  # the memory check: before anything is allocated
         where = "this host has" if device.type == "cpu" else f"{device} may use"

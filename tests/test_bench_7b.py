@@ -1,5 +1,5 @@
 """scripts/bench_7b.py, the 7B-on-one-GPU proof, on a tiny model (the 7B run takes minutes and ~15 GiB:
-README, "LLaMA-7B on one 24 GB GPU"), and its refusal of AdamW at 7B before anything is allocated."""
+docs/in_backward.md, "LLaMA-7B on one 24 GB card"), and its refusal of AdamW at 7B before anything is allocated."""
 import json
 import math
 import subprocess
@@ -18,8 +18,9 @@ def bench(*args):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_two_steps_in_backward_move_the_weights_within_the_plan():
-    proc, out = bench("--model", "llama_tiny")
+@pytest.mark.parametrize("overrides", [[], ["optimizer.density=0.25", "optimizer.state_precision=8bit"]])
+def test_two_steps_in_backward_move_the_weights_within_the_plan(overrides):
+    proc, out = bench("--model", "llama_tiny", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out["in_backward"] and out["weights_changed"] is True
     assert len(out["loss"]) == len(out["step_s"]) == 2 and all(math.isfinite(x) for x in out["loss"])
@@ -27,6 +28,7 @@ def test_two_steps_in_backward_move_the_weights_within_the_plan():
     # compiled in this process (a busy machine); the planner allows 1 GiB for it. (The 7B figure: README.)
     assert 0.3 < out["peak_rss_gib"] < out["planned_gib"] + 0.5
     assert "step inside backward (clipping, accumulation 1)" in proc.stderr
+    assert out["overrides"] == overrides and ("density 0.25" in proc.stderr) == bool(overrides)
 
 
 def test_adamw_at_7b_is_refused_before_allocating():
