@@ -523,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the trials to this file")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="fault_inject_")
+    # absolute: the runs start in the repository, not in this directory
+    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="fault_inject_"))
     os.makedirs(workdir, exist_ok=True)
     reference = os.path.join(workdir, "reference")
     shutil.rmtree(reference, ignore_errors=True)

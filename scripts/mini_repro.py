@@ -3,7 +3,7 @@
     python scripts/mini_repro.py --corpus input.txt                # results in runs/mini_repro/
     python scripts/mini_repro.py --corpus input.txt --extras all   # + the optional rows
 
-The corpus: any text file or directory of them. The documented figures (README, docs/mini_repro.md) use
+The corpus: any text file or directory of them. The documented figures (docs/measurements.md, docs/mini_repro.md) use
 tinyshakespeare (1.1 MB, public domain), which the repository does not ship:
 
     curl -O https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
@@ -268,6 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="retrain the tokenizer and rerun every run, even if cached")
     ap.add_argument("--extras", default="", help=f"optional rows: a comma list of {', '.join(EXTRAS)}, or all")
     args = ap.parse_args(argv)
+    args.workdir = args.workdir.resolve()  # the runs start in the repository, not in this directory
     args.out = args.out or args.workdir / "results.json"  # never into the tracked docs/ unless asked
     args.md = args.md or args.workdir / "mini_repro.md"
     args.plot = args.plot or args.workdir / "mini_repro.png"

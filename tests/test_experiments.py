@@ -321,7 +321,7 @@ def test_llama7b_on_one_24gb_gpu_is_the_authors_recipe_and_fits():
 # distinct models. From the composed configs (train_utils.toy.fit, what train() applies), no training.
 PAPER_SIZES = ["llama_20m", "llama_35m", "llama_60m", "llama_130m", "llama_350m", "llama_1b", "llama_3b", "llama_7b"]
 # The issue's two sweeps: Table 15's seven gaps are seven toy gaps (k = 11, 200 steps: switching 199, 99, 39,
-# 19, 10, 4 and 2 times); Table 2's four sizes are four toy models (layers, hidden), 130M the README's 4 x 128.
+# 19, 10, 4 and 2 times); Table 2's four sizes are four toy models (layers, hidden), 130M docs/reproducing.md's 4 x 128.
 TOY_CELLS = {"table15_update_gap": {10: 1, 20: 2, 50: 5, 100: 10, 200: 19, 500: 46, 1000: 91},
              "table2": {"llama_60m": (4, 96), "llama_130m": (4, 128), "llama_350m": (6, 128), "llama_1b": (6, 160)}}
 

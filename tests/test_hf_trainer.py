@@ -1,4 +1,4 @@
-"""FRUGAL in HF Trainer as the README shows it: which learning rate reaches the optimizer, and the
+"""FRUGAL in HF Trainer as docs/library.md shows it: which learning rate reaches the optimizer, and the
 reporting helpers through accelerate's AcceleratedOptimizer (what `trainer.optimizer` is after train())."""
 import pytest
 import torch

@@ -1,11 +1,15 @@
-"""Every command block of README.md runs, at toy scale, so the README cannot drift from the code.
+"""Every command block of README.md and of the docs/*.md pages runs, at toy scale, so the documentation
+cannot drift from the code. A block is tested where it lives: moving a section from the README to a page
+of docs/ keeps its blocks under test, with ids naming the file and line (`README.md:35`,
+`docs/benchmarks.md:28`).
 
-The convention (README authors: this is all there is to it):
+The convention (README and docs authors: this is all there is to it):
 
 - A command block is a code block (indented or fenced) whose first line starts with `python`,
   `torchrun`, `accelerate`, `sbatch` or `pip`; `\\` continues a line, `#` starts a comment, `&&` chains.
   Other blocks (the layout tree) are text. A fenced ```python block is executed as Python with `model`
-  bound to a tiny LLaMA (the library example's "your model").
+  bound to a tiny LLaMA (the library example's "your model"); a sketch that cannot run on its own (it
+  names a `cfg` it never builds) is fenced without a language, as text.
 - Every command block runs, its commands in order, in a fresh working directory (so relative outputs
   such as `multirun/table15` are the block's own), with `train.py`, `eval.py` and `scripts/` taken from
   the repository and the Hub, wandb and the network off.
@@ -18,7 +22,8 @@ The convention (README authors: this is all there is to it):
   key wins): a command keeps its own preset, optimizer and swept keys, and trains a 4-layer model of its
   family for 2 steps, on the synthetic corpus unless it names its data (`data=...`; a `data.path` alone
   is an error here: debug=toy would replace the preset's data); the scripts get `SCRIPT_ARGS`
-  (argparse: the last value wins).
+  (argparse: the last value wins), which cut the benchmarks, the fault injection and the mini
+  reproduction to one small case each (their documented figures come from the full commands).
 - Example paths: `EXAMPLE_PATHS` maps the README's placeholder paths to data built by the test (a C4-
   format corpus and a T5-style tokenizer from tests/conftest.py); a runnable command with any other
   absolute path fails here, until it is mapped.
@@ -36,17 +41,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # every page whose blocks run
 PROGRAMS = ("python", "torchrun", "accelerate", "sbatch", "pip")
 SKIP_REASONS = {"hub": "needs the Hugging Face Hub", "gpu": "needs GPUs", "slurm": "needs a SLURM cluster"}
 MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s+(\w+)\s*-->")
 DEBUG = "debug=toy"
 TOY = ["train.steps=2", "schedule.warmup_steps=1", "train.batch_size=4", "train.eval_tokens=64", "data.seq_len=32",
        "train.plot=false", "train.progress_bar=false"]
+SMALL_CORPUS = ROOT / "tests" / "assets" / "tinyshakespeare_slice.txt"  # stands in for the documented corpus
+FAULT_KINDS = ("kills", "signals", "damage", "disk-full", "early", "writers", "forged", "resize", "dcp", "diverge",
+               "late", "garbage", "badline", "stale", "fullmeta")
 SCRIPT_ARGS = {
     "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
     "scripts/memory_table.py": ["--measure-max-params", "0"],
     "eval.py": ["train.eval_tokens=64"],
     "scripts/bench_7b.py": ["--model", "llama_tiny"],  # the 7B steps take minutes and ~17 GiB
+    # --validate: its first case only (the rest: test_memory_plan); --table: one model
+    "scripts/memory_plan.py": ["--cases", "0/1000", "--models", "llama_60m"],
+    # the benchmarks: one round of one method beside AdamW, on the smallest model each takes
+    "scripts/bench_optimizer.py": ["--models", "llama_60m", "--rounds", "1", "--steps", "1", "--only",
+                                   "frugal block 0.25"],
+    "scripts/bench_train.py": ["--model", "llama_tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                               "--methods", "FRUGAL 0.25"],
+    "scripts/bench_data.py": ["--docs", "300"],
+    "scripts/figure3_reprojection.py": ["--runs", "2", "--steps", "30"],
+    # one trial (a damaged file) after the reference run, instead of 25 trials in ~13 minutes
+    "scripts/fault_inject.py": [*(a for kind in FAULT_KINDS for a in (f"--{kind}", "0")), "--damage", "1",
+                                "--workdir", "fault_inject"],
+    # a 40k-character slice of the corpus, a 2-layer model, 2 steps per run, no optional rows
+    "scripts/mini_repro.py": ["--corpus", str(SMALL_CORPUS), "--workdir", "mini_repro", "--vocab", "300",
+                              "--steps", "2", "--batch", "2", "--seq-len", "32", "--evals", "1", "--eval-tokens",
+                              "256", "--lr-grid", "1e-3", "--extras", "", "--hidden", "32", "--intermediate", "64",
+                              "--layers", "2", "--heads", "2", "--update-gap", "1"],
 }
 
 
@@ -113,17 +139,25 @@ def _split_and(tokens: list[str]) -> list[list[str]]:
     return parts + [cur]
 
 
-README_BLOCKS = blocks(README.read_text())
-COMMAND_BLOCKS = [b for b in README_BLOCKS if b["lang"] != "python" and commands(b["lines"])]
-PYTHON_BLOCKS = [b for b in README_BLOCKS if b["lang"] == "python"]
+def page_blocks(pages: list[Path]) -> list[dict]:
+    """The blocks of every page, each with "where": the page (relative to the repository) and line."""
+    return [{**b, "where": f"{page.relative_to(ROOT).as_posix()}:{b['line']}"}
+            for page in pages for b in blocks(page.read_text())]
+
+
+ALL_BLOCKS = page_blocks(PAGES)
+COMMAND_BLOCKS = [b for b in ALL_BLOCKS if b["lang"] != "python" and commands(b["lines"])]
+PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b["lang"] == "python"]
 
 
 def test_readme_has_command_blocks_and_every_skip_has_a_known_reason():
-    assert len(COMMAND_BLOCKS) >= 5 and PYTHON_BLOCKS
-    for b in README_BLOCKS:
-        assert b["skip"] in (None, *SKIP_REASONS), f"README line {b['line']}: unknown skip reason {b['skip']!r}"
+    """README.md and docs/*.md: the README keeps command blocks of its own, and docs/ has more."""
+    readme = [b for b in COMMAND_BLOCKS if b["where"].startswith("README.md:")]
+    assert len(readme) >= 5 and len(COMMAND_BLOCKS) > len(readme) and PYTHON_BLOCKS
+    for b in ALL_BLOCKS:
+        assert b["skip"] in (None, *SKIP_REASONS), f"{b['where']}: unknown skip reason {b['skip']!r}"
         if b["skip"]:
-            assert b in COMMAND_BLOCKS, f"README line {b['line']}: a skip marker on a block that is not a command block"
+            assert b in COMMAND_BLOCKS, f"{b['where']}: a skip marker on a block that is not a command block"
 
 
 @pytest.fixture
@@ -170,10 +204,10 @@ def _never_run(command: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", COMMAND_BLOCKS, ids=[f"line{b['line']}" for b in COMMAND_BLOCKS])
+@pytest.mark.parametrize("block", COMMAND_BLOCKS, ids=[b["where"] for b in COMMAND_BLOCKS])
 def test_readme_command_block_runs(block, example_paths, tmp_path):
     if block["skip"]:
-        pytest.skip(f"README line {block['line']}: {SKIP_REASONS[block['skip']]}")
+        pytest.skip(f"{block['where']}: {SKIP_REASONS[block['skip']]}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -184,11 +218,11 @@ def test_readme_command_block_runs(block, example_paths, tmp_path):
             continue
         argv = toy_command(command, example_paths)
         proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, (f"README line {block['line']}: {command}\nran as: {' '.join(argv)}\n"
+        assert proc.returncode == 0, (f"{block['where']}: {command}\nran as: {' '.join(argv)}\n"
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"line{b['line']}" for b in PYTHON_BLOCKS])
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b["where"] for b in PYTHON_BLOCKS])
 def test_readme_python_block_runs(block, tmp_path, monkeypatch):
     """Run in a fresh working directory (the HF Trainer block writes its output_dir there)."""
     monkeypatch.chdir(tmp_path)
@@ -199,7 +233,7 @@ def test_readme_python_block_runs(block, tmp_path, monkeypatch):
 
     torch.manual_seed(0)
     cfg = yaml.safe_load((ROOT / "configs" / "model" / "llama_tiny.yaml").read_text())
-    exec(compile("\n".join(block["lines"]), f"README.md:{block['line']}", "exec"),
+    exec(compile("\n".join(block["lines"]), block["where"], "exec"),
          {"model": models.build_model(cfg, vocab_size=512)})
 
 
@@ -246,13 +280,18 @@ def _sweep_values(text: str) -> list[str]:
     return [v.strip() for v in str(text).split(",")]
 
 
-TRAIN_COMMANDS = [(b["line"], c) for b in COMMAND_BLOCKS for c in commands(b["lines"])
-                  if " train.py" in f" {c}" and not _never_run(c)]
+def _train_commands(block: dict) -> list[tuple[str, str]]:
+    """(id, command) of a block's train.py commands: `page:line`, or `page:line-N` for the N-th of several."""
+    found = [c for c in commands(block["lines"]) if " train.py" in f" {c}" and not _never_run(c)]
+    return [(block["where"] + (f"-{i}" if len(found) > 1 else ""), c) for i, c in enumerate(found, 1)]
 
 
-@pytest.mark.parametrize("line, command", TRAIN_COMMANDS, ids=[f"line{ln}" for ln, _ in TRAIN_COMMANDS])
-def test_readme_train_command_is_valid_as_written(line, command):
-    """Every train.py command of the README, skipped blocks included (GPU, SLURM), composes as written
+TRAIN_COMMANDS = [pair for b in COMMAND_BLOCKS for pair in _train_commands(b)]
+
+
+@pytest.mark.parametrize("where, command", TRAIN_COMMANDS, ids=[where for where, _ in TRAIN_COMMANDS])
+def test_readme_train_command_is_valid_as_written(where, command):
+    """Every train.py command of the README and docs/, skipped blocks included (GPU, SLURM), composes as written
     and passes the start-up checks for the number of processes it starts, for every job of its sweep
     (the command's comma lists and the preset's own sweep): the toy-scale run above replaces the batch
     settings, so a batch that does not divide over 8 GPUs would pass there and fail here."""
@@ -298,3 +337,81 @@ def test_ci_runs_the_readmes_setup_and_test_commands():
     assert ci[-1] == test and " && ".join(ci[-3:-1]) == setup, ci
     assert any("slurm_localhost.sh install" in ln for ln in ci[:-3])
     assert phases == ["slurm", "set-up", "quickstart", "tests"]
+
+
+# ------------------------------------------------------------------ the README as a map, the pages it links
+README_MAX_LINES = 350
+MAP_HEADING = "## Where to change what"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _headings(text: str) -> list[str]:
+    """The markdown headings of a text, outside code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            out.append(line)
+    return out
+
+
+def _map_rows() -> list[list[str]]:
+    section = README.read_text().split(f"\n{MAP_HEADING}\n", 1)[1].split("\n## ", 1)[0]
+    table = [ln for ln in section.splitlines() if ln.startswith("|") and not set(ln) <= set("|-: ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in table[1:]]
+
+
+def test_readme_is_short_and_the_map_comes_right_after_the_quickstart():
+    """The README is the door: what the project is, the quickstart, then where to change what; the rest
+    is a summary per topic, its key commands and a link to the docs/ page that has the details."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, (f"README.md has {len(lines)} lines, the limit is {README_MAX_LINES}: "
+                                           "move the details to a page of docs/ and link it")
+    sections = [h for h in _headings(README.read_text()) if h.startswith("## ")]
+    assert sections[0].startswith("## Quickstart") and sections[1] == MAP_HEADING, sections[:3]
+
+
+def _exists(name: str) -> bool:
+    """`path` (a file or directory of the repository) or `path::name` (a test, function or class in it)."""
+    path, _, symbol = name.partition("::")
+    if not (ROOT / path).exists():
+        return False
+    return not symbol or bool(re.search(rf"^\s*(?:def|class)\s+{re.escape(symbol)}\b|^{re.escape(symbol)}\s*=",
+                                        (ROOT / path).read_text(), re.MULTILINE))
+
+
+def test_where_to_change_what_names_files_and_tests_that_exist():
+    """Each row: what to change, the files to edit (backquoted paths: `dir/`, `dir/file`, `file::name`) and
+    the tests to copy (`tests/...py::test_name`); every one of them must exist."""
+    rows = _map_rows()
+    assert len(rows) >= 8, rows
+    for row in rows:
+        assert len(row) == 3, row
+        what, edit, copy = row
+        files = [p for p in re.findall(r"`([^`]+)`", edit) if "/" in p and " " not in p]  # paths, not commands
+        tests = [p for p in re.findall(r"`([^`]+)`", copy) if "/" in p and " " not in p]
+        assert files and tests, f"{what}: name the files to edit and the tests to copy"
+        assert all(t.startswith("tests/") for t in tests), f"{what}: {tests}"
+        missing = [name for name in files + tests if not _exists(name)]
+        assert not missing, f"README, {MAP_HEADING}, row {what!r}: no such file or test: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_links_between_the_pages_resolve(page):
+    """A relative link (README -> docs/, docs/ -> docs/ or back) names a file that exists, and an anchor
+    a heading of that page: a section that moved leaves no dead link behind."""
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path) if path else page
+        assert dest.exists(), f"{page.relative_to(ROOT)}: link to {target}: no such file"
+        if anchor and dest.suffix == ".md":
+            slugs = {_slug(h) for h in _headings(dest.read_text())}
+            assert anchor in slugs, f"{page.relative_to(ROOT)}: link to {target}: no such heading"

@@ -2,7 +2,7 @@
 
 The table-format checks use run directories fabricated here (metrics.jsonl + .hydra/ with known
 numbers), so the expected cells are exact; two checks run the real train.py on a tiny model, one of them
-a real multirun (the README's rho x T sweep) whose every run must come back as its own row.
+a real multirun (docs/reproducing.md's rho x T sweep) whose every run must come back as its own row.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_a_run_without_an_evaluation_yet_is_listed(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory):
-    """The README's rho x T example as a real multirun at toy scale: 4 jobs of train.py."""
+    """docs/reproducing.md's rho x T example as a real multirun at toy scale: 4 jobs of train.py."""
     sweep = tmp_path_factory.mktemp("sweep") / "t2"
     cmd = [sys.executable, "train.py", "-m", "experiment=table2", "model=llama_tiny", "optimizer=frugal",
            "optimizer.density=0.125,0.25", "optimizer.update_gap=100,200", f"hydra.sweep.dir={sweep}",
