@@ -289,7 +289,8 @@ def test_optimizer_hooks_see_the_global_loss_and_their_events_are_logged(tmp_pat
 def test_compiled_training_matches_eager(tmp_path):
     """train.compile=true (blocks and loss compiled by inductor) trains like eager: bf16-mixed
     losses within 2e-3 and gradient norms within 1% over 4 steps, the validation loss within 2e-3
-    (measured on llama_tiny: 1.4e-4, 0.07%, 1.2e-5; in fp32: 1.5e-6 and 1e-7)."""
+    (measured on llama_tiny: 1.4e-4, 0.07%, 1.2e-5; in fp32: 1.5e-6 and 1e-7); so does it with the
+    step inside backward."""
     steps = ["train.steps=4", "train.eval_every=4"]
     assert run_inprocess(tmp_path / "eager", *steps) == 0
     assert run_inprocess(tmp_path / "compiled", *steps, "train.compile=true") == 0
@@ -300,6 +301,12 @@ def test_compiled_training_matches_eager(tmp_path):
     assert [r["grad_norm"] for r in compiled] == pytest.approx([r["grad_norm"] for r in eager], rel=1e-2)
     assert rows(tmp_path / "compiled")[-1]["val_loss"] == pytest.approx(rows(tmp_path / "eager")[-1]["val_loss"],
                                                                          abs=2e-3)
+    # and with FRUGAL's step inside backward (the 7B single-GPU presets compile on a GPU: train.compile=auto):
+    # the hooks fire under the compiled blocks' backward as under eager ones
+    assert run_inprocess(tmp_path / "hooked", *steps, "train.compile=true", "train.optimizer_in_backward=true") == 0
+    hooked = [r for r in rows(tmp_path / "hooked") if "loss" in r]
+    assert [r["loss"] for r in hooked] == pytest.approx([r["loss"] for r in compiled], abs=2e-3)
+    assert [r["grad_norm"] for r in hooked] == pytest.approx([r["grad_norm"] for r in compiled], rel=1e-2)
 
 
 def test_compile_setting_is_checked(tmp_path):
