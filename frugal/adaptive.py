@@ -175,7 +175,7 @@ def observe_clock(holder: dict, settings: Mapping, loss: float) -> None:
 # Settings one window clock serves every projected group with (FRUGAL keeps them equal across groups).
 CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
 # Settings every block-projected group shares (one walk over all blocks), the clock reads them too.
-BLOCK_SHARED = ("density", "update_gap", "block_order", "block_granularity", "seed",
+BLOCK_SHARED = ("density", "update_gap", "window_offset", "block_order", "block_granularity", "seed",
                 "density_schedule", "density_end", "density_steps")
 
 
@@ -214,8 +214,12 @@ def effective(group: dict, clock: "WindowClock | None") -> dict:
 
 
 def window_of(group: Mapping, step: int, clock: "WindowClock | None") -> int:
-    """The subspace window of ``step``: ``step // update_gap``, or the clock's."""
-    return step // group["update_gap"] if clock is None else clock.window
+    """The subspace window of ``step``: ``(step + window_offset) // update_gap`` (the offset at most
+    ``update_gap - 1``: a first window shorter by it), or the clock's."""
+    if clock is not None:
+        return clock.window
+    gap = group["update_gap"]
+    return (step + min(group.get("window_offset", 0), gap - 1)) // gap
 
 
 def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callable[[int], int] | None,

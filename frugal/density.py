@@ -1,6 +1,7 @@
 """The density census: what the next step's window of a FRUGAL optimizer makes state-full
 (`FRUGAL.density_report`, `FRUGAL.state_full_fraction`). It imports no optimizer module, so
-`optimizer` depends on it one way; the roles come from `frugal.windows`, as the step's do."""
+`optimizer` depends on it one way; it reads the optimizer through its public methods (`next_roles`,
+`block_ids`, `active_blocks`): the roles come from `frugal.windows`, as the step's do."""
 from __future__ import annotations
 
 import math
@@ -12,10 +13,9 @@ from .windows import FULL
 
 def _census(optimizer) -> tuple[int, int, int, float]:
     """(projectable elements, state-full ones next step, one selection unit, density asked)."""
-    window = optimizer._window(optimizer.step_count, commit=False)
     total = full = units = asked = 0
     block_sizes: dict = defaultdict(int)
-    for t in optimizer._get_layout().tensors(optimizer.param_groups, window):
+    for t in optimizer.next_roles():
         group, p = t.group, t.param
         if not group["projectable"] or group["always_state_free"]:
             continue
@@ -58,10 +58,10 @@ def density_report(optimizer) -> dict:
     share = full / total if total else 0.0
     report = {"requested": asked, "realised": share, "unit": units / total if total else 0.0,
               "state_full_share": share, "blocks": None}
-    layout = optimizer._get_layout()
+    blocks = optimizer.block_ids()
     blockwise = all(g["projection"] == "block" for g in optimizer.param_groups
                     if g["projectable"] and not g["always_state_free"])
-    if layout.blocks and blockwise:
-        k, n = len(optimizer.active_blocks()), len(layout.blocks)
+    if blocks and blockwise:
+        k, n = len(optimizer.active_blocks()), len(blocks)
         report.update(realised=k / n, unit=1 / n, blocks=[k, n])
     return report

@@ -4,7 +4,8 @@ The paper (Section 5, Appendix D) splits only the 2-D weights of the attention a
 inside transformer blocks ("Linear layers"). Embeddings, norms and the output head stay state-full
 with the state-full rule and are never reset: the paper found them to be the parameters that suffer
 most from a state-free update (Table 4: moving the output layer to signSGD costs 14 perplexity
-points). Biases are tiny and stay state-full too.
+points). Biases are tiny and stay state-full too. A state-full rule defined only for weight matrices
+(Muon) gives them AdamW instead, wherever the groups are built from a model (REST_RULES).
 
 Blocks are found from the module structure, so no model family needs its own names
 (`transformer_blocks(model)` returns them; the training side uses it for FSDP2 units, compiled and
@@ -48,6 +49,16 @@ from torch import nn
 STATE_FREE_MODULE_CHOICES = ("embeddings", "norms", "output")
 # Param-group keys that FRUGAL reads; a group carrying any of them was split by its author.
 FRUGAL_GROUP_KEYS = ("projectable", "block", "transposed", "always_state_free")
+
+# State-full rules defined only for the weight matrices of the layers: when FRUGAL builds the groups
+# from a model (`param_groups(model, state_full=...)`, `FRUGAL(model, state_full=...)`, the registry
+# entries), the non-projectable state-full tensors take the rule given here instead, for the reason
+# given here (which `frugal.describe` prints). Groups given explicitly are left as they are.
+REST_RULES: dict[str, tuple[str, str]] = {
+    "muon": ("adamw", "Muon orthogonalises the weight matrices of the transformer blocks: norms and biases are "
+                      "not matrices, and embeddings and the output head take AdamW as Muon's authors and "
+                      "torch.optim.Muon's docs prescribe"),
+}
 
 # Name rules for the kinds of non-projectable tensors, a fallback where the module class does not
 # tell (first match wins). The optional prefix lets wrapped models (`_orig_mod.`) keep working.
@@ -252,8 +263,15 @@ def _in_authors_order(roles: list[TensorRole]) -> list[TensorRole]:
     return out
 
 
+def rest_rule(state_full) -> str | None:
+    """The state-full rule of the non-projectable tensors when `state_full` is given to a model
+    (REST_RULES), or None where they take `state_full` itself."""
+    entry = REST_RULES.get(state_full) if isinstance(state_full, str) else None
+    return entry[0] if entry else None
+
+
 def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = (),
-            tensor_order: str = "module") -> list[dict]:
+            tensor_order: str = "module", state_full_rule: str | None = None) -> list[dict]:
     if tensor_order not in TENSOR_ORDERS:
         raise ValueError(f"Unknown tensor_order {tensor_order!r}; valid choices: {', '.join(TENSOR_ORDERS)}")
     chosen = set(_normalise_state_free_modules(state_free_modules))
@@ -270,7 +288,8 @@ def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = (),
                 for key, rs in in_block.items()}
     groups: list[dict] = []
     if state_full:
-        groups.append({"params": state_full, "projectable": False})
+        rest = rest_rule(state_full_rule)
+        groups.append({"params": state_full, "projectable": False, **({"state_full": rest} if rest else {})})
     for (block, transposed), params in sorted(by_block.items(), key=lambda kv: kv[0]):
         groups.append({"params": params, "projectable": True, "block": block, "transposed": transposed})
     if state_free:
@@ -287,7 +306,7 @@ _REMEDY = ("FRUGAL splits the 2-D weights inside transformer blocks, found in a 
 
 
 def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
-                 target_modules=None, tensor_order: str = "module") -> list[dict]:
+                 target_modules=None, tensor_order: str = "module", state_full: str | None = None) -> list[dict]:
     """Split `model`'s trainable parameters into FRUGAL param groups.
 
     Returns, in this order (empty groups omitted):
@@ -303,6 +322,10 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     `tensor_order`: the order of a block's tensors, which the block walk of ``block_granularity=
     "tensor"`` follows: "module" (the model's registration order) or "authors" (LLaMA's MLP as the
     FRUGAL authors' model registers it, gate, down, up: AUTHORS_TENSOR_ORDER).
+    `state_full`: the state-full rule the optimizer will be given. A rule of weight matrices only
+    (REST_RULES: "muon") gives the non-projectable group `state_full="adamw"` (embeddings, norms,
+    biases, output head): what `FRUGAL(model, state_full="muon")` and the registry entries do. None
+    (or any other rule): the group takes the optimizer's rule.
     Tied parameters (GPT-2's wte = lm_head) are listed once; a tied tensor has every kind of the
     names it is reachable by, and moves to the state-free set if any of those kinds is listed.
     Parameters with `requires_grad=False` are left out (an optimizer has nothing to do for them).
@@ -310,7 +333,7 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     Raises ValueError for unknown `state_free_modules` entries, target_modules that match nothing,
     and a model in which no projectable weight is found.
     """
-    groups = _groups(module_roles(model, target_modules), state_free_modules, tensor_order)
+    groups = _groups(module_roles(model, target_modules), state_free_modules, tensor_order, state_full)
     if not any(group["projectable"] for group in groups):
         raise ValueError(f"No projectable weights found in {type(model).__name__}. {_REMEDY}")
     return groups
@@ -431,23 +454,25 @@ def _no_projectable_warning(what: str) -> None:
         f"runs the state-full rule (AdamW) on everything and saves no memory. {_REMEDY}", stacklevel=4)
 
 
-def resolve_params(params) -> list[dict] | object:
-    """Param groups for `FRUGAL(params, ...)` from whatever a user passes as `params`.
+def resolve_params(params, state_full: str | None = None) -> list[dict] | object:
+    """Param groups for `FRUGAL(params, state_full=..., ...)` from whatever a user passes as `params`.
 
-    - an nn.Module: `param_groups(model)` (the structure above); no warning.
+    - an nn.Module: `param_groups(model, state_full=state_full)` (the structure above; with
+      state_full "muon" the non-projectable tensors take AdamW, REST_RULES); no warning.
     - groups carrying any FRUGAL key (projectable, block, transposed, always_state_free): as given.
     - `model.named_parameters()`, `model.parameters()` or groups without FRUGAL keys (HF Trainer's
       `[{'params': [...], 'weight_decay': wd}, {'params': [...], 'weight_decay': 0.0}]`): the
       projectable tensors are guessed from names (numbered layers) or, for plain tensors, from the
       shape pattern the layers repeat; each group keeps its own settings on its parts, and a
-      warning says what was picked and how to be exact (pass the model).
+      warning says what was picked and how to be exact (pass the model). These groups are not
+      routed by REST_RULES: every tensor takes `state_full` (Muon refuses a 1-D one, naming the model call).
 
     Whenever the result has no projectable tensor (and the groups do not all say so themselves),
     a UserWarning says that FRUGAL will behave as the state-full rule alone, and how to fix it.
     Anything torch would reject (a lone tensor, a set, mixed named and unnamed) is returned as is.
     """
     if isinstance(params, nn.Module):
-        groups = _groups(module_roles(params))
+        groups = _groups(module_roles(params), state_full_rule=state_full)
         if not any(group["projectable"] for group in groups):
             _no_projectable_warning(type(params).__name__)
         return groups

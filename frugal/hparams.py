@@ -23,8 +23,8 @@ from .sharding import is_dtensor
 
 
 
-RESET_MODES = ("reset", "reset_all", "reproject", "keep", "transport")
-GRANULARITIES = ("layer", "tensor")
+RESET_MODES = ("reset", "reset_all", "reset_everything", "reproject", "keep", "transport")
+GRANULARITIES = ("layer", "tensor", "layer_floor")
 
 # Keys whose value is one of a fixed set of names (the rules: those registered when a value is checked,
 # `choices()`; a rule's own keys are its own to check, `StateFullRule.validate_options`).
@@ -40,7 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
-BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback", "nesterov")
+BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback", "nesterov", "master_weights")
 
 # Numeric keys: (low, high, high_open); None = unbounded on that side.
 _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -64,6 +64,7 @@ _NONE_MEANS = {"fira_gamma": "off", "momentum": "the state-full rule's default (
 # Integer keys: lowest value, and whether None is allowed.
 _INTEGERS: dict[str, tuple[int | None, bool]] = {
     "update_gap": (1, False),
+    "window_offset": (0, False),
     "seed": (None, False),
     "density_steps": (1, True),
     "plateau_patience": (1, False),
@@ -165,6 +166,11 @@ def check_combination(group: Mapping[str, Any]) -> None:
             f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
             f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
             f"({', '.join(proj.MATRIX)}) and a state_full rule with Adam's two moments ({adam})")
+    if group.get("window_offset", 0) and (group["density_schedule"] != "constant" or group["update_gap_growth"] > 1.0):
+        raise HyperparameterError(
+            f"window_offset={group['window_offset']} shifts windows of a fixed update gap; with density_schedule "
+            f"{group['density_schedule']!r} or update_gap_growth={group['update_gap_growth']:g} the windows follow a "
+            "clock that starts at step 0; valid choices: window_offset=0 there")
     if group["density_schedule"] != "constant" and group["density_steps"] is None:
         raise HyperparameterError(
             f"density_schedule {group['density_schedule']!r} needs density_steps (the steps over which the "
@@ -213,9 +219,9 @@ def check_group(group: dict) -> None:
                 f"projection {projection!r} needs each whole weight matrix (for its basis), "
                 f"but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid "
                 "choices for sharded parameters: block, column, row, randk, randperm")
-    if split and projection == "block" and group["block_granularity"] == "layer" and group["block"] is None:
+    if split and projection == "block" and group["block_granularity"] != "tensor" and group["block"] is None:
         raise HyperparameterError(
-            "A projectable group with projection 'block' and block_granularity 'layer' needs "
+            f"A projectable group with projection 'block' and block_granularity {group['block_granularity']!r} needs "
             "its layer index as group key 'block' (or use block_granularity='tensor')")
 
 

@@ -23,7 +23,9 @@ shapes alone, so it works on a model built on the `meta` device (a 7B model cost
   larger: pass `svd_layout="implementation"` to count that, e.g. 0.57 GiB instead of Table 2's
   0.54 GiB for GaLore on LLaMA-130M.)
 
-Everything is counted in the parameter dtype (fp32 in the paper's mixed-precision setup). The
+Everything is counted in the parameter dtype (fp32 in the paper's mixed-precision setup), except
+under ``master_weights`` with bf16/fp16 weights: each whole state-full tensor then holds a float32
+copy of its weights and float32 moments (the badam package's pure-bf16 BAdam). The
 bookkeeping tensors of the implementation (step counters, coordinate indices) are counted exactly
 too, so that on a real model `state_bytes(opt)` after the first step equals the estimate for every
 projection; step counters and column/row indices are far below Table 2's 0.01 GiB resolution.
@@ -78,15 +80,21 @@ def _frugal_bytes(model: nn.Module, name: str, shared: dict, svd_layout: str) ->
         if settings.get("projectable"):
             projectable += [(settings, p) for p in group["params"]]
         else:
-            total += sum(_rule_bytes(settings["state_full"], p.shape, p.element_size(), settings["state_precision"])
-                         for p in group["params"])
+            total += sum(_whole_bytes(settings, p) for p in group["params"])
 
     if shared["projection"] == "block":
-        return total + sum(_rule_bytes(shared["state_full"], p.shape, p.element_size(), shared["state_precision"])
-                           for p in _active_block_tensors(projectable, shared))
+        return total + sum(_whole_bytes(shared, p) for p in _active_block_tensors(projectable, shared))
     for settings, p in projectable:
         total += _split_bytes(settings, p, svd_layout)
     return total
+
+
+def _whole_bytes(settings: dict, p: torch.Tensor) -> int:
+    """A whole state-full tensor's state; with ``master_weights`` and bfloat16/float16 weights also
+    its float32 copy, and float32 moments (``frugal.state_precision.master``)."""
+    if settings["master_weights"] and p.dtype in state_precision.LOW_WEIGHTS:
+        return p.numel() * 4 + _rule_bytes(settings["state_full"], p.shape, 4, settings["state_precision"])
+    return _rule_bytes(settings["state_full"], p.shape, p.element_size(), settings["state_precision"])
 
 
 def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> int:

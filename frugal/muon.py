@@ -21,9 +21,10 @@ parameter's shape.
 
 Inside FRUGAL the rule runs on
 
-- whole matrices: non-projectable 2-D tensors given ``state_full="muon"`` and the active blocks of
-  block projection (``projection="block"``): at density 1 FRUGAL with this rule on the blocks and
-  AdamW on the rest is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py);
+- whole matrices: the active blocks of block projection (``projection="block"``) and the 2-D
+  tensors of groups given explicitly with ``state_full="muon"`` (groups built from a model give the
+  non-projectable tensors AdamW: ``grouping.REST_RULES``): at density 1 FRUGAL with this rule on the
+  blocks and AdamW on the rest is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py);
 - reduced matrices of ``column`` / ``row`` projection: the selected columns (rows) form a matrix of
   shape ``A x k`` (``k x B``), which is orthogonalised as a matrix of its own (``adjust`` from its
   shape).
@@ -183,7 +184,9 @@ def check_group(group: dict) -> None:
             raise HyperparameterError(
                 f"state_full 'muon' updates 2-D matrices; this group holds a tensor of shape {tuple(p.shape)} "
                 f"{'that it would update whole' if whole else 'to split'}; give such tensors state_full='adamw' "
-                "(as the 'muon' and 'frugal_muon' registry entries do for embeddings, norms and the output layer)")
+                "in a group of their own, or pass the model, FRUGAL(model, state_full='muon'), or use "
+                "frugal.build_optimizer(model, 'frugal_muon'), which give embeddings, norms, biases and the "
+                "output layer AdamW")
         if not whole and _is_dtensor(p):
             raise HyperparameterError(
                 f"state_full 'muon' with projection {projection!r} would orthogonalise columns/rows spread over "

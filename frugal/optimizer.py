@@ -7,7 +7,8 @@ back (Algorithm 1 of the paper).
    (non-projectable tensors, active blocks), wholly state-free (inactive blocks,
    ``always_state_free`` groups) or split (the other projections). Block-projected tensors leaving
    the state-full set drop their state here, before any state is allocated, so a block switch
-   peaks at the resting state plus one block.
+   peaks at the resting state plus one block; so do the state-full tensors whose state restarts at
+   the window boundary (``reset_all``: the blocks; ``reset_everything``: every tensor).
 2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
    chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
    reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
@@ -137,7 +138,9 @@ class FRUGAL(Optimizer):
             shapes, with a warning) or param groups (``frugal.grouping``). Group keys:
             ``projectable`` (split this group's tensors), ``block`` (its layer index),
             ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free``
-            (the whole tensor takes the state-free rule). Other tensors are state-full, never reset.
+            (the whole tensor takes the state-free rule). Other tensors are state-full, never reset;
+            given a model, a rule of weight matrices (``state_full="muon"``) gives them AdamW
+            (``grouping.REST_RULES``, as the registry's ``frugal_muon``; ``frugal.describe`` lists them).
         lr, betas, eps, weight_decay: as torch's AdamW (decoupled decay on every tensor).
         density: :math:`\rho`, the state-full share of projectable elements: ``block`` keeps
             k of the L blocks (``projections.block_count``); ``column``, ``row``, ``randk`` that
@@ -151,11 +154,19 @@ class FRUGAL(Optimizer):
         reset_state: the state after a change of subspace: reset (the main text: a block that
             stays state-full keeps its state, density 1 is AdamW), reset_all (the appendix
             pseudocode and the authors' code, which the presets of the paper's tables set: every
-            state-full block restarts at every window boundary), reproject, keep (GaLore),
-            transport (LDAdam); ``frugal.state_management`` compares them.
+            state-full block restarts at every window boundary), reset_everything (reset_all, and
+            the non-projectable tensors restart too: the ``badam`` package's BlockOptimizer, which
+            clears its Adam's whole state at every switch), reproject, keep (GaLore), transport
+            (LDAdam); ``frugal.state_management`` compares them.
+        window_offset: window boundaries come this many steps earlier: the window of step t
+            (counted from 0) is ``(t + window_offset) // update_gap``, so the first window is
+            ``window_offset`` steps shorter. The ``badam`` package's first block trains
+            ``update_gap - 1`` steps (its switch test counts the step before the switch): 1. At
+            most ``update_gap - 1`` is used (with ``update_gap=1`` the package switches every step).
         block_order: descending (the paper's), ascending, mirror, random.
         block_granularity: layer (the paper's text) or tensor (the authors' code: single weights,
-            Python's ``round``).
+            Python's ``round``), or layer_floor (whole layers, ``int(density * L)`` of them: the
+            ``badam`` package's blocks as the authors' code makes them for BAdam).
         momentum: sgdm's and muon's; None (the default) takes the rule's own: 0.9 for sgdm (the
             paper's), 0.95 for muon (torch's). seed: the subspace draws.
         nesterov, ns_steps, ns_coefficients, adjust_lr_fn: ``state_full="muon"``'s, beyond the
@@ -184,6 +195,14 @@ class FRUGAL(Optimizer):
         sign_update: auto, compiled, eager (``frugal.kernels``).
         stochastic_rounding: round bfloat16 weights stochastically (unbiased) so updates below half
             an ulp are not lost in pure bf16 (off: the paper's runs round to nearest).
+        master_weights: a bfloat16/float16 tensor keeps, while it is state-full, a float32 copy
+            of its weights (``state["master"]``) and float32 moments; the state-full rule updates
+            the copy (with the gradient in float32) and the weights are the copy rounded to
+            nearest. The copy is made from the weights when the tensor's state starts and dropped
+            with it (a reset restarts it from the rounded weights): the ``badam`` package in pure
+            bf16, whose fp32 copy of the trained tensors lives for one block. No effect on float32
+            weights. Not a ``state_precision`` (that stores the moments); counted by ``state_bytes``
+            and the estimate.
         state_precision: the state-full moments of whole tensors in the weights' dtype (``param``),
             bfloat16 (``bf16``) or bitsandbytes' blockwise 8 bits (``8bit``), decoded to float32
             for each update (``frugal.state_precision``; block projection, elementwise rules).
@@ -203,20 +222,22 @@ class FRUGAL(Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  density=0.25, update_gap=200, projection="block", state_full="adamw",
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
-                 reset_state="reset", block_order="descending", block_granularity="layer",
+                 reset_state="reset", block_order="descending", block_granularity="layer", window_offset=0,
                  momentum=None, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
                  svd_signs="canonical", density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
                  nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
                  adjust_lr_fn="match_rms_adamw",
-                 sign_update="auto", stochastic_rounding=False, state_precision="param", foreach=True):
-        params = grouping.resolve_params(params)  # a model, named or plain tensors: see grouping.py
+                 sign_update="auto", stochastic_rounding=False, state_precision="param", master_weights=False,
+                 foreach=True):
+        # a model, named or plain tensors: see grouping.py (a model with state_full "muon": AdamW on the rest)
+        params = grouping.resolve_params(params, state_full=state_full)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         density=density, update_gap=update_gap, projection=projection,
                         state_full=state_full, state_free=state_free,
                         state_free_lr_scale=state_free_lr_scale,
                         projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
-                        block_order=block_order, block_granularity=block_granularity,
+                        block_order=block_order, block_granularity=block_granularity, window_offset=window_offset,
                         momentum=momentum, seed=seed, fira_gamma=fira_gamma,
                         subspace_momentum=subspace_momentum, error_feedback=error_feedback,
                         svd_signs=svd_signs, density_schedule=density_schedule, density_end=density_end,
@@ -225,7 +246,7 @@ class FRUGAL(Optimizer):
                         max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, sign_update=sign_update,
                         stochastic_rounding=stochastic_rounding, state_precision=state_precision,
-                        foreach=foreach)
+                        master_weights=master_weights, foreach=foreach)
         defaults = validate(defaults)
         self._layout = None
         self._events: list[dict] = []
@@ -243,13 +264,15 @@ class FRUGAL(Optimizer):
     # ---- groups, checkpoints -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         step = self.param_groups[0]["step"] if self.param_groups else 0
+        own = [k for k in param_group if k in self.defaults]  # the defaults were validated in __init__
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for key, default in GROUP_KEYS.items():
             group.setdefault(key, default)
         group.setdefault("step", step)  # one count in every group: the windows are global
         try:
-            group.update(validate({k: group[k] for k in self.defaults}))
+            if own:
+                group.update(validate({k: group[k] for k in own}))
             resolve_momentum(group)
             check_group(group)
             check_shared(self.param_groups)  # one block walk and one window clock: shared settings
@@ -308,6 +331,17 @@ class FRUGAL(Optimizer):
         window, events = self._get_layout().window(self.param_groups[0], step, commit)
         self._events += events
         return window
+
+    def next_roles(self) -> list:
+        """Every tensor's role in the next step's window (``windows.Slot``: param, group, role, block),
+        without moving the window: what ``density_report`` counts."""
+        return list(self._get_layout().tensors(self.param_groups, self._window(self.step_count, commit=False)))
+
+    def block_ids(self) -> list | None:
+        """Every block the windows choose from (layer indices, or tensor positions with granularity
+        'tensor'); None without block projection."""
+        blocks = self._get_layout().blocks
+        return None if blocks is None else list(blocks)
 
     def active_blocks(self) -> list | None:
         """State-full blocks (layer indices, or tensor positions with granularity 'tensor') of
@@ -369,7 +403,7 @@ class FRUGAL(Optimizer):
         for t in slots:
             if t.role == FREE:
                 self.state.pop(t.param, None)  # a state-free tensor owns no state
-            elif t.role == FULL and t.block is not None:
+            elif t.role == FULL and (t.block is not None or t.group["reset_state"] == "reset_everything"):
                 state_management.restart_block(self.state[t.param], STATE_FULL[t.group["state_full"]], t.group,
                                                t.window)
             if t.param.grad is not None and t.param.grad.is_sparse:
@@ -410,8 +444,9 @@ class FRUGAL(Optimizer):
             w.free_grad = w.grad
             return
         if w.role == FULL:
-            rule.init_state(w.state, w.param, group=group)
-            w.target, w.full_grad = w.local, w.grad
+            master = state_precision.master(w.state, w.param, group)  # master_weights: a float32 copy
+            rule.init_state(w.state, w.param if master is None else master, group=group)
+            w.target, w.full_grad = (w.local, w.grad) if master is None else (local(master), w.grad.float())
             return
         p, projection, transposed = w.local, group["projection"], group["transposed"]
         free = STATE_FREE[group["state_free"]]
@@ -524,6 +559,8 @@ class FRUGAL(Optimizer):
     @staticmethod
     def _write_back(w: Work) -> None:
         """Phase 5, and the end of the batch's temporaries."""
+        if w.role == FULL and w.target is not None and w.target is not w.local:  # a master copy: round it in
+            w.local.copy_(w.target)
         if w.role == SPLIT and w.target is not None:
             group, p = w.group, w.local
             if w.additive:

@@ -160,8 +160,14 @@ def block_count(num_blocks: int, density: float, granularity: str = "layer") -> 
     rounding included, because that is the count of the authors' code, whose blocks are single
     tensors (for LLaMA-130M's 84 tensors: 1/16 -> 5, 1/8 -> round(10.5) = 10, 1/4 -> 21, 1/3 -> 28,
     1/2 -> 42; the paper's Table 16 densities are these counts).
+    ``layer_floor``: k = int(density * L) whole layers, the count of the badam package's blocks as the
+    authors' code sets them for BAdam (``int(args.density * num_layers)`` layers per block; it refuses an
+    L that k does not divide, where the walk here wraps around).
     """
-    k = round(density * num_blocks) if granularity == "tensor" else round_half_up(density * num_blocks)
+    if granularity == "layer_floor":
+        k = int(density * num_blocks)
+    else:
+        k = round(density * num_blocks) if granularity == "tensor" else round_half_up(density * num_blocks)
     return min(num_blocks, k)
 
 

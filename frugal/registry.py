@@ -5,7 +5,9 @@ Most entries are presets of FRUGAL, because the paper's baselines are points of 
     frugal     Algorithm 1 as configured (defaults: blockwise, density 0.25, AdamW + signSGD).
     galore     SVD projection of rank round(density * min(m, n)), no state-free update, state kept
                across projection changes, update scale 0.25 (the GaLore reference recipe).
-    badam      blockwise, inactive blocks frozen (state_free="none"), order "descending".
+    badam      blockwise, inactive blocks frozen (state_free="none"), order "descending"; as the
+               authors ran it (the badam package, configs/setup/algorithm_optimizer/authors_badam.yaml):
+               with reset_state="reset_everything", window_offset=1, master_weights=True.
     signsgd    every parameter state-free with signSGD (Table 16, "signSGD only"): no state.
     sgd        every parameter state-free with plain SGD: no state.
     lion       pure Lion (betas (0.9, 0.99), lr 1e-4): every parameter state-full, never reset (Table 12).
@@ -116,14 +118,14 @@ _ENTRIES: dict[str, _Entry] = {
                       "state_free": "one_sided_adafactor", "update_gap": 200},
                      rest={"state_full": "adamw"}),
     # Muon as the state-full rule (frugal/muon.py). The non-projectable tensors (embeddings, norms,
-    # output layer) keep AdamW, as Muon's authors and torch's docs prescribe.
+    # output layer) keep AdamW, as Muon's authors and torch's docs prescribe: param_groups decides it
+    # (grouping.REST_RULES), as for FRUGAL(model, state_full="muon").
     "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
                    {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
                    ("betas", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn",
-                    "state_free_modules", "target_modules", "tensor_order") + IMPLEMENTATION_KEYS,
-                   rest={"state_full": "adamw"}),
+                    "state_free_modules", "target_modules", "tensor_order") + IMPLEMENTATION_KEYS),
     "frugal_muon": _Entry("frugal", "FRUGAL with Muon as the state-full rule (block projection)",
-                          {"state_full": "muon", "momentum": 0.95}, rest={"state_full": "adamw"}),
+                          {"state_full": "muon", "momentum": 0.95}),
     "apollo": _Entry("external", external.DOCS["apollo"]),
     "adam_mini": _Entry("external", external.DOCS["adam_mini"]),
 }
@@ -234,7 +236,8 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
     grouping = {k: settings.pop(k, v) for k, v in GROUPING_DEFAULTS.items()}
     entry = _ENTRIES[name]
     if entry.layout == "blocks":
-        groups = param_groups(model, **grouping)
+        full = settings.get("state_full", frugal_defaults()["state_full"])
+        groups = param_groups(model, **grouping, state_full=full)  # muon: AdamW on the rest (REST_RULES)
         free = settings.get("state_free", frugal_defaults()["state_free"])
         for group in groups:
             if group.get("always_state_free"):

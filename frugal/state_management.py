@@ -15,6 +15,11 @@ Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the 
   at density 1. ``reset`` stays the default: it is what the main text describes, keeps density 1
   equal to AdamW and does not throw away the moments of a subspace that did not change; the presets
   reproducing the paper's tables set ``reset_all``.
+- ``reset_everything``: ``reset_all``, and the non-projectable tensors (embeddings, norms, output
+  layer), which are never reset otherwise, restart at every window boundary too: the ``badam``
+  package's ``BlockOptimizer`` (the authors' BAdam rows), which replaces its Adam's whole state at
+  each switch. With ``master_weights`` the float32 copy restarts with the moments, from the rounded
+  weights, as the package makes its copy anew at each switch.
 - ``reproject``: Appendix C's re-projection. Exact for coordinate bases (the moments of coordinates
   that stay selected move to their new position, entering ones start at zero, the step count is
   kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
@@ -61,6 +66,9 @@ from .rules import STATE_FREE, STATE_FULL, StateFullRule
 from .sharding import local, shard_key
 from .windows import FREE, FULL, Layout
 
+# Modes under which every state-full subspace restarts at every window boundary (staying ones too).
+RESTART_EVERY_WINDOW = ("reset_all", "reset_everything")
+
 
 def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window: int, ident: int,
                 shard=()) -> Tensor:
@@ -73,7 +81,8 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
                                   ident, device=p.device, shard=shard)
     dim = proj.coordinate_dim(projection, p.shape, transposed)
     mode = group["reset_state"] if "window" in state else "reset"
-    if mode != "reset_all" and "window" in state and idx.numel() in (0, p.numel() if dim is None else p.shape[dim]) \
+    whole = p.numel() if dim is None else p.shape[dim]
+    if mode not in RESTART_EVERY_WINDOW and "window" in state and idx.numel() in (0, whole) \
             and idx.numel() == state["index"].numel():
         mode = "keep"  # all (or nothing) stays selected: an unchanged projection keeps its state
     if mode == "keep" and "index" in state and state["index"].numel() != idx.numel():
@@ -81,7 +90,7 @@ def coordinates(state: dict, rule: StateFullRule, p: Tensor, group: dict, window
     if mode == "reproject":
         for name in rule.state_names:
             state[name] = _move_coordinates(state[name], state["index"], idx, 0 if dim is None else dim)
-    elif mode in ("reset", "reset_all"):
+    elif mode == "reset" or mode in RESTART_EVERY_WINDOW:
         drop_full_state(state, rule)  # before the new state is allocated: peak = resting state + one tensor
     state["index"], state["window"] = idx, window
     rule.init_state(state, p, proj.reduced_shape(projection, p.shape, transposed, density))
@@ -103,21 +112,23 @@ def _move_coordinates(old: Tensor, old_idx: Tensor, new_idx: Tensor, dim: int) -
 
 
 def restart_block(state: dict, rule: StateFullRule, group: dict, window: int) -> None:
-    """A state-full block (a whole tensor of a block projection) in ``window``. Under
-    ``reset_all`` its state restarts whenever ``window`` is not the window it was made in (the
-    pseudocode's ``block_step``: every selected block gets zero moments at each boundary), and
+    """A state-full block (a whole tensor of a block projection; under ``reset_everything`` any
+    state-full tensor) in ``window``. Under ``reset_all`` / ``reset_everything`` its state restarts
+    whenever ``window`` is not the window it was made in (the pseudocode's ``block_step``: every
+    selected block gets zero moments at each boundary; the badam package: all of Adam's state), and
     the window is kept in ``state["window"]``; otherwise nothing happens (``reset``: a staying
     block keeps its state; what enters starts fresh because leaving dropped it)."""
-    if group["reset_state"] == "reset_all" and state.get("window") != window:
+    if group["reset_state"] in RESTART_EVERY_WINDOW and state.get("window") != window:
         drop_full_state(state, rule)
         state["window"] = window
 
 
 def drop_full_state(state: dict, rule: StateFullRule) -> None:
-    """Forget the state-full rule's state (moments, step count, subspace); keep the rest."""
+    """Forget the state-full rule's state (moments, step count, subspace, the float32 master copy of
+    ``master_weights``); keep the rest."""
     for name in rule.state_names:
         state_precision.drop(state, name)
-    for name in ("step", "index", "proj", "window"):
+    for name in ("step", "index", "proj", "window", state_precision.MASTER):
         state.pop(name, None)
 
 
@@ -157,7 +168,7 @@ def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, gro
         _reproject(state, rule, q_old, q, side)
     elif mode == "transport":
         _transport(state, q_old, q, side, group["betas"])
-    elif mode in ("reset", "reset_all"):
+    elif mode == "reset" or mode in RESTART_EVERY_WINDOW:
         drop_full_state(state, rule)
     state["proj"], state["window"] = q, window
 
@@ -266,9 +277,10 @@ def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: in
     rule = STATE_FULL[group["state_full"]]
     p = local(param)
     if whole:
-        if block:
+        if block or group["reset_state"] == "reset_everything":
             restart_block(state, rule, group, window)
-        rule.init_state(state, param, group=group)
+        master = state_precision.master(state, param, group)
+        rule.init_state(state, param if master is None else master, group=group)
         return
     if group["projection"] in proj.COORDINATE:
         coordinates(state, rule, p, group, window, ident, shard_key(param, group))
@@ -324,9 +336,12 @@ def exact_entries(state_dict: dict) -> dict:
     """The integer state of a state dict (indices, counters), by parameter key: torch's
     ``load_state_dict`` casts every state tensor of a floating-point parameter to the parameter's
     dtype, and bfloat16 cannot even represent indices above 256; ``restore_exact`` puts them back
-    (with the float32 scales of 8-bit moments)."""
+    (with the float32 scales of 8-bit moments, and the whole state of a ``master_weights`` group:
+    its float32 copy and moments)."""
+    masters = {key for g in state_dict["param_groups"] if g.get("master_weights") for key in g["params"]}
     return {key: {name: v for name, v in s.items()
-                  if torch.is_tensor(v) and (not v.is_floating_point() or name.endswith(state_precision.ABSMAX))}
+                  if torch.is_tensor(v) and (key in masters or not v.is_floating_point()
+                                             or name.endswith(state_precision.ABSMAX))}
             for key, s in state_dict["state"].items()}
 
 

@@ -16,6 +16,12 @@ imported only when 8-bit state is asked for (the library stays torch-only otherw
 
 Low precision applies to whole tensors (block projection and the non-projectable tensors): moments
 that projections move between subspaces (column, svd, ...) stay in the weights' dtype (``check``).
+
+The other way round, ``master_weights=True`` gives a bfloat16/float16 tensor, while it is
+state-full, a float32 copy of its weights (``state["master"]``, made from the weights by ``master``)
+and float32 moments: the state-full rule updates the copy with the gradient in float32, and the
+weights are the copy rounded to nearest (the ``badam`` package's mixed precision: an fp32 copy of
+the trained tensors, made at every block switch). Whole tensors and elementwise rules only (``check``).
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ BLOCK = 256  # elements per 8-bit block: bitsandbytes' blockwise optimizer kerne
 MIN_8BIT_NUMEL = 4096  # smaller tensors keep full-precision moments (bitsandbytes' min_8bit_size)
 CHUNK = 1 << 20  # elements decoded at once (a multiple of BLOCK): 4 MB per float32 moment
 ABSMAX = "_absmax"
+MASTER = "master"  # the float32 copy of low-precision weights (master_weights)
+LOW_WEIGHTS = (torch.bfloat16, torch.float16)  # the weight dtypes master_weights gives a float32 copy
 _CODES: dict = {}
 
 
@@ -81,6 +89,18 @@ def zeros(state: dict, name: str, shape, like: Tensor, group: dict) -> None:
     else:
         dtype = torch.bfloat16 if kind == "bf16" else like.dtype
         state[name] = torch.zeros(shape, dtype=dtype, device=like.device)
+
+
+def master(state: dict, param: Tensor, group: dict) -> Tensor | None:
+    """The float32 copy of state-full ``param``'s weights under ``master_weights`` (``state["master"]``,
+    made from the weights if missing; a DTensor for an FSDP2 shard), or None: the group keeps none, or
+    the weights are not bfloat16/float16."""
+    if not group.get("master_weights") or param.dtype not in LOW_WEIGHTS:
+        return None
+    copy = state.get(MASTER)
+    if copy is None:
+        copy = state[MASTER] = param.detach().to(torch.float32, copy=True)
+    return copy
 
 
 def drop(state: dict, name: str) -> None:
@@ -170,6 +190,22 @@ def restore_dtypes(state: dict, group: dict, rule) -> None:
 def check(group: dict, rule, projectable: bool, sharded: bool) -> None:
     """Raise HyperparameterError for a group whose moments cannot be stored as asked."""
     precision = group.get("state_precision", "param")
+    if group.get("master_weights"):
+        if rule.shapes is not None or rule.gathers or not rule.elementwise:
+            raise HyperparameterError(
+                "master_weights=True updates a float32 copy of each whole state-full tensor, which needs an "
+                f"elementwise state-full rule; got state_full {group['state_full']!r}; valid choices: adamw, "
+                "adamw_hf, lion, sgdm (or master_weights=False)")
+        if projectable and group["projection"] != "block":
+            raise HyperparameterError(
+                f"master_weights=True keeps a float32 copy of whole state-full tensors, but projection "
+                f"{group['projection']!r} updates reduced ones; valid choices: projection 'block' (or "
+                "master_weights=False)")
+        if precision != "param":
+            raise HyperparameterError(
+                f"master_weights=True keeps float32 moments with the float32 copy; state_precision "
+                f"{precision!r} would store them in low precision; valid choices: state_precision 'param' "
+                "with master_weights=True, or master_weights=False")
     if precision == "param":
         return
     if rule.shapes is not None or rule.gathers or not rule.elementwise:

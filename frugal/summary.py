@@ -13,6 +13,7 @@ real bytes after a step.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -53,6 +54,22 @@ def _size(n: float) -> str:
     return ""
 
 
+def _other_rule_line(rule: str, default: str, tensors: list[tuple[str, int]]) -> str:
+    """The summary line of the state-full tensors that take `rule` instead of the optimizer's `default`
+    (Muon's AdamW tensors: grouping.REST_RULES): which, and why. Names that differ only in layer
+    numbers are shown once, with a star and a count."""
+    seen: dict[str, int] = {}
+    for name, _ in tensors:
+        key = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        seen[key] = seen.get(key, 0) + 1
+    names = ", ".join(key if n == 1 else f"{key} (x{n})" for key, n in seen.items())
+    not_matrices = sum(dim != 2 for _, dim in tensors)
+    why = grouping.REST_RULES.get(default)
+    reason = why[1] if why and why[0] == rule else "as their param group sets"
+    return (f"{rule} instead of {default} for {len(tensors)} state-full tensors ({not_matrices} not matrices, "
+            f"{len(tensors) - not_matrices} matrices FRUGAL does not split): {names}; {reason}")
+
+
 def describe(target, model: nn.Module | None = None, **hparams) -> Description:
     """Describe how FRUGAL splits `target`: a model (with FRUGAL's keyword arguments, plus
     `target_modules` / `state_free_modules` / `tensor_order` as in `frugal.param_groups`) or a FRUGAL optimizer
@@ -62,7 +79,8 @@ def describe(target, model: nn.Module | None = None, **hparams) -> Description:
     if isinstance(target, nn.Module):
         keys = {k: hparams.pop(k) for k in ("target_modules", "state_free_modules", "tensor_order") if k in hparams}
         roles = grouping.module_roles(target, keys.get("target_modules"))  # a model without blocks is described too
-        groups = grouping._groups(roles, keys.get("state_free_modules", ()), keys.get("tensor_order", "module"))
+        groups = grouping._groups(roles, keys.get("state_free_modules", ()), keys.get("tensor_order", "module"),
+                                  hparams.get("state_full"))  # muon: AdamW on the rest, as FRUGAL(model) does
         optimizer, model = FRUGAL(groups, **hparams), target
     elif isinstance(target, FRUGAL):
         if hparams:
@@ -77,6 +95,8 @@ def describe(target, model: nn.Module | None = None, **hparams) -> Description:
 def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Description:
     active = set(optimizer.active_blocks() or ())
     fraction = optimizer.state_full_fraction()
+    d = optimizer.defaults
+    other_rule: dict[str, list[tuple[str, int]]] = {}  # rule -> (name, dim) of state-full tensors not on d's rule
     rows, total, projectable, blocks = [], 0, 0, set()
     state_values, adamw_bytes, n_projectable = 0.0, 0, 0
     for gi, group in enumerate(optimizer.param_groups):
@@ -92,11 +112,14 @@ def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Descriptio
                 role = "state-free"
             elif not group["projectable"]:
                 role, state_values = "state-full", state_values + moments * moment_bytes
+                if group["state_full"] != d["state_full"]:
+                    role += f", {group['state_full']}"
+                    other_rule.setdefault(group["state_full"], []).append((name, p.dim()))
             else:
                 projectable, n_projectable = projectable + numel, n_projectable + 1
                 blocks.add(group["block"])
                 state_values += moments * moment_bytes * fraction
-                layers = group["projection"] == "block" and group["block_granularity"] == "layer"
+                layers = group["projection"] == "block" and group["block_granularity"] != "tensor"
                 role = f"block {group['block']}"
                 if layers and group["block"] in active:
                     role += " (state-full now)"
@@ -110,7 +133,6 @@ def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Descriptio
     rows.sort(key=lambda row: order.get(row[0], len(order)))
     desc = Description(f"FRUGAL split of {what}", rows, projectable_fraction=projectable / total if total else 0.0,
                        state_full_fraction=fraction, state_bytes=int(state_values), adamw_bytes=adamw_bytes)
-    d = optimizer.defaults
     if not n_projectable:
         desc.summary.append("no projectable tensors: FRUGAL runs the state-full rule on every tensor (no "
                             "memory saved); see frugal.param_groups(model, target_modules=[...])")
@@ -125,10 +147,13 @@ def _describe(optimizer: FRUGAL, names: dict[int, str], what: str) -> Descriptio
             where = f"blocks {sorted(active)} of {len(blocks)}"
         desc.summary.append(f"state-full now: {where}, {fraction:.1%} of the projectable parameters "
                             f"(density {d['density']:g}, {d['projection']}, update gap {d['update_gap']})")
+    for rule, tensors in other_rule.items():
+        desc.summary.append(_other_rule_line(rule, d["state_full"], tensors))
     ratio = desc.state_bytes / adamw_bytes if adamw_bytes else 0.0
     stored = "" if d["state_precision"] == "param" else f", stored as {d['state_precision']}"
+    moments = " and ".join([d["state_full"], *other_rule])
     desc.summary.append(f"optimizer state ~ {_size(desc.state_bytes)} = {ratio:.1%} of AdamW's "
-                        f"{_size(adamw_bytes)} ({d['state_full']} moments of the state-full values{stored})")
+                        f"{_size(adamw_bytes)} ({moments} moments of the state-full values{stored})")
     if optimizer._in_backward is not None:
         desc.summary.append("the step runs inside backward (frugal.step_in_backward): no full set of gradients is held")
     return desc

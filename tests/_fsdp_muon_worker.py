@@ -136,6 +136,37 @@ def llama_gathers(mesh):
     return out
 
 
+def llama_model_call(mesh):
+    """FRUGAL(model, state_full="muon") on a sharded llama_tiny against the 'frugal_muon' entry: the same
+    steps (3, with a block switch), the same bytes gathered, AdamW moments on the non-matrix shards."""
+    import models
+    from omegaconf import OmegaConf
+
+    from frugal import build_optimizer
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "model",
+                                      "llama_tiny.yaml"))
+    runs = []
+    for make in (lambda m: build_optimizer(m, "frugal_muon", lr=1e-3, update_gap=2),
+                 lambda m: FRUGAL(m, lr=1e-3, update_gap=2, state_full="muon")):
+        torch.manual_seed(0)
+        model = models.build_model(cfg, vocab_size=512)
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt, counter = make(model), Collectives()
+        for t in range(3):
+            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(t))
+            model(input_ids=ids, labels=ids).loss.backward()
+            with counter:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        rest = [opt.state[p] for g in opt.param_groups if not g["projectable"] for p in g["params"]]
+        runs.append((full(model), counter.gathered, all(set(s) >= {"exp_avg", "exp_avg_sq"} for s in rest)))
+    return {"diff": max_diff(runs[0][0], runs[1][0]), "gathered": [r[1] for r in runs],
+            "rest_adamw": [r[2] for r in runs]}
+
+
 def main(out, ckpt):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -147,6 +178,7 @@ def main(out, ckpt):
         result["reference_path"] = compare(mesh, density=0.5, foreach=False)
         result["dcp"] = checkpoint_round_trip(mesh, ckpt)
         result["llama_tiny"] = llama_gathers(mesh)
+        result["llama_model_call"] = llama_model_call(mesh)
         try:
             build(True, mesh, projection="column")
             result["column_error"] = None

@@ -50,9 +50,9 @@ def groups(model):
     return layers + [{"params": list(model.inp.parameters()) + list(model.out.parameters())}]
 
 
-def build(sharded, mesh, **hp):
+def build(sharded, mesh, dtype=torch.float32, **hp):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(dtype)
     if sharded:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
@@ -61,9 +61,10 @@ def build(sharded, mesh, **hp):
 
 
 def train(model, optimizer, steps, start=0):
+    dtype = next(model.parameters()).dtype
     for t in range(start, start + steps):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(t))
-        model(x).backward()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(t)).to(dtype)
+        model(x).float().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -88,13 +89,14 @@ def compare(mesh, **hp):
             "bytes_unsharded": state_bytes(ref), "dtensor_state": dtensor_state}
 
 
-def checkpoint_round_trip(mesh, path):
+def checkpoint_round_trip(mesh, path, **hp):
     """DCP save after 3 steps, load into fresh sharded model + optimizer, 4 more steps on both."""
-    model, opt = build(True, mesh, density=0.25)
+    hp = hp or {"density": 0.25}
+    model, opt = build(True, mesh, **hp)
     train(model, opt, 3)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=path)
-    twin, twin_opt = build(True, mesh, density=0.25)
+    twin, twin_opt = build(True, mesh, **hp)
     twin_opt.materialize_state(3)  # which tensors hold state depends on the window of step 3
     state = {"model": get_model_state_dict(twin), "optim": get_optimizer_state_dict(twin, twin_opt)}
     dcp.load(state, checkpoint_id=path)
@@ -102,9 +104,26 @@ def checkpoint_round_trip(mesh, path):
     # strict=False: state-free tensors own no state (torch's check expects every trained tensor to)
     set_optimizer_state_dict(twin, twin_opt, state["optim"], options=StateDictOptions(strict=False))
     same_step = twin_opt.step_count == opt.step_count == 3
+    masters = sorted({str(s["master"].dtype) for s in twin_opt.state.values() if "master" in s})
     train(model, opt, 4, start=3)
     train(twin, twin_opt, 4, start=3)
-    return {"diff": max_diff(full(model), full(twin)), "same_step": same_step}
+    return {"diff": max_diff(full(model), full(twin)), "same_step": same_step, "masters": masters}
+
+
+# optimizer=badam under setup/algorithm=authors (the badam package's options) on bf16 weights
+BADAM_PACKAGE = dict(dtype=torch.bfloat16, density=0.25, state_free="none", reset_state="reset_everything",
+                     window_offset=1, master_weights=True)
+
+
+def badam_package(mesh, path):
+    """bf16 shards with fp32 master copies (DTensors) and fp32 moments: as the unsharded model, through DCP."""
+    result = compare(mesh, **BADAM_PACKAGE)
+    sharded, opt = build(True, mesh, **BADAM_PACKAGE)
+    train(sharded, opt, 2)
+    result["masters"] = sorted({(type(s["master"]).__name__, str(s["master"].dtype), str(s["exp_avg"].dtype))
+                                for s in opt.state.values() if "master" in s})
+    result["dcp"] = checkpoint_round_trip(mesh, path, **BADAM_PACKAGE)
+    return result
 
 
 def main(out, ckpt):
@@ -118,6 +137,7 @@ def main(out, ckpt):
         result["row"] = compare(mesh, density=0.25, projection="row")
         result["randk"] = compare(mesh, density=0.25, projection="randk")
         result["dcp"] = checkpoint_round_trip(mesh, ckpt)
+        result["badam_package"] = badam_package(mesh, ckpt + "_badam")
         try:
             build(True, mesh, projection="svd")
             result["svd_error"] = None

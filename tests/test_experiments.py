@@ -168,15 +168,18 @@ def _sweep_runs(preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_sweep_runs_build_and_run_the_authors_algorithm(preset):
     """Every run of the preset's sweep builds its optimizer and schedule; every FRUGAL-family row runs the
-    pseudocode's restart and the authors' blocks (setup/algorithm=authors); GaLore keeps its state. (The
-    model, swapped for llama_tiny here, sets no optimizer key.)"""
+    pseudocode's restart and the authors' blocks (setup/algorithm=authors), BAdam the badam package's
+    options; GaLore keeps its state. (The model, swapped for llama_tiny here, sets no optimizer key.)"""
     runs = _sweep_runs(preset)
     model = models.build_model(OmegaConf.load(CONFIGS / "model" / "llama_tiny.yaml"))
     for overrides in runs:
         cfg = _compose([f"experiment={preset}", *overrides, "model=llama_tiny"])
         opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
-        if opt["name"] in ("frugal", "badam", "frugal_muon"):
+        if opt["name"] in ("frugal", "frugal_muon"):
             assert (opt["reset_state"], opt["block_granularity"]) == ("reset_all", "tensor"), (preset, overrides)
+        if opt["name"] == "badam":  # the badam package's BlockOptimizer (tests/test_badam_package.py)
+            assert (opt["reset_state"], opt["window_offset"], opt["master_weights"], opt["block_granularity"]) == (
+                "reset_everything", 1, True, "layer_floor"), (preset, overrides)
         if opt["name"] == "galore":
             assert opt["reset_state"] == "keep" and opt["projectable_lr_scale"] == 0.25, (preset, overrides)
         optimizer = frugal.build_optimizer(model, **opt)  # raises on keys a method does not take

@@ -53,6 +53,16 @@ def test_block_state_is_dtensor_and_checkpoints_with_dcp(ranks):
         assert r["dcp"]["same_step"] and r["dcp"]["diff"] == 0.0, r["dcp"]
 
 
+def test_badam_package_options_on_bf16_shards(ranks):
+    """optimizer=badam as the authors ran it (reset_everything, window_offset=1, master_weights) on bf16
+    shards: fp32 master copies and moments as DTensors, the sharded run equal to the unsharded one, and an
+    exact torch.distributed.checkpoint round trip that keeps the copies in fp32."""
+    for r in ranks:
+        got = r["badam_package"]
+        assert got["diff"] == 0.0 and got["masters"] == [["DTensor", "torch.float32", "torch.float32"]], got
+        assert got["dcp"]["same_step"] and got["dcp"]["diff"] == 0.0 and got["dcp"]["masters"] == ["torch.float32"]
+
+
 def test_svd_on_shards_is_refused_with_a_remedy(ranks):
     message = ranks[0]["svd_error"]
     assert message and "'svd'" in message and "FSDP2" in message and "block" in message

@@ -248,6 +248,101 @@ def test_trains_from_a_real_loss():
     assert losses[-1] < losses[0] - 0.5
 
 
+# ---- FRUGAL(model, state_full="muon"): AdamW on the non-projectable tensors, as the registry entry ----
+def rest_names(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)] for g in opt.param_groups if not g["projectable"] for p in g["params"]}
+
+
+def test_model_call_is_the_frugal_muon_entry_step_for_step():
+    a, b = tiny_llama(), tiny_llama()
+    ours = frugal.FRUGAL(a, lr=3e-3, weight_decay=0.1, update_gap=2, state_full="muon")
+    entry = registry.build_optimizer(b, "frugal_muon", lr=3e-3, weight_decay=0.1, update_gap=2)
+    # one place decides: the same groups, the rest on AdamW, the blocks on Muon
+    assert [(len(g["params"]), g["projectable"], g["state_full"]) for g in ours.param_groups] == \
+        [(len(g["params"]), g["projectable"], g["state_full"]) for g in entry.param_groups]
+    assert {g["state_full"] for g in ours.param_groups if not g["projectable"]} == {"adamw"}
+    assert {g["state_full"] for g in ours.param_groups if g["projectable"]} == {"muon"}
+    assert ours.param_groups[1]["momentum"] == entry.param_groups[1]["momentum"] == 0.95  # torch's Muon default
+    for start in (0, 3):  # update gap 2: the state-full block moves twice
+        run(a, [ours], 3, start=start)
+        run(b, [entry], 3, start=start)
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), name
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert ours.state[p].keys() == entry.state[q].keys()
+        for k in ours.state[p]:
+            assert torch.equal(ours.state[p][k], entry.state[q][k])
+
+
+def test_model_call_state_is_adamw_on_the_rest_and_muon_on_the_blocks_and_round_trips():
+    model = tiny_llama()
+    opt = frugal.FRUGAL(model, lr=3e-3, update_gap=2, state_full="muon")
+    run(model, [opt], 3)
+    rest = rest_names(model, opt)
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            "model.layers.0.input_layernorm.weight"} <= rest
+    active = set(opt.active_blocks())
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or name in rest:
+            assert name in rest and set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}, name
+        elif int(name.split(".")[2]) in active:
+            assert set(opt.state[p]) == {"momentum_buffer"}, name
+        else:
+            assert p not in opt.state, name  # a state-free block owns no state
+    twin = copy.deepcopy(model)
+    opt2 = frugal.FRUGAL(twin, lr=3e-3, update_gap=2, state_full="muon")
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    run(model, [opt], 3, start=3)
+    run(twin, [opt2], 3, start=3)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_model_call_trains_from_a_real_loss():
+    model = tiny_llama()
+    opt = frugal.FRUGAL(model, lr=1e-2, update_gap=5, state_full="muon")
+    torch.manual_seed(1)
+    x = torch.randint(0, 64, (4, 16))
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=x, labels=x).loss
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_describe_names_the_adamw_tensors_and_why():
+    model = tiny_llama()
+    for desc in (frugal.describe(model, state_full="muon"),
+                 frugal.describe(frugal.FRUGAL(model, state_full="muon"), model=model),
+                 frugal.describe(registry.build_optimizer(model, "frugal_muon"), model=model)):
+        roles = {row[0]: row[3] for row in desc.rows}
+        rest = {n for n, role in roles.items() if role == "state-full, adamw"}
+        assert rest == {n for n, p in model.named_parameters() if not n.startswith("model.layers.") or p.dim() != 2}
+        line = next(s for s in desc.summary if s.startswith("adamw instead of muon"))
+        assert "11 state-full tensors (9 not matrices, 2 matrices" in line
+        for name in ("model.embed_tokens.weight", "model.layers.*.input_layernorm.weight (x4)", "model.norm.weight",
+                     "lm_head.weight", "norms and biases are not matrices"):
+            assert name in line, line
+        assert "(muon and adamw moments" in desc.summary[-1]
+    assert not any("instead of" in s for s in frugal.describe(model).summary)  # AdamW: nothing to say
+
+
+def test_explicit_groups_stay_as_given_and_the_error_names_the_model_call():
+    model = tiny_llama()
+    for params in (frugal.param_groups(model), model.named_parameters()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # named parameters: the guessed split
+            with pytest.raises(HyperparameterError, match=r"FRUGAL\(model, state_full='muon'\).*'frugal_muon'"):
+                frugal.FRUGAL(params, state_full="muon")
+    groups = frugal.param_groups(model, state_full="muon")  # what FRUGAL(model, state_full="muon") uses
+    assert [g.get("state_full") for g in groups] == ["adamw"] + [None] * 4
+    assert frugal.FRUGAL(groups, state_full="muon").param_groups[0]["state_full"] == "adamw"
+
+
 # ---- FSDP2: 2 processes on gloo (tests/_fsdp_muon_worker.py) --------------------------------------
 @pytest.fixture(scope="module")
 def fsdp_ranks(tmp_path_factory):
@@ -301,6 +396,14 @@ def test_fsdp2_gathers_on_llama_are_what_the_planner_says(fsdp_ranks):
                                                           vocab_size=512)}
     for r in fsdp_ranks:
         assert r["llama_tiny"] == planned and planned["frugal_muon_0.25"] * 4 == planned["muon_1"] > 0
+
+
+def test_fsdp2_model_call_is_the_frugal_muon_entry(fsdp_ranks):
+    """FRUGAL(model, state_full="muon") on a sharded llama_tiny: the entry's steps, gathers and AdamW rest."""
+    for r in fsdp_ranks:
+        case = r["llama_model_call"]
+        assert case["diff"] == 0.0 and case["gathered"][0] == case["gathered"][1] > 0, case
+        assert case["rest_adamw"] == [True, True], case
 
 
 def test_fsdp2_muon_state_checkpoints_with_dcp_and_column_is_refused(fsdp_ranks):

@@ -183,7 +183,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
         for pi, p in enumerate(g["params"]):
             n = p.numel()
             if g["projectable"] and not g["always_state_free"] and g["projection"] == "block":
-                key = g["block"] if g["block_granularity"] == "layer" else (gi, pi)
+                key = g["block"] if g["block_granularity"] != "tensor" else (gi, pi)
                 units[key] = units.get(key, 0) + n
             state_full = not g["always_state_free"] and (
                 not g["projectable"] or (g["projection"] == "block" and g["block"] in active))
@@ -198,10 +198,15 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
                 sign = max(sign, eager_sign(g, n))
         if batch:
             batches.append((g, batch))
-    whole = sign + sum(full_sizes) * elem * temporaries
+    # master_weights on bf16 weights: every state-full tensor's update runs on its float32 copy, with its
+    # gradient converted to float32 (4 bytes per element, the whole batch at once) and float32 moments
+    master = 4 if g0.get("master_weights") and elem == 2 else 0
+    full_elem = 4 if master else elem
+    whole = sign + sum(full_sizes) * (full_elem * temporaries + master)
     count = len(active)
     if 0 < count < len(units):  # a switch, at the contract: one block above the resting state
-        whole += n_moments * state_precision.moment_bytes(g0["state_precision"], max(units.values()), elem)
+        unit = max(units.values())
+        whole += n_moments * state_precision.moment_bytes(g0["state_precision"], unit, full_elem) + master * unit
     def is_low(g, n: int) -> bool:  # a whole tensor whose moments are stored in low precision
         return (not g["always_state_free"] and (not g["projectable"] or g["projection"] == "block")
                 and state_precision.storage(g, n) != "param")
