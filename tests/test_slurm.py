@@ -192,6 +192,7 @@ def slurm_cluster(tmp_path):
         subprocess.run(["bash", str(SCRIPT), "down", str(state)], env=env, capture_output=True, timeout=60)
 
 
+@pytest.mark.slow  # a real Slurm job (seconds of scheduling): the full suite's
 def test_a_bad_sweep_submits_nothing(slurm_cluster, tmp_path):
     """A bad value in the sweep's second job: the sweep stops before submitting anything (no sweep dir,
     so no `.submitit` job dirs; the cluster has no job), with that job's one line and exit code 2."""
@@ -212,6 +213,7 @@ def test_a_bad_sweep_submits_nothing(slurm_cluster, tmp_path):
     assert "No jobs in the system" in jobs.stdout + jobs.stderr, jobs.stdout + jobs.stderr
 
 
+@pytest.mark.slow  # a real Slurm job (seconds of scheduling): the full suite's
 def test_two_task_job_through_submitit_launcher(slurm_cluster, tmp_path):
     env = dict(slurm_cluster)
     env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")

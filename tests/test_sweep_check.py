@@ -122,6 +122,7 @@ def test_other_sweepers_and_torchrun(monkeypatch):
     assert "would run only its first job" in _check("optimizer.density=0.25")
 
 
+@pytest.mark.slow  # two train.py sweeps end to end; the checks themselves run in-process above
 def test_train_py_stops_a_bad_sweep_before_any_job(tmp_path):
     """`python train.py -m optimizer.density=0.25,1.5 debug=toy`, with the basic launcher and with
     hydra/launcher=local (2 processes): exit 2, the last line names job #1 and its overrides, and
