@@ -264,6 +264,21 @@ def test_realised_density_is_logged_and_a_far_one_is_warned(tmp_path, monkeypatc
     assert "warning: optimizer.density=0.5 is realised as a state-full share of 0.2" in capsys.readouterr().out
 
 
+def test_a_signsgd_only_optimizer_gets_no_density_note():
+    """optimizer=signsgd (Table 16's last column): nothing is selectable, so its density (the default 0.25)
+    is not "realised as 0": no note, no warning."""
+    from train_utils.report import density_message
+
+    import models
+    from omegaconf import OmegaConf
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = models.build_model(OmegaConf.load(os.path.join(root, "configs", "model", "llama_tiny.yaml")), vocab_size=64)
+    report = frugal.build_optimizer(model, "signsgd").density_report()
+    assert report["requested"] > 0 and report["realised"] == 0 and density_message(report) is None
+    assert density_message({"requested": 0.5, "realised": 0.2, "unit": 0.25}).startswith("warning")
+
+
 def test_optimizer_hooks_see_the_global_loss_and_their_events_are_logged(tmp_path, monkeypatch):
     """Duck-typed hooks for optimizers that adapt to the loss or report what they did:
     observe_loss(global loss) before every step, pop_events() rows logged after it."""

@@ -33,7 +33,7 @@ def density_message(report: dict) -> str | None:
     state-full or not, so the realised share is rounded; a note when it differs from the request, a
     warning beyond half a selection unit. None when they agree."""
     gap = abs(report["realised"] - report["requested"])
-    if gap <= 1e-3:
+    if gap <= 1e-3 or not report["unit"]:  # nothing selectable (signSGD alone: every tensor state-free)
         return None
     far = gap > report["unit"] / 2
     return (f"{'warning: ' if far else ''}optimizer.density={report['requested']:g} is realised as a state-full "
