@@ -339,12 +339,11 @@ def measure_case(case: Case) -> tuple[int, int]:
     of two micro-batches reach the state the plan describes: gradients and optimizer state resident
     while a micro-batch's activations are alive, and a block switch inside the second step.
     Needs a (one-process) torch.distributed group for the DDP and FSDP wrappers."""
-    import contextlib
     import gc
 
     import torch
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     import frugal
     import models
@@ -384,20 +383,7 @@ def measure_case(case: Case) -> tuple[int, int]:
             fully_shard(model, mp_policy=policy)
         hp = dict(case.optimizer)
         optimizer = frugal.build_optimizer(model, hp.pop("name"), **hp)
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            for i in range(accumulation):
-                ids = torch.randint(1, vocab, (case.micro, case.seq), generator=generator)
-                sync = not ddp or i == accumulation - 1  # FSDP2 reduce-scatters every micro-batch
-                with contextlib.nullcontext() if sync else wrapped.no_sync():
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
-                        logits = wrapped(input_ids=ids, use_cache=False).logits
-                    loss = loss_fn(logits, ids)
-                    (loss / ids.numel()).backward()
-                del logits, loss
-            with record_function("optimizer_step"):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=case.wrapper != "ddp")
+        two_steps(case, wrapped, optimizer, loss_fn, vocab, accumulation)
         del wrapped, model, optimizer
     events = []
 
@@ -414,6 +400,34 @@ def measure_case(case: Case) -> tuple[int, int]:
     events.sort(key=lambda e: e[0])
     start = events[0][2] - events[0][1]  # what was allocated before: not this run's
     return max(e[2] for e in events) - start, max(e[2] for e in events if e[3]) - start
+
+
+def two_steps(case: Case, wrapped, optimizer, loss_fn, vocab: int, accumulation: int,
+              before_forward=lambda: None) -> None:
+    """The measured steps of a case: two optimizer steps of `accumulation` micro-batches each (DDP syncs
+    on the last; FSDP2 reduce-scatters every one), bf16 autocast for bf16-mixed, the step marked
+    record_function("optimizer_step") for the profiler. Also scripts/memtracker_compare.py's."""
+    import contextlib
+
+    import torch
+    from torch.profiler import record_function
+
+    ddp = case.wrapper.startswith("ddp")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for i in range(accumulation):
+            before_forward()
+            ids = torch.randint(1, vocab, (case.micro, case.seq), generator=generator)
+            sync = not ddp or i == accumulation - 1
+            with contextlib.nullcontext() if sync else wrapped.no_sync():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+                    logits = wrapped(input_ids=ids, use_cache=False).logits
+                loss = loss_fn(logits, ids)
+                (loss / ids.numel()).backward()
+            del logits, loss
+        with record_function("optimizer_step"):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=case.wrapper != "ddp")
 
 
 def validate(cases: list[Case]) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case  # noqa: E402
+from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case, two_steps  # noqa: E402
 
 MIB = 2.0**20
 
@@ -93,31 +93,14 @@ def _optimizer_hp(case: Case, fake: bool) -> tuple[str, dict]:
 def _steps(run: Run, model, wrapped, optimizer, loss_fn, before_forward=lambda: None, accumulation: int = 2):
     """Two optimizer steps as measure_case runs them (two accumulated micro-batches each; one micro-batch
     per step with the step inside backward), the step marked with record_function("optimizer_step")."""
-    import torch
-    from torch.profiler import record_function
-
     import frugal
 
-    case, ddp = run.case, run.case.wrapper.startswith("ddp")
+    case = run.case
     vocab = case.vocab or OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml").vocab_size
     stepper = frugal.step_in_backward(optimizer, max_norm=run.max_norm, model=model) if run.in_backward else None
     if stepper is not None:
         accumulation = 1
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        for i in range(accumulation):
-            before_forward()
-            ids = torch.randint(1, vocab, (case.micro, case.seq), generator=generator)
-            sync = not ddp or i == accumulation - 1
-            with contextlib.nullcontext() if sync else wrapped.no_sync():
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
-                    logits = wrapped(input_ids=ids, use_cache=False).logits
-                loss = loss_fn(logits, ids)
-                (loss / ids.numel()).backward()
-            del logits, loss
-        with record_function("optimizer_step"):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=case.wrapper != "ddp")
+    two_steps(case, wrapped, optimizer, loss_fn, vocab, accumulation, before_forward)
     if stepper is not None:
         stepper.remove()
 
