@@ -112,7 +112,7 @@ def _whole_chunk(p: Tensor, grad: Tensor, start: int, stop: int, state: dict, gr
     the update above; state-full moments stored in low precision are decoded to float32 and coded back
     (``frugal.state_precision``), the others are updated in place in their own dtype. The rule's step
     count is a copy here: the caller advances it once for the whole tensor."""
-    dtype = torch.promote_types(p.dtype, torch.float32)
+    dtype = state_precision.compute_dtype(p)
     flat_p, g = p.view(-1)[start:stop], grad.reshape(-1)[start:stop]
     new = flat_p.to(dtype)
     if role == FULL:

@@ -446,6 +446,18 @@ def validate(cases: list[Case]) -> list[tuple[int, int]]:
             dist.destroy_process_group()
 
 
+def every_nth(items: list, spec: str | None, ap: argparse.ArgumentParser) -> list:
+    """`--cases K/N`: every N-th item from the K-th (0-based), to spread cases over processes; all without it."""
+    if not spec:
+        return items
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        ap.error(f"--cases {spec!r}: expected K/N with 0 <= K < N, e.g. 0/2")
+    return items[k::n]
+
+
 def validation_table(cases: list[Case], measured: list[tuple[int, int]]) -> str:
     mib = 2.0**20
     lines = ["| model (vocab) | optimizer | micro x seq | AC | precision | wrapper | measured MiB | planned MiB "
@@ -504,14 +516,7 @@ def main(argv=None) -> int:
     if (args.gpu_hours or args.mfu is not None) and args.device_gib:
         ap.error("--gpu-hours needs a GPU class (--device), not --device-gib: its peak FLOP/s")
     if args.validate:
-        cases = VALIDATION_CASES
-        if args.cases:
-            try:
-                k, n = (int(x) for x in args.cases.split("/"))
-                assert 0 <= k < n
-            except (ValueError, AssertionError):
-                ap.error(f"--cases {args.cases!r}: expected K/N with 0 <= K < N, e.g. 0/2")
-            cases = VALIDATION_CASES[k::n]
+        cases = every_nth(VALIDATION_CASES, args.cases, ap)
         measured = validate(cases)
         print(json.dumps(measured) if args.json else validation_table(cases, measured))
         return 0

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case, two_steps  # noqa: E402
+from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case, two_steps, every_nth  # noqa: E402
 
 MIB = 2.0**20
 
@@ -385,14 +385,7 @@ def main(argv=None) -> int:
     if args.time_7b:
         print(json.dumps(time_7b(args.micro_batch, args.seq_len, args.optimizer)))
         return 0
-    indices = list(range(len(RUNS)))
-    if args.cases:
-        try:
-            k, n = (int(x) for x in args.cases.split("/"))
-            assert 0 <= k < n
-        except (ValueError, AssertionError):
-            ap.error(f"--cases {args.cases!r}: expected K/N with 0 <= K < N, e.g. 0/2")
-        indices = indices[k::n]
+    indices = every_nth(list(range(len(RUNS))), args.cases, ap)
     results = run_cases(indices, fake=not args.real, measure=not args.no_measure)
     print(json.dumps(results) if args.json else table(results))
     return 0
