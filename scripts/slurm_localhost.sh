@@ -19,6 +19,9 @@
 #   job states and, if a job dies without writing its result, would wait forever. DIR/bin/sacct is a
 #   stand-in that answers submitit's query (`sacct -o JobID,State,NodeList --parsable2 -j ID ...`) from
 #   `scontrol show job -o`. Put DIR/bin first on PATH (the `env` command prints how).
+# - A requeued job waits cred_expire seconds before it may start again (Slurm's default 120 s; the
+#   requeue test spent ~150 s of its 170 waiting for it): 10 s here, a credential lifetime still far
+#   longer than a step launch on one node takes.
 set -euo pipefail
 
 cmd="${1:-}"
@@ -44,6 +47,7 @@ SlurmctldPort=${CTLD_PORT}
 SlurmdPort=${SLURMD_PORT}
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation=${DIR}/state
 SlurmdSpoolDir=${DIR}/spool
 SlurmctldPidFile=${DIR}/slurmctld.pid

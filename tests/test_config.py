@@ -341,7 +341,11 @@ def test_stop_with_error_is_one_line(capsys, monkeypatch):
 
 def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
     """train.precision=auto: bf16-mixed on a CPU whose flags list AVX512-BF16 or AMX (read here from
-    /proc/cpuinfo on its own), fp32 on other CPUs; a set value is kept; a bad one names the choices."""
+    /proc/cpuinfo on its own) and whose oneDNN may use them, fp32 on other CPUs, and fp32 where
+    oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA, the AVX2-only kind's timing, docs/testing.md);
+    a set value is kept; a bad one names the choices."""
+    import torch
+
     from train_utils.validation import ConfigError, resolve_precision
 
     try:
@@ -349,8 +353,13 @@ def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
             flags = set(" ".join(line for line in f if line.startswith("flags")).split())
     except OSError:
         flags = set()
-    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    native = bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert resolve_precision("auto", "cpu") == ("bf16-mixed" if native else "fp32")
+    held = subprocess.run(
+        [sys.executable, "-c", "from train_utils.validation import resolve_precision as r; print(r('auto', 'cpu'))"],
+        env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    assert held.stdout.strip() == "fp32", held.stderr
     for kept in ("bf16-mixed", "bf16", "fp32"):
         assert resolve_precision(kept, "cpu") == kept
     # debug=toy: a preset's bf16-mixed is this CPU's auto; pure bf16 and fp32 cells keep theirs

@@ -144,8 +144,9 @@ def test_frugal_paths_resume_in_backward_and_bytes(precision):
         assert torch.equal(p, q)
 
     # the step inside backward: 7 steps (3 switches) bit for bit; with clipping, whose norm differs
-    # from the ordinary one in float rounding (which Adam amplifies), 3 steps (one switch)
-    for steps, max_norm, atol in ((7, None, 0.0), (3, 0.5, 1e-6)):
+    # from the ordinary one in float rounding (which Adam amplifies), 3 steps (one switch) to within
+    # 1e-5 = lr / 300 (measured: under 1e-6 with AVX-512, 1.9e-6 with AVX2's 8-lane sums)
+    for steps, max_norm, atol in ((7, None, 0.0), (3, 0.5, 1e-5)):
         ordinary, hooked = tiny_llama(), tiny_llama()
         train(ordinary, FRUGAL(ordinary, state_precision=precision, **HP), steps, max_norm=max_norm)
         train(hooked, FRUGAL(hooked, state_precision=precision, **HP), steps, in_backward=True, max_norm=max_norm)

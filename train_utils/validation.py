@@ -52,8 +52,10 @@ def check_precision(precision, allow_auto: bool = False) -> None:
 
 def native_bf16(device) -> bool:
     """Does `device` compute bf16 matmuls natively: a CUDA GPU that supports bf16, or a CPU with
-    AVX512-BF16 or AMX (Linux's cpu flags). Elsewhere bf16 is emulated: on an AVX2 CPU a bf16-mixed
-    step of llama_tiny took ~6x an fp32 one."""
+    AVX512-BF16 or AMX (Linux's cpu flags) whose bf16 matmuls go to oneDNN (torch's own check, which
+    honours ONEDNN_MAX_CPU_ISA: `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` makes such a CPU
+    compute as an AVX2-only one, docs/testing.md). Elsewhere bf16 is emulated: on an AVX2 CPU a
+    bf16-mixed step of llama_tiny took ~6x an fp32 one, a 512x512 bf16 matmul ~70x."""
     import torch
 
     device = torch.device(device)
@@ -66,7 +68,12 @@ def native_bf16(device) -> bool:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    if not ("avx512_bf16" in flags or "amx_bf16" in flags):
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: bf16 matmuls are emulated
+        return False
 
 
 def resolve_precision(precision, device, debug: str | None = None) -> str:
