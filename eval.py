@@ -42,7 +42,6 @@ import data
 import models
 from frugal.checks import check_integer
 from train_utils import checkpoint as ckpt
-from train_utils import sharded_checkpoint
 from train_utils.report import EvalProgress
 from train_utils.schema import (bad_group_choice, closest, did_you_mean, group_option_error, group_options,
                                  unknown_key_line)
@@ -186,7 +185,9 @@ def main(argv: list[str]) -> dict:
     model = models.build_model(cfg.model, vocab_size=dm.vocab_size)
     if tc.precision == "bf16":
         model.to(torch.bfloat16)
-    if sharded_checkpoint.is_sharded(ckpt_dir):  # written by an FSDP2 run: its shards, gathered whole here
+    if ckpt.is_sharded(ckpt_dir):  # written by an FSDP2 run: its shards, gathered whole here
+        from train_utils import sharded_checkpoint  # torch.distributed.checkpoint: only for such a checkpoint
+
         sharded_checkpoint.load_model(ckpt_dir, model)
     else:
         model.load_state_dict(ckpt.load(ckpt_dir, "model"))

@@ -8,23 +8,30 @@ the shard.
 """
 from __future__ import annotations
 
+import sys
+
 from torch import Tensor
 
 from . import projections as proj
 
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
+
+def _dtensor_type():
+    """torch's DTensor class if `torch.distributed.tensor` has been imported, else None. Whatever
+    makes a DTensor (fully_shard, distribute_tensor) imports that module first, so a process that
+    never did holds none; not importing it here keeps ~1 s (sympy, the DTensor op registry) out of
+    `import frugal`."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Tensor) -> Tensor:
     """The values this process holds: the local shard of an FSDP2 DTensor (same storage)."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def mesh_coordinate(p: Tensor) -> tuple[int, ...]:

@@ -16,10 +16,15 @@ BANNED = ("transformers", "hydra", "accelerate", "datasets", "omegaconf", "wandb
 
 
 def test_frugal_imports_nothing_but_torch():
-    # A fresh interpreter, so modules loaded by other tests cannot hide an import.
-    code = f"import sys, frugal\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r}))\n"
+    """A fresh interpreter, so modules loaded by other tests cannot hide an import. Nor does `import
+    frugal` load torch's DTensor (sympy and the DTensor op registry, ~1 s of every start-up), and
+    `import train` not torch.distributed.checkpoint: each is imported where a sharded run needs it."""
+    heavy = ("torch.distributed.tensor", "torch.distributed.checkpoint")
+    code = (f"import sys, frugal\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r}))\n"
+            f"print([m for m in {heavy!r} if m in sys.modules])\nimport train\n"
+            f"print([m for m in {heavy[1:]!r} if m in sys.modules])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.split("\n")[:3] == ["[]", "[]", "[]"], out.stdout
 
 
 def test_metadata_and_one_torch_policy():

@@ -51,6 +51,7 @@ LATEST = "latest"
 LAST_GOOD = "last_good"  # the newest checkpoint whose next loss was not a spike (train_utils/divergence.py)
 MANIFEST = "manifest.json"
 DAMAGED_SUFFIX = ".damaged"
+SHARDED_DIR = "dcp"  # a sharded (FSDP2) checkpoint's DCP files (train_utils/sharded_checkpoint.py)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _CHUNK = 1 << 24
 
@@ -89,6 +90,12 @@ def torch_load(path_or_file, name: str, **kwargs):
         return torch.load(path_or_file, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         raise refusal(name, _unsupported_global(err)) from err
+
+
+def is_sharded(ckpt_dir: str) -> bool:
+    """Written by a sharded run (DCP files) rather than as whole-model files. Here, not in
+    sharded_checkpoint, so telling the two apart does not import torch.distributed.checkpoint."""
+    return os.path.isdir(os.path.join(ckpt_dir, SHARDED_DIR))
 
 
 def step_dir_name(step: int) -> str:

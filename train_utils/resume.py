@@ -28,15 +28,14 @@ sums over ranks. On the same number of processes a resume is bitwise exact on CP
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's failed load
 
 from data import merge_states
 from frugal import HyperparameterError
 from train_utils import checkpoint as ckpt
-from train_utils import sharded_checkpoint
 from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError, seed_dropout
 from train_utils.metrics import read_metrics
@@ -180,7 +179,7 @@ def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
     if found is None:
         return {"ckpt_dir": None, "notes": notes, "step": 0, "changes": {}, "finished": False}
     trainer = ckpt.load(found, "trainer")
-    sharded = sharded_checkpoint.is_sharded(found)
+    sharded = ckpt.is_sharded(found)
     if sharded != (cfg.train.parallelism == "fsdp"):  # first: resume_changes cannot change the format
         written = "fsdp" if sharded else "ddp"
         raise ConfigError(f"checkpoint {found} was written with train.parallelism={written} ("
@@ -238,7 +237,9 @@ def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> s
                    "scheduler": run.scheduler.state_dict(), "data": merge_states([r["data"] for r in per_rank]),
                    "rng": [r["rng"] for r in per_rank], "config": config_yaml, **(extra or {})}
     texts = {"config.yaml": config_yaml}
-    if sharded:
+    if sharded:  # imported here: torch.distributed.checkpoint costs ~1 s of start-up to every other run
+        from train_utils import sharded_checkpoint
+
         return sharded_checkpoint.save(root, step, model=model, optimizer=optimizer, trainer=trainer, texts=texts,
                                        keep=keep, accelerator=accelerator)
     path, error = None, None
@@ -253,6 +254,13 @@ def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> s
     if error is not None:
         raise ckpt.CheckpointError(error)
     return path
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a checkpoint that does not fit the model or optimizer raises: DCP's CheckpointException (a
+    BaseException) too once torch.distributed.checkpoint is loaded (only a sharded load raises it)."""
+    dcp_api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (RuntimeError, ValueError, KeyError) + ((dcp_api.CheckpointException,) if dcp_api else ())
 
 
 def restore(run, plan: dict) -> dict:
@@ -275,7 +283,9 @@ def restore(run, plan: dict) -> dict:
     step, reset = trainer["step"], 0
     current = [dict(g) for g in optimizer.param_groups] if new_hyperparameters else None
     try:
-        if sharded_checkpoint.is_sharded(ckpt_dir):
+        if ckpt.is_sharded(ckpt_dir):
+            from train_utils import sharded_checkpoint
+
             reset = sharded_checkpoint.load(ckpt_dir, model=model, optimizer=optimizer, step=step, rank=rank,
                                             same_world_size=trainer["world_size"] == world, hyperparameters=current)
         else:
@@ -286,7 +296,7 @@ def restore(run, plan: dict) -> dict:
             optimizer.load_state_dict(saved)
     except HyperparameterError:  # the optimizer's own message (a ValueError) says what is wrong
         raise
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
+    except _load_errors() as err:
         if not shapes_may_differ:
             raise
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "

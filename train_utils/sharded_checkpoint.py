@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from train_utils import checkpoint as ckpt
 from train_utils.hooks import OptimizerHooks
 
-SHARDED_DIR = "dcp"
+SHARDED_DIR, is_sharded = ckpt.SHARDED_DIR, ckpt.is_sharded  # also reached as sharded_checkpoint.*
 
 
 # What DCP's `.metadata` pickle may name: its metadata records, a path, sizes; dtypes, layouts and
@@ -162,11 +162,6 @@ def _read(state: dict, ckpt_dir: str, **kwargs) -> None:
 
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
-
-
-def is_sharded(ckpt_dir: str) -> bool:
-    """Written by a sharded run (DCP files) rather than as whole-model files."""
-    return os.path.isdir(os.path.join(ckpt_dir, SHARDED_DIR))
 
 
 def _per_rank_keys(optim_sd: dict) -> list[str]:
