@@ -231,8 +231,11 @@ def test_train_py_with_8bit_moments_in_backward_resumes_exactly(tmp_path):
     from _train_helpers import assert_same_weights, losses, run_inprocess, weights
     from train_utils import checkpoint as ckpt
 
+    # a quarter of the helpers' tokens per step (pure bf16 matmuls cost ~10x more without native bf16),
+    # still two micro-batches per step
     run = ["train.precision=bf16", "optimizer.stochastic_rounding=true", "optimizer.state_precision=8bit",
-           "train.optimizer_in_backward=true", "train.grad_clip=1.0", "train.steps=6"]
+           "train.optimizer_in_backward=true", "train.grad_clip=1.0", "train.steps=6", "data.seq_len=32",
+           "train.batch_size=4", "train.micro_batch_size=2", "train.eval_tokens=256"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_inprocess(straight, *run) == 0
     assert run_inprocess(resumed, *run, "train.steps=3") == 0
