@@ -22,6 +22,8 @@
 # - A requeued job waits cred_expire seconds before it may start again (Slurm's default 120 s; the
 #   requeue test spent ~150 s of its 170 waiting for it): 10 s here, a credential lifetime still far
 #   longer than a step launch on one node takes.
+# - The scheduler looks at pending jobs every 2 s (Slurm's defaults: 60 s, backfill 30 s), so a job
+#   that became eligible (a requeued one, after cred_expire) starts within seconds.
 set -euo pipefail
 
 cmd="${1:-}"
@@ -61,6 +63,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
