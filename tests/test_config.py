@@ -342,7 +342,7 @@ def test_stop_with_error_is_one_line(capsys, monkeypatch):
 def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
     """train.precision=auto: bf16-mixed on a CPU whose flags list AVX512-BF16 or AMX (read here from
     /proc/cpuinfo on its own) and whose oneDNN may use them, fp32 on other CPUs, and fp32 where
-    oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA, the AVX2-only kind's timing, docs/testing.md);
+    oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA, the AVX2-only kind's timing, docs/measurements.md);
     a set value is kept; a bad one names the choices."""
     import torch
 

@@ -54,7 +54,7 @@ def native_bf16(device) -> bool:
     """Does `device` compute bf16 matmuls natively: a CUDA GPU that supports bf16, or a CPU with
     AVX512-BF16 or AMX (Linux's cpu flags) whose bf16 matmuls go to oneDNN (torch's own check, which
     honours ONEDNN_MAX_CPU_ISA: `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` makes such a CPU
-    compute as an AVX2-only one, docs/testing.md). Elsewhere bf16 is emulated: on an AVX2 CPU a
+    compute as an AVX2-only one, docs/measurements.md). Elsewhere bf16 is emulated: on an AVX2 CPU a
     bf16-mixed step of llama_tiny took ~6x an fp32 one, a 512x512 bf16 matmul ~70x."""
     import torch
 
