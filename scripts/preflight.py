@@ -28,6 +28,7 @@ synthetic corpus (no data or tokenizer needed), so the preset's model has its vo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -148,7 +149,8 @@ def run_train(run_dir: str, overrides: list[str], nproc: int, timeout: float) ->
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         started, ended, note = time.monotonic(), None, ""
         while proc.poll() is None:
-            time.sleep(1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.25)
             if ended is None and os.path.exists(path) and '"event": "end"' in open(path).read():
                 ended = time.monotonic()
             late = ended is not None and time.monotonic() - ended > EXIT_GRACE_S
@@ -171,9 +173,13 @@ def _error_line(stderr: str) -> str:
     return (errors or lines or ["no output"])[-1][:200]
 
 
+def run_dir_of(work: str, label: str) -> str:
+    return os.path.join(work, label.replace(" ", "_").replace(",", ""))
+
+
 def check_training(table: Table, label: str, overrides: list[str], nproc: int, work: str, timeout: float,
                    gpu: bool) -> list[dict] | None:
-    run_dir = os.path.join(work, label.replace(" ", "_").replace(",", ""))
+    run_dir = run_dir_of(work, label)
     started = time.perf_counter()
     code, rows, stderr = run_train(run_dir, overrides, nproc, timeout)
     steps = [r for r in rows if "loss" in r and "step" in r]
@@ -204,29 +210,29 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
     return rows
 
 
-def check_resume(table: Table, nproc: int, work: str, timeout: float, base: list[str], parallelism: str) -> None:
-    """4 steps with a checkpoint at step 2; then a new run from that checkpoint: steps 3-4 bitwise.
-    Under FSDP2 the checkpoint is the sharded one (torch.distributed.checkpoint)."""
+def check_resume(table: Table, nproc: int, work: str, timeout: float, straight: tuple[str, list[dict]] | None,
+                 overrides: list[str], parallelism: str) -> None:
+    """The eager llama_tiny run (`straight`: its run dir and rows) wrote a checkpoint at step 2; a new run
+    from that checkpoint with the same overrides must log the later steps bitwise equal. Under FSDP2 the
+    checkpoint is the sharded one (torch.distributed.checkpoint)."""
     check = f"checkpoint + resume ({parallelism})"
-    straight = os.path.join(work, f"resume_straight_{parallelism}")
-    common = [*base, "train.steps=4", "schedule=cosine_restarts", "schedule.cycle_length=8",
-              f"train.parallelism={parallelism}"]
-    code, rows, stderr = run_train(straight, [*common, "checkpoint.every=2"], nproc, timeout)
-    if code != 0:
-        table.add(check, f"the straight run failed: {_error_line(stderr)}", "FAIL")
+    if straight is None:
+        table.add(check, "the uninterrupted run (train llama_tiny ... eager) failed", "FAIL")
         return
-    first = os.path.join(straight, "checkpoints", "step_00000002")
+    run_dir, rows = straight
+    first = os.path.join(run_dir, "checkpoints", "step_00000002")
     code, resumed_rows, stderr = run_train(os.path.join(work, f"resume_resumed_{parallelism}"),
-                                           [*common, f"train.resume={first}"], nproc, timeout)
+                                           [*overrides, f"train.resume={first}"], nproc, timeout)
     if code != 0:
         table.add(check, f"resuming {first} failed: {_error_line(stderr)}", "FAIL")
         return
     want = {r["step"]: r["loss"] for r in rows if "loss" in r and r["step"] > 2}
     got = {r["step"]: r["loss"] for r in resumed_rows if "loss" in r}
     ok = want and got == want
-    table.add(check, f"steps 3-4 resumed from step 2 {'equal' if ok else 'DIFFER from'} the "
+    later = f"steps 3-{max(want)}" if want else "the later steps"
+    table.add(check, f"{later} resumed from step 2 {'equal' if ok else 'DIFFER from'} the "
               f"uninterrupted run bitwise ({got} vs {want})" if not ok else
-              "written at step 2, resumed: steps 3-4 bitwise equal to the uninterrupted run", "pass" if ok else "FAIL")
+              f"written at step 2, resumed: {later} bitwise equal to the uninterrupted run", "pass" if ok else "FAIL")
 
 
 # ---- in-process checks
@@ -424,18 +430,26 @@ def main(argv=None) -> int:
         if not gpus:
             guarded(table, "bf16 autocast (CPU)")(check_bf16_cpu)(table)
 
-        # train.py on llama_tiny: each parallelism, eager and compiled
-        batch = ["train.micro_batch_size=2", f"train.batch_size={2 * nproc}", f"train.steps={args.steps}"]
+        # train.py on llama_tiny: each parallelism, eager and compiled. The eager run also writes a
+        # checkpoint at step 2 (at least 4 steps, a schedule that does not depend on their number): it is
+        # the uninterrupted run of the resume check below, which runs only the resumed half.
+        batch = ["train.micro_batch_size=2", f"train.batch_size={2 * nproc}"]
+        resumable = [f"train.steps={max(args.steps, 4)}", "schedule=cosine_restarts", "schedule.cycle_length=8",
+                     "checkpoint.every=2"]
+        straight = {}
         for parallelism in ("ddp", "fsdp"):
             for compiled in (False, True):
                 label = f"llama_tiny {parallelism} {'compiled' if compiled else 'eager'} x{nproc}"
                 if compiled and no_compile:
                     table.add(f"train {label}", no_compile, "skip")
                     continue
-                overrides = [*TINY, *batch, f"train.parallelism={parallelism}",
-                             f"train.compile={str(compiled).lower()}", "train.activation_checkpointing=true"]
-                guarded(table, f"train {label}")(check_training)(table, label, overrides, nproc, work, args.timeout,
-                                                                 bool(gpus))
+                overrides = [*TINY, *batch, *([f"train.steps={args.steps}"] if compiled else resumable),
+                             f"train.parallelism={parallelism}", f"train.compile={str(compiled).lower()}",
+                             "train.activation_checkpointing=true"]
+                rows = guarded(table, f"train {label}")(check_training)(table, label, overrides, nproc, work,
+                                                                        args.timeout, bool(gpus))
+                if not compiled:
+                    straight[parallelism] = (run_dir_of(work, label), rows, overrides) if rows else None
 
         # the preset's model with the preset's settings (a few steps, no evaluation)
         for parallelism in ("ddp", "fsdp"):
@@ -453,9 +467,9 @@ def main(argv=None) -> int:
                                                                  True)
 
         for parallelism in ("ddp", "fsdp"):
+            run = straight.get(parallelism)
             guarded(table, f"checkpoint + resume ({parallelism})")(check_resume)(
-                table, nproc, work, args.timeout, [*TINY, "train.micro_batch_size=2", f"train.batch_size={2 * nproc}"],
-                parallelism)
+                table, nproc, work, args.timeout, run[:2] if run else None, run[2] if run else [], parallelism)
 
         # activation checkpointing measured, every combination; the compiled sign update
         models_ac = ["llama_tiny"] + ([args.model] if gpus and not args.fast else [])

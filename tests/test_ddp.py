@@ -25,6 +25,22 @@ def ddp_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory):
+    """The first N steps of ddp_run's command on 2 processes, with their checkpoint: continued on 2
+    processes (exact resume) and on 1 (another process count). Each test continues a copy."""
+    run_dir = tmp_path_factory.mktemp("ddp_first_half")
+    proc = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={N}"))
+    assert proc.returncode == 0, failure(proc)
+    return run_dir
+
+
+def copy_of(run_dir, tmp_path):
+    import shutil
+
+    return shutil.copytree(run_dir, tmp_path / "run")
+
+
 def test_ranks_identical_and_match_single_process(ddp_run, tmp_path):
     log = rows(ddp_run)
     assert log[0]["world_size"] == 2 and log[0]["accumulation"] == 2
@@ -47,15 +63,14 @@ def test_ranks_identical_and_match_single_process(ddp_run, tmp_path):
                                                                    if "val_tokens" in r]
 
 
-def test_ddp_resume_is_exact(ddp_run, tmp_path):
-    first = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={N}"))
-    assert first.returncode == 0, failure(first)
-    trainer = ckpt.load(ckpt.latest(str(tmp_path / "checkpoints")), "trainer")
+def test_ddp_resume_is_exact(ddp_run, first_half, tmp_path):
+    run_dir = copy_of(first_half, tmp_path)
+    trainer = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")), "trainer")
     assert trainer["world_size"] == 2 and len(trainer["rng"]) == 2  # one RNG state per rank
-    second = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]"))
+    second = run_cli(torchrun_cmd(run_dir, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]"))
     assert second.returncode == 0, failure(second)
-    assert losses(tmp_path) == losses(ddp_run)
-    assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
+    assert losses(run_dir) == losses(ddp_run)
+    assert_same_weights(weights(ckpt.latest(str(run_dir / "checkpoints"))),
                         weights(ckpt.latest(str(ddp_run / "checkpoints"))))
 
 
@@ -149,18 +164,17 @@ def test_each_rank_draws_its_own_dropout_masks_and_resume_stays_bitwise(tmp_path
                         weights(ckpt.latest(str(straight / "checkpoints"))))
 
 
-def test_continue_on_another_number_of_processes(ddp_run, tmp_path):
+def test_continue_on_another_number_of_processes(ddp_run, first_half, tmp_path):
     """2 processes for N steps, then 1 process for N more (same micro-batch, so 4 accumulation steps
     instead of 2): weights, optimizer state and schedule carry over exactly and the data stream
     continues from the global position, so every step sees the same 8 sequences and the run matches
     the 2-process run up to float summation order."""
-    first = run_cli(torchrun_cmd(tmp_path, *DDP, f"train.steps={N}"))
-    assert first.returncode == 0, failure(first)
-    assert run_inprocess(tmp_path, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
-    log = rows(tmp_path)
+    run_dir = copy_of(first_half, tmp_path)
+    assert run_inprocess(run_dir, *DDP, f"train.steps={2 * N}", "train.resume_changes=[train.steps]") == 0
+    log = rows(run_dir)
     assert [(r["from"], r["to"]) for r in log if r.get("event") == "world_size_changed"] == [(2, 1)]
-    assert losses(tmp_path) == pytest.approx(losses(ddp_run), abs=2e-3)
-    assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
+    assert losses(run_dir) == pytest.approx(losses(ddp_run), abs=2e-3)
+    assert_same_weights(weights(ckpt.latest(str(run_dir / "checkpoints"))),
                         weights(ckpt.latest(str(ddp_run / "checkpoints"))), exact=False, atol=2e-3)
 
 

@@ -29,7 +29,7 @@ def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
         assert "bitwise equal" in table[f"checkpoint + resume ({parallelism})"][1]
         assert os.path.exists(tmp_path / f"resume_resumed_{parallelism}" / "metrics.jsonl")
     # the FSDP2 run resumed from a sharded checkpoint (torch.distributed.checkpoint's directory)
-    assert os.path.isdir(tmp_path / "resume_straight_fsdp" / "checkpoints" / "step_00000002" / "dcp")
+    assert os.path.isdir(tmp_path / "llama_tiny_fsdp_eager_x2" / "checkpoints" / "step_00000002" / "dcp")
 
 
 def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
