@@ -164,3 +164,32 @@ def test_the_command_line_s_sweep_of_a_key_replaces_the_preset_s():
     overrides = OverridesParser.create().parse_overrides(lines)
     assert len(BasicSweeper.split_arguments(overrides, None)[0]) == 14  # what it was
     assert len(CommandLineWinsSweeper.split_arguments(overrides, 1)) == 2  # batches of one, as max_batch_size asks
+
+
+def test_the_launching_process_composes_each_job_once():
+    """SweepCheck makes the loader's load_sweep_config compose a job once (Hydra asks three times: the
+    check, the sweeper's batch validation, the launcher): later calls get a copy equal to a fresh
+    composition that the caller may change without changing the next one."""
+    from omegaconf import OmegaConf, open_dict
+
+    argv = force_add_key_overrides(["optimizer.density=0.25,0.5", "debug=toy"])
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        hydra = GlobalHydra.instance().hydra
+        cfg = hydra.compose_config("config", argv, run_mode=RunMode.MULTIRUN)
+        calls = []
+        real = hydra.config_loader.load_sweep_config
+        hydra.config_loader.load_sweep_config = lambda *a: (calls.append(a[1]), real(*a))[1]
+        sweep_check.SweepCheck().on_multirun_start(cfg)  # checks both jobs, composing each
+        loader = hydra.config_loader.load_sweep_config
+        assert isinstance(loader, sweep_check.ComposedOnce) and len(calls) == 2
+        job = calls[1]
+        assert "++optimizer.density=0.5" in job
+        fresh = real(cfg, list(job))
+        first = loader(cfg, list(job))
+        with open_dict(first):
+            first.hydra.job.num = 7  # as the launcher does
+        second = loader(cfg, list(job))
+        assert len(calls) == 2 and second is not first and OmegaConf.is_missing(second.hydra.job, "num")
+        assert OmegaConf.to_container(second) == OmegaConf.to_container(fresh)
+        assert OmegaConf.to_container(loader(cfg.copy(), list(job))) == OmegaConf.to_container(fresh)
+        assert len(calls) == 3  # another master config: composed
