@@ -165,7 +165,13 @@ def _sweep_runs(preset):
     return runs or [[]]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# Table 2's sweep (AdamW, GaLore, BAdam, FRUGAL, FRUGAL rho=0) and Table 17's (the concurrent methods) in the
+# fast tier; every other preset (~1 s of composing and building each) in the full suite.
+FAST_SWEEPS = ("table2", "table17_concurrent")
+
+
+@pytest.mark.parametrize("preset", [p if p in FAST_SWEEPS else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in PRESETS])
 def test_preset_sweep_runs_build_and_run_the_authors_algorithm(preset):
     """Every run of the preset's sweep builds its optimizer and schedule; every FRUGAL-family row runs the
     pseudocode's restart and the authors' blocks (setup/algorithm=authors), BAdam the badam package's

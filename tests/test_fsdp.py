@@ -15,6 +15,8 @@ import pytest
 from _train_helpers import failure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torchrun with 2 processes: the full suite's (the fast tier leaves out multi-process runs)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
 def test_a_sharded_checkpoint_does_not_advance_a_stateless_optimizer():
     """torch's get_optimizer_state_dict steps an optimizer without state or gradients once at lr 0
     (signSGD, SGD): the step counter must stay, or checkpointing more often would change the run."""

@@ -363,6 +363,7 @@ def fsdp_ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow  # torchrun (fsdp_ranks): the full suite's
 @pytest.mark.parametrize("case", ["block_0", "block_0.25", "block_0.5", "block_1", "reference_path"])
 def test_fsdp2_muon_matches_one_process(fsdp_ranks, case):
     for r in fsdp_ranks:
@@ -373,6 +374,7 @@ def test_fsdp2_muon_matches_one_process(fsdp_ranks, case):
         assert r[case]["bytes"] <= 0.55 * r[case]["bytes_unsharded"]
 
 
+@pytest.mark.slow  # torchrun (fsdp_ranks): the full suite's
 @pytest.mark.parametrize("density", [0.0, 0.25, 0.5, 1.0])
 def test_fsdp2_gathers_only_the_active_blocks(fsdp_ranks, density):
     """Bytes all-gathered inside step(), seen by a dispatch mode that counts every collective: the
@@ -385,6 +387,7 @@ def test_fsdp2_gathers_only_the_active_blocks(fsdp_ranks, density):
             assert case["collectives"] == {}  # inactive blocks: local sign updates only
 
 
+@pytest.mark.slow  # torchrun (fsdp_ranks): the full suite's
 def test_fsdp2_gathers_on_llama_are_what_the_planner_says(fsdp_ranks):
     from omegaconf import OmegaConf
 
@@ -398,6 +401,7 @@ def test_fsdp2_gathers_on_llama_are_what_the_planner_says(fsdp_ranks):
         assert r["llama_tiny"] == planned and planned["frugal_muon_0.25"] * 4 == planned["muon_1"] > 0
 
 
+@pytest.mark.slow  # torchrun (fsdp_ranks): the full suite's
 def test_fsdp2_model_call_is_the_frugal_muon_entry(fsdp_ranks):
     """FRUGAL(model, state_full="muon") on a sharded llama_tiny: the entry's steps, gathers and AdamW rest."""
     for r in fsdp_ranks:
@@ -406,6 +410,7 @@ def test_fsdp2_model_call_is_the_frugal_muon_entry(fsdp_ranks):
         assert case["rest_adamw"] == [True, True], case
 
 
+@pytest.mark.slow  # torchrun (fsdp_ranks): the full suite's
 def test_fsdp2_muon_state_checkpoints_with_dcp_and_column_is_refused(fsdp_ranks):
     for r in fsdp_ranks:
         assert r["dcp"]["diff"] == 0.0
