@@ -210,16 +210,16 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
     return rows
 
 
-def check_resume(table: Table, nproc: int, work: str, timeout: float, straight: tuple[str, list[dict]] | None,
-                 overrides: list[str], parallelism: str) -> None:
-    """The eager llama_tiny run (`straight`: its run dir and rows) wrote a checkpoint at step 2; a new run
-    from that checkpoint with the same overrides must log the later steps bitwise equal. Under FSDP2 the
+def check_resume(table: Table, nproc: int, work: str, timeout: float,
+                 straight: tuple[str, list[dict], list[str]] | None, parallelism: str) -> None:
+    """The eager llama_tiny run (`straight`: its run dir, rows and overrides) wrote a checkpoint at step 2;
+    a new run from that checkpoint with the same overrides must log the later steps bitwise equal. Under FSDP2 the
     checkpoint is the sharded one (torch.distributed.checkpoint)."""
     check = f"checkpoint + resume ({parallelism})"
     if straight is None:
         table.add(check, "the uninterrupted run (train llama_tiny ... eager) failed", "FAIL")
         return
-    run_dir, rows = straight
+    run_dir, rows, overrides = straight
     first = os.path.join(run_dir, "checkpoints", "step_00000002")
     code, resumed_rows, stderr = run_train(os.path.join(work, f"resume_resumed_{parallelism}"),
                                            [*overrides, f"train.resume={first}"], nproc, timeout)
@@ -404,7 +404,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="table2", help="experiment preset whose settings the real-model runs use")
     parser.add_argument("--model", default="llama_130m", help="the preset's model to run (configs/model/)")
-    parser.add_argument("--steps", type=int, default=3, help="steps of each training run")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="steps of each training run (the eager llama_tiny runs take at least 4: their "
+                             "checkpoint at step 2 is what the resume checks resume)")
     parser.add_argument("--fast", action="store_true",
                         help="tiny eager runs and checks only: no compiling, no preset model (CPU CI)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a training run counts as hung")
@@ -467,9 +469,8 @@ def main(argv=None) -> int:
                                                                  True)
 
         for parallelism in ("ddp", "fsdp"):
-            run = straight.get(parallelism)
             guarded(table, f"checkpoint + resume ({parallelism})")(check_resume)(
-                table, nproc, work, args.timeout, run[:2] if run else None, run[2] if run else [], parallelism)
+                table, nproc, work, args.timeout, straight.get(parallelism), parallelism)
 
         # activation checkpointing measured, every combination; the compiled sign update
         models_ac = ["llama_tiny"] + ([args.model] if gpus and not args.fast else [])

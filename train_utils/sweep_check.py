@@ -32,8 +32,8 @@ checkpoint to resume), and, where the data decides the vocabulary from files (`d
 Cost, measured on a shared 2-core CPU: 0.12-0.15 s per job, most of it Hydra composing the job's config
 (which the sweeper's batch validation and the launcher then copy instead of composing it twice more:
 `ComposedOnce`, ~1 s less for an 8-job toy sweep); the checks, memory plan included, add a few tens of
-milliseconds. A 20-job sweep (5 densities x 4 update gaps, debug=toy or llama_130m / llama_1b at paper scale) checked in
-2.5-2.9 s of CPU. Once per sweep, the first model on the meta device imports transformers' model code
+milliseconds. A 20-job sweep (5 densities x 4 update gaps, debug=toy or llama_130m / llama_1b at paper
+scale) checked in 2.5-2.9 s of CPU. Once per sweep, the first model on the meta device imports transformers' model code
 (~2-3 s), which a basic launcher's first job would import anyway.
 """
 from __future__ import annotations
@@ -223,8 +223,8 @@ class SweepCheck(Callback):
         from .validation import ConfigError, stop_with_error
 
         loader = GlobalHydra.instance().hydra.config_loader
-        if not isinstance(loader.load_sweep_config, ComposedOnce):
-            loader.load_sweep_config = ComposedOnce(loader.load_sweep_config, config)
+        compose = loader.load_sweep_config
+        loader.load_sweep_config = ComposedOnce(getattr(compose, "compose", compose), config)  # this sweep's
         message = check_sweep(config, loader)
         if message:  # `error: <message>` (rank 0 of a torchrun launch), exit 2: as a single run's error
             stop_with_error(ConfigError(message), 2, in_job=False)
