@@ -13,6 +13,8 @@ import sys
 import torch
 from hydra import compose, initialize_config_dir
 
+from _forkserver import run_python
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 
@@ -54,8 +56,9 @@ def subprocess_env() -> dict:
 
 
 def run_cli(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = subprocess_env()
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`cmd` from the repository with subprocess_env(); a `python script.py` command is forked from a warm
+    interpreter (tests/_forkserver.py), torchrun and `python -c` run as fresh processes."""
+    return run_python(cmd, cwd=REPO, env=subprocess_env(), timeout=timeout)
 
 
 _HEADERS = ("Traceback (most recent call last)", "Fatal Python error")

@@ -2,19 +2,18 @@
 docs/in_backward.md, "LLaMA-7B on one 24 GB card"), and its refusal of AdamW at 7B before anything is allocated."""
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _forkserver import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # two script runs (a model and a 7B meta plan): the full suite's
 
 
 def bench(*args):
-    proc = subprocess.run([sys.executable, "scripts/bench_7b.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python([sys.executable, "scripts/bench_7b.py", *args], cwd=ROOT, timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

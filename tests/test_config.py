@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _forkserver import run_python
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -128,8 +129,7 @@ def test_configs_compose_with_plain_hydra():
 
 def _train_py(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=300)
+    return run_python([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, timeout=300)
 
 
 def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):

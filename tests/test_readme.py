@@ -33,11 +33,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _forkserver import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -218,7 +218,7 @@ def test_readme_command_block_runs(block, example_paths, tmp_path):
         if _never_run(command):
             continue
         argv = toy_command(command, example_paths)
-        proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+        proc = run_python(argv, cwd=workdir, env=env, timeout=900)  # forked from a warm interpreter
         assert proc.returncode == 0, (f"{block['where']}: {command}\nran as: {' '.join(argv)}\n"
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 

@@ -14,12 +14,12 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _forkserver import run_python
 from omegaconf import OmegaConf
 
 from scripts import sweep_status
@@ -97,8 +97,8 @@ def test_file_names_are_train_pys():
 
 def test_a_finished_toy_sweep_is_all_done(toy_sweep):
     """As a script: each job's line has its end row's numbers; the counts; exit 0."""
-    proc = subprocess.run([sys.executable, "scripts/sweep_status.py", str(toy_sweep)], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    proc = run_python([sys.executable, "scripts/sweep_status.py", str(toy_sweep)], cwd=REPO, env=subprocess_env(),
+                      timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     jobs = parsed(lines)

@@ -10,11 +10,11 @@ import csv
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _forkserver import run_python
 from omegaconf import OmegaConf
 
 from scripts import make_tables, plot_runs
@@ -214,7 +214,7 @@ def real_sweep(tmp_path_factory):
            "train.eval_every=0", "train.eval_tokens=64", "checkpoint.every=0", "train.plot=false",
            "train.progress_bar=false", "wandb.mode=disabled"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep
 

@@ -1,0 +1,216 @@
+"""Run `python script.py args` from the tests without paying Python's start-up each time.
+
+Most of a toy `python train.py ...` run is importing: torch, transformers' LLaMA (whose lazy-import index
+reads every model file), Hydra and this repository take ~4.5 CPU-s, the two training steps a fraction of
+that. The suite starts some 80 such commands (the README's and docs' command blocks, the CLI tests).
+`run_python` starts them as children forked from a server that imported those modules once, so each
+child begins where a fresh interpreter would be after its imports, then runs the script as `__main__`
+with its own argv, working directory, environment, stdin (/dev/null), stdout and stderr (files the
+client reads back), and reports its exit status the way `subprocess.run` does (the code of
+`sys.exit`, 1 for an uncaught exception with its traceback on stderr, -N for signal N).
+
+What it is not for: the process boundary itself. Signals, crashes, kills, torchrun's ranks and Slurm's
+jobs stay real processes (`subprocess`), as do `python -c` and `python -m` commands; `run_python` runs
+those through `subprocess.run` unchanged, as it does everything when `FRUGAL_TESTS_FORK=0`.
+
+One server per pytest process and environment (the environment a library reads at import, such as
+OMP_NUM_THREADS or HF_HUB_OFFLINE, is the server's, so a request with another environment gets a server
+of its own). The server imports nothing that starts a thread (forking a process with threads can leave
+a lock held in the child: `datasets` starts one, so it is imported by the children that need it); it
+checks that it has one thread after its imports, and the client falls back to `subprocess.run`
+otherwise.
+
+Protocol (the server's stdin and stdout, one JSON object per line): the client sends {"argv", "cwd",
+"env", "stdout", "stderr"} (argv[0] is the script, the rest its arguments; stdout and stderr are file
+paths); the server answers {"pid"} once the child is forked and {"returncode"} once it has ended.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# What a train.py, eval.py or scripts/ process imports before it does anything of its own.
+PRELOAD = ("torch", "hydra", "omegaconf", "train", "eval", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.t5.tokenization_t5", "matplotlib.pyplot",
+           "wandb")
+REPO_MODULES = {"train", "eval"}
+
+
+# ------------------------------------------------------------------------------------------ the server
+def _child(request: dict) -> None:
+    """In the forked child: become `python script args` and never return."""
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.stdout = sys.__stdout__  # the server pointed it at stderr
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        script, *args = request["argv"]
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` sets it
+        import runpy
+
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # what the interpreter prints for an uncaught exception
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        atexit._run_exitfuncs()  # os._exit below skips them
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code & 0xFF)
+
+
+def _serve(preload: list[str]) -> None:
+    reply = sys.stdout
+    sys.stdout = sys.stderr  # the modules' prints must not reach the protocol
+    # sys.path as `python train.py` has it (the repository first), while importing; each child then sets
+    # sys.path[0] to its script's directory. The repository's own modules are preloaded only when the
+    # environment puts the repository on PYTHONPATH, as the tests' environments do: otherwise a child
+    # could import what the same command in a fresh process could not.
+    on_path = str(REPO) in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    sys.path[0] = str(REPO)
+    for name in preload:
+        if on_path or name.split(".")[0] not in REPO_MODULES:
+            __import__(name)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    print(json.dumps({"ready": True, "threads": threads}), file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), file=reply, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ the client
+class _Server:
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", *PRELOAD], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pending = b""
+        ready = self._read(timeout=300)
+        self.usable = ready is not None and ready.get("threads") == 1
+
+    def _read(self, timeout: float) -> dict | None:
+        """The server's next line; None if it is not there within `timeout` seconds or the server died.
+        (Unbuffered: a buffered reader could hold the next line where select() does not see it.)"""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def _send(self, request: dict) -> None:
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def run(self, argv: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            self._send(request)
+            forked = self._read(timeout=60)
+            if forked is None:
+                raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv}: it exited "
+                                   f"with {self.proc.poll()}")
+            done = self._read(timeout=timeout)
+            if done is None:  # as subprocess.run: kill the child, then raise
+                os.kill(forked["pid"], signal.SIGKILL)
+                self._read(timeout=60)
+                raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
+            return subprocess.CompletedProcess(argv, done["returncode"], _text(out), _text(err))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+_SERVERS: dict[tuple, _Server] = {}
+
+
+def _close_all() -> None:
+    for server in _SERVERS.values():
+        server.close()
+    _SERVERS.clear()
+
+
+atexit.register(_close_all)
+
+
+def forkable(argv: list[str]) -> bool:
+    """`[sys.executable, "some/script.py", ...]`: a script run as `__main__` (not -c, not -m)."""
+    return (len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py")
+            and os.environ.get("FRUGAL_TESTS_FORK", "1") != "0")
+
+
+def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
+    `python script.py ...` command forked from a warm server (see the module docstring)."""
+    env = dict(os.environ if env is None else env)
+    if not forkable(argv):
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    key = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))  # set per test
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        while len(_SERVERS) >= 2:  # a few environments at a time; the oldest goes
+            _SERVERS.pop(next(iter(_SERVERS))).close()
+        server = _SERVERS[key] = _Server(env)
+    if not server.usable:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    script = argv[1] if os.path.isabs(argv[1]) else os.path.join(str(cwd), argv[1])
+    return server.run([argv[0], script, *argv[2:]], cwd, env, timeout)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    _serve(sys.argv[2:])

@@ -1,0 +1,129 @@
+"""tests/_forkserver.py: a `python script.py` command forked from a warm server gives what
+`subprocess.run` gives for the same command in a fresh interpreter (exit code, stdout, stderr, argv, cwd,
+environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import _forkserver
+
+SCRIPT = textwrap.dedent("""
+    import atexit, json, os, sys
+    warm = "fractions" in sys.modules  # preloaded by the test's server, not imported by a fresh interpreter
+    atexit.register(lambda: print("atexit ran", file=sys.stderr))
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "warm": warm,
+                      "marker": os.environ.get("FORK_TEST_MARKER"), "gone": os.environ.get("FORK_TEST_GONE"),
+                      "stdin": sys.stdin.read()}))
+    print("to stderr", file=sys.stderr)
+    sys.stdout.write("no newline at the end")
+    what = sys.argv[1]
+    if what == "raise":
+        raise ValueError("from the script")
+    if what == "signal":
+        sys.stdout.flush()
+        os.kill(os.getpid(), 15)
+    if what == "hang":
+        import signal
+        signal.pause()
+    sys.exit({"ok": 0, "code": 3, "text": "a message"}.get(what, 0))
+""")
+
+
+@pytest.fixture
+def light_server(monkeypatch, tmp_path):
+    """A server that preloads small modules (no torch), in a cache of its own that is closed afterwards."""
+    monkeypatch.setattr(_forkserver, "PRELOAD", ("json", "fractions"))
+    monkeypatch.setattr(_forkserver, "_SERVERS", {})
+    script = tmp_path / "bin" / "script.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    yield script
+    _forkserver._close_all()
+
+
+def _both(script, what, tmp_path, **kw):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "FORK_TEST_GONE"}
+    env["FORK_TEST_MARKER"] = "set for this command"
+    os.environ["FORK_TEST_GONE"] = "only in the test process"
+    try:
+        argv = [sys.executable, str(script), what, "second arg"]
+        forked = _forkserver.run_python(argv, cwd=cwd, env=env, **kw)
+        fresh = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, **kw)
+    finally:
+        del os.environ["FORK_TEST_GONE"]
+    return forked, fresh
+
+
+@pytest.mark.parametrize("what, code", [("ok", 0), ("code", 3), ("text", 1), ("raise", 1), ("signal", -signal.SIGTERM)])
+def test_a_forked_command_ends_as_a_fresh_process_does(light_server, tmp_path, what, code):
+    forked, fresh = _both(light_server, what, tmp_path)
+    assert forked.returncode == fresh.returncode == code, (forked, fresh)
+    seen_forked, seen_fresh = (json.loads(p.stdout.splitlines()[0]) for p in (forked, fresh))
+    assert seen_forked.pop("warm") and not seen_fresh.pop("warm")  # the fork did start from the server's imports
+    assert seen_forked == seen_fresh == {"argv": [what, "second arg"], "cwd": str(tmp_path / "cwd"),
+                                         "path0": str(light_server.parent), "marker": "set for this command",
+                                         "gone": None, "stdin": ""}
+    assert forked.stdout.split("\n", 1)[1] == fresh.stdout.split("\n", 1)[1] == "no newline at the end"
+    if what == "raise":
+        assert forked.stderr.splitlines()[-2:] == fresh.stderr.splitlines()[-2:] == ["ValueError: from the script",
+                                                                                    "atexit ran"]
+        assert "Traceback (most recent call last)" in forked.stderr
+    else:
+        assert forked.stderr == fresh.stderr
+    assert ("atexit ran" in forked.stderr) == ("atexit ran" in fresh.stderr) == (code != -15)
+
+
+def test_a_forked_command_past_its_timeout_is_killed_and_raises(light_server, tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        _forkserver.run_python([sys.executable, str(light_server), "hang"], cwd=tmp_path, timeout=0.5)
+    server = next(iter(_forkserver._SERVERS.values()))
+    again = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path, timeout=60)
+    assert again.returncode == 0 and next(iter(_forkserver._SERVERS.values())) is server  # the server lives on
+
+
+def test_a_server_with_a_thread_after_its_imports_is_not_used(light_server, tmp_path, monkeypatch):
+    """Forking a process with threads can leave a lock held in the child: such a server is refused, and the
+    command runs as a fresh process."""
+    (light_server.parent / "starts_a_thread.py").write_text(
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n")
+    monkeypatch.setattr(_forkserver, "PRELOAD", ("fractions", "starts_a_thread"))
+    env = dict(os.environ, PYTHONPATH=str(light_server.parent))
+    proc = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[0])["warm"] is False
+    assert not next(iter(_forkserver._SERVERS.values())).usable
+
+
+def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_path, monkeypatch):
+    code = "import sys; print('fractions' in sys.modules)"
+    assert _forkserver.run_python([sys.executable, "-c", code], cwd=tmp_path).stdout == "False\n"
+    monkeypatch.setenv("FRUGAL_TESTS_FORK", "0")
+    proc = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path)
+    assert json.loads(proc.stdout.splitlines()[0])["warm"] is False and not _forkserver._SERVERS
+
+
+@pytest.mark.slow
+def test_train_py_forked_trains_bitwise_as_a_fresh_process(tmp_path):
+    """The real preload (torch, transformers, Hydra, train): the same toy run's losses and weights, forked
+    and fresh."""
+    from _train_helpers import REPO, losses, subprocess_env, train_cmd, weights
+    from train_utils import checkpoint as ckpt
+
+    runs = {}
+    for how in ("forked", "fresh"):
+        cmd = train_cmd(tmp_path / how, "train.steps=3", "checkpoint.every=3")
+        run = _forkserver.run_python if how == "forked" else _forkserver.subprocess.run
+        kw = {} if how == "forked" else {"capture_output": True, "text": True}
+        proc = run(cmd, cwd=REPO, env=subprocess_env(), timeout=300, **kw)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[how] = losses(tmp_path / how), weights(ckpt.latest(str(tmp_path / how / "checkpoints")))
+    assert runs["forked"][0] == runs["fresh"][0] and len(runs["fresh"][0]) == 3
+    assert all(v.equal(runs["fresh"][1][k]) for k, v in runs["forked"][1].items())
