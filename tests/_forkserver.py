@@ -43,6 +43,9 @@ PRELOAD = ("torch", "hydra", "omegaconf", "train", "eval", "transformers.models.
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.t5.tokenization_t5", "matplotlib.pyplot",
            "wandb")
 REPO_MODULES = {"train", "eval"}
+# Variables a child applies itself (pytest sets the first per test): requests that differ only in them share
+# a server.
+PER_CHILD = {"PYTEST_CURRENT_TEST", "PYTHONFAULTHANDLER"}
 
 
 # ------------------------------------------------------------------------------------------ the server
@@ -60,6 +63,12 @@ def _child(request: dict) -> None:
             os.dup2(fd, target)
             os.close(fd)
         sys.stdout = sys.__stdout__  # the server pointed it at stderr
+        import faulthandler
+
+        if os.environ.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter does with it at start-up
+            faulthandler.enable()
+        else:
+            faulthandler.disable()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         script, *args = request["argv"]
         sys.argv = [script, *args]
@@ -194,16 +203,21 @@ def forkable(argv: list[str]) -> bool:
             and os.environ.get("FRUGAL_TESTS_FORK", "1") != "0")
 
 
+def server_key(env: dict) -> tuple:
+    """The environment a server is started with, as its cache key: all of it but PER_CHILD."""
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_CHILD))
+
+
 def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
     `python script.py ...` command forked from a warm server (see the module docstring)."""
     env = dict(os.environ if env is None else env)
     if not forkable(argv):
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    key = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))  # set per test
+    key = server_key(env)
     server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
-        while len(_SERVERS) >= 2:  # a few environments at a time; the oldest goes
+        while len(_SERVERS) >= 3:  # a few environments at a time; the oldest goes
             _SERVERS.pop(next(iter(_SERVERS))).close()
         server = _SERVERS[key] = _Server(env)
     if not server.usable:

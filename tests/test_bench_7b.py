@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 from _forkserver import run_python
+from _train_helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # two script runs (a model and a 7B meta plan): the full suite's
 
 
 def bench(*args):
-    proc = run_python([sys.executable, "scripts/bench_7b.py", *args], cwd=ROOT, timeout=300)
+    proc = run_python([sys.executable, "scripts/bench_7b.py", *args], cwd=ROOT, env=subprocess_env(), timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

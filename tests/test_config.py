@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _forkserver import run_python
+from _train_helpers import subprocess_env
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -128,7 +129,7 @@ def test_configs_compose_with_plain_hydra():
 
 
 def _train_py(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env = {**subprocess_env(), "WANDB_MODE": "disabled"}  # the CLI tests' environment: one fork server for them
     return run_python([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, timeout=300)
 
 

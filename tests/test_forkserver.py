@@ -15,12 +15,12 @@ import pytest
 import _forkserver
 
 SCRIPT = textwrap.dedent("""
-    import atexit, json, os, sys
+    import atexit, faulthandler, json, os, sys
     warm = "fractions" in sys.modules  # preloaded by the test's server, not imported by a fresh interpreter
     atexit.register(lambda: print("atexit ran", file=sys.stderr))
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "warm": warm,
                       "marker": os.environ.get("FORK_TEST_MARKER"), "gone": os.environ.get("FORK_TEST_GONE"),
-                      "stdin": sys.stdin.read()}))
+                      "stdin": sys.stdin.read(), "faulthandler": faulthandler.is_enabled()}))
     print("to stderr", file=sys.stderr)
     sys.stdout.write("no newline at the end")
     what = sys.argv[1]
@@ -36,23 +36,33 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def light_cache():
+    """The light servers' cache, shared by this module's tests (a server per environment, as in the real one)."""
+    cache = {}
+    yield cache
+    for server in cache.values():
+        server.close()
+
+
 @pytest.fixture
-def light_server(monkeypatch, tmp_path):
-    """A server that preloads small modules (no torch), in a cache of its own that is closed afterwards."""
+def light_server(light_cache, monkeypatch, tmp_path):
+    """A server that preloads small modules (no torch), in the cache above."""
     monkeypatch.setattr(_forkserver, "PRELOAD", ("json", "fractions"))
-    monkeypatch.setattr(_forkserver, "_SERVERS", {})
+    monkeypatch.setattr(_forkserver, "_SERVERS", light_cache)
     script = tmp_path / "bin" / "script.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    yield script
-    _forkserver._close_all()
+    return script
 
 
 def _both(script, what, tmp_path, **kw):
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "FORK_TEST_GONE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("FORK_TEST_GONE", "PYTHONFAULTHANDLER")}
     env["FORK_TEST_MARKER"] = "set for this command"
+    if what in ("code", "raise"):  # one server for both: the child applies it as a fresh interpreter does
+        env["PYTHONFAULTHANDLER"] = "1"
     os.environ["FORK_TEST_GONE"] = "only in the test process"
     try:
         argv = [sys.executable, str(script), what, "second arg"]
@@ -71,7 +81,7 @@ def test_a_forked_command_ends_as_a_fresh_process_does(light_server, tmp_path, w
     assert seen_forked.pop("warm") and not seen_fresh.pop("warm")  # the fork did start from the server's imports
     assert seen_forked == seen_fresh == {"argv": [what, "second arg"], "cwd": str(tmp_path / "cwd"),
                                          "path0": str(light_server.parent), "marker": "set for this command",
-                                         "gone": None, "stdin": ""}
+                                         "gone": None, "stdin": "", "faulthandler": what in ("code", "raise")}
     assert forked.stdout.split("\n", 1)[1] == fresh.stdout.split("\n", 1)[1] == "no newline at the end"
     if what == "raise":
         assert forked.stderr.splitlines()[-2:] == fresh.stderr.splitlines()[-2:] == ["ValueError: from the script",
@@ -85,9 +95,10 @@ def test_a_forked_command_ends_as_a_fresh_process_does(light_server, tmp_path, w
 def test_a_forked_command_past_its_timeout_is_killed_and_raises(light_server, tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         _forkserver.run_python([sys.executable, str(light_server), "hang"], cwd=tmp_path, timeout=0.5)
-    server = next(iter(_forkserver._SERVERS.values()))
+    server = _forkserver._SERVERS[_forkserver.server_key(dict(os.environ))]
     again = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path, timeout=60)
-    assert again.returncode == 0 and next(iter(_forkserver._SERVERS.values())) is server  # the server lives on
+    assert again.returncode == 0 and server.proc.poll() is None  # the server lives on, and served it
+    assert _forkserver._SERVERS[_forkserver.server_key(dict(os.environ))] is server
 
 
 def test_a_server_with_a_thread_after_its_imports_is_not_used(light_server, tmp_path, monkeypatch):
@@ -99,7 +110,7 @@ def test_a_server_with_a_thread_after_its_imports_is_not_used(light_server, tmp_
     env = dict(os.environ, PYTHONPATH=str(light_server.parent))
     proc = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path, env=env)
     assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[0])["warm"] is False
-    assert not next(iter(_forkserver._SERVERS.values())).usable
+    assert not _forkserver._SERVERS[_forkserver.server_key(env)].usable
 
 
 def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_path, monkeypatch):
@@ -107,7 +118,7 @@ def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_pat
     assert _forkserver.run_python([sys.executable, "-c", code], cwd=tmp_path).stdout == "False\n"
     monkeypatch.setenv("FRUGAL_TESTS_FORK", "0")
     proc = _forkserver.run_python([sys.executable, str(light_server), "ok"], cwd=tmp_path)
-    assert json.loads(proc.stdout.splitlines()[0])["warm"] is False and not _forkserver._SERVERS
+    assert json.loads(proc.stdout.splitlines()[0])["warm"] is False
 
 
 @pytest.mark.slow
