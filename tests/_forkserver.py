@@ -5,9 +5,10 @@ reads every model file), Hydra and this repository take ~4.5 CPU-s, the two trai
 that. The suite starts some 80 such commands (the README's and docs' command blocks, the CLI tests).
 `run_python` starts them as children forked from a server that imported those modules once, so each
 child begins where a fresh interpreter would be after its imports, then runs the script as `__main__`
-with its own argv, working directory, environment, stdin (/dev/null), stdout and stderr (files the
-client reads back), and reports its exit status the way `subprocess.run` does (the code of
-`sys.exit`, 1 for an uncaught exception with its traceback on stderr, -N for signal N).
+with its own argv (argv[0] is the script's absolute path), working directory, environment, stdin
+(/dev/null), stdout and stderr (files the client reads back), and reports its exit status the way
+`subprocess.run` does (the code of `sys.exit`, 1 for an uncaught exception with its traceback on stderr,
+-N for signal N).
 
 What it is not for: the process boundary itself. Signals, crashes, kills, torchrun's ranks and Slurm's
 jobs stay real processes (`subprocess`), as do `python -c` and `python -m` commands; `run_python` runs
@@ -158,16 +159,30 @@ class _Server:
         with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
-            self._send(request)
-            forked = self._read(timeout=60)
-            if forked is None:
-                raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv}: it exited "
-                                   f"with {self.proc.poll()}")
-            done = self._read(timeout=timeout)
-            if done is None:  # as subprocess.run: kill the child, then raise
-                os.kill(forked["pid"], signal.SIGKILL)
-                self._read(timeout=60)
-                raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
+            forked = None
+            try:
+                self._send(request)
+                forked = self._read(timeout=60)
+                if forked is None:
+                    raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv}: it exited "
+                                       f"with {self.proc.poll()}")
+                done = self._read(timeout=timeout)
+                if done is None:  # as subprocess.run: kill the child, then raise
+                    os.kill(forked["pid"], signal.SIGKILL)
+                    if self._read(timeout=60) is None:
+                        raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not reap {forked['pid']}")
+                    raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
+            except subprocess.TimeoutExpired:
+                raise
+            except BaseException:  # an interrupt or a dead server: its next lines would answer the wrong request
+                if forked is not None:
+                    try:
+                        os.kill(forked["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                self.proc.kill()
+                self.proc.wait()
+                raise
             return subprocess.CompletedProcess(argv, done["returncode"], _text(out), _text(err))
 
     def close(self) -> None:

@@ -101,6 +101,33 @@ def test_a_forked_command_past_its_timeout_is_killed_and_raises(light_server, tm
     assert _forkserver._SERVERS[_forkserver.server_key(dict(os.environ))] is server
 
 
+def test_an_interrupted_wait_kills_the_child_and_the_next_command_gets_a_fresh_server(light_server, tmp_path,
+                                                                                      monkeypatch):
+    """An interrupt (Ctrl-C, a pytest timeout) while a child runs: the child and its server are killed, so the
+    next command cannot read the interrupted one's answer."""
+    import psutil
+
+    argv = [sys.executable, str(light_server), "hang"]
+    assert _forkserver.run_python([*argv[:2], "ok"], cwd=tmp_path).returncode == 0  # the server exists
+    server = _forkserver._SERVERS[_forkserver.server_key(dict(os.environ))]
+    real, pids = _forkserver._Server._read, []
+
+    def interrupted(self, timeout):
+        if pids:
+            raise KeyboardInterrupt  # while the child hangs
+        pids.append(real(self, timeout)["pid"])
+        return {"pid": pids[0]}
+
+    monkeypatch.setattr(_forkserver._Server, "_read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _forkserver.run_python(argv, cwd=tmp_path)
+    monkeypatch.setattr(_forkserver._Server, "_read", real)
+    assert server.proc.poll() is not None
+    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+    again = _forkserver.run_python([*argv[:2], "code"], cwd=tmp_path)
+    assert again.returncode == 3 and json.loads(again.stdout.splitlines()[0])["warm"] is True
+
+
 def test_a_server_with_a_thread_after_its_imports_is_not_used(light_server, tmp_path, monkeypatch):
     """Forking a process with threads can leave a lock held in the child: such a server is refused, and the
     command runs as a fresh process."""

@@ -3,18 +3,18 @@
 alone, under DDP and under FSDP2), the
 GPU-only ones skipped with their reason, and the exit code gating on failures."""
 import os
-import subprocess
 import sys
 
 import pytest
 
+from _forkserver import run_python
 from _train_helpers import REPO, subprocess_env
 
 
 @pytest.mark.slow
 def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/preflight.py", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = run_python([sys.executable, "scripts/preflight.py", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
+                      env=subprocess_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     table = {line.split("|")[0].strip(): (line.split("|")[1].strip(), line.split("|")[2].strip())
              for line in proc.stdout.splitlines() if line.count("|") == 2}
