@@ -175,10 +175,11 @@ class _Server:
             except subprocess.TimeoutExpired:
                 raise
             except BaseException:  # an interrupt or a dead server: its next lines would answer the wrong request
-                if forked is not None:
+                if forked is not None:  # kill the child and let the server reap it, then end the server
                     try:
                         os.kill(forked["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
+                        self._read(timeout=30)
+                    except BaseException:
                         pass
                 self.proc.kill()
                 self.proc.wait()

@@ -110,20 +110,21 @@ def test_an_interrupted_wait_kills_the_child_and_the_next_command_gets_a_fresh_s
     argv = [sys.executable, str(light_server), "hang"]
     assert _forkserver.run_python([*argv[:2], "ok"], cwd=tmp_path).returncode == 0  # the server exists
     server = _forkserver._SERVERS[_forkserver.server_key(dict(os.environ))]
-    real, pids = _forkserver._Server._read, []
+    real, answers = _forkserver._Server._read, []
 
     def interrupted(self, timeout):
-        if pids:
+        answers.append(None)
+        if len(answers) == 2:
             raise KeyboardInterrupt  # while the child hangs
-        pids.append(real(self, timeout)["pid"])
-        return {"pid": pids[0]}
+        answers[-1] = real(self, timeout)
+        return answers[-1]
 
     monkeypatch.setattr(_forkserver._Server, "_read", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _forkserver.run_python(argv, cwd=tmp_path)
     monkeypatch.setattr(_forkserver._Server, "_read", real)
-    assert server.proc.poll() is not None
-    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+    assert answers[2] == {"returncode": -signal.SIGKILL}  # the server reaped the killed child, then was ended
+    assert server.proc.poll() is not None and not psutil.pid_exists(answers[0]["pid"])
     again = _forkserver.run_python([*argv[:2], "code"], cwd=tmp_path)
     assert again.returncode == 3 and json.loads(again.stdout.splitlines()[0])["warm"] is True
 
