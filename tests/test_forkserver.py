@@ -56,7 +56,7 @@ def light_server(light_cache, monkeypatch, tmp_path):
     return script
 
 
-def _both(script, what, tmp_path, **kw):
+def _both(script, what, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("FORK_TEST_GONE", "PYTHONFAULTHANDLER")}
@@ -66,8 +66,8 @@ def _both(script, what, tmp_path, **kw):
     os.environ["FORK_TEST_GONE"] = "only in the test process"
     try:
         argv = [sys.executable, str(script), what, "second arg"]
-        forked = _forkserver.run_python(argv, cwd=cwd, env=env, **kw)
-        fresh = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, **kw)
+        forked = _forkserver.run_python(argv, cwd=cwd, env=env)
+        fresh = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
     finally:
         del os.environ["FORK_TEST_GONE"]
     return forked, fresh
@@ -153,16 +153,15 @@ def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_pat
 def test_train_py_forked_trains_bitwise_as_a_fresh_process(tmp_path):
     """The real preload (torch, transformers, Hydra, train): the same toy run's losses and weights, forked
     and fresh."""
-    from _train_helpers import REPO, losses, subprocess_env, train_cmd, weights
+    from _train_helpers import REPO, assert_same_weights, losses, subprocess_env, train_cmd, weights
     from train_utils import checkpoint as ckpt
 
-    runs = {}
-    for how in ("forked", "fresh"):
-        cmd = train_cmd(tmp_path / how, "train.steps=3", "checkpoint.every=3")
-        run = _forkserver.run_python if how == "forked" else _forkserver.subprocess.run
-        kw = {} if how == "forked" else {"capture_output": True, "text": True}
-        proc = run(cmd, cwd=REPO, env=subprocess_env(), timeout=300, **kw)
+    def cmd(how):
+        return train_cmd(tmp_path / how, "train.steps=3", "checkpoint.every=3")
+
+    forked = _forkserver.run_python(cmd("forked"), cwd=REPO, env=subprocess_env(), timeout=300)
+    fresh = subprocess.run(cmd("fresh"), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    for proc in (forked, fresh):
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[how] = losses(tmp_path / how), weights(ckpt.latest(str(tmp_path / how / "checkpoints")))
-    assert runs["forked"][0] == runs["fresh"][0] and len(runs["fresh"][0]) == 3
-    assert all(v.equal(runs["fresh"][1][k]) for k, v in runs["forked"][1].items())
+    assert losses(tmp_path / "forked") == losses(tmp_path / "fresh") and len(losses(tmp_path / "fresh")) == 3
+    assert_same_weights(*(weights(ckpt.latest(str(tmp_path / how / "checkpoints"))) for how in ("forked", "fresh")))
