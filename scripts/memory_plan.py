@@ -402,11 +402,10 @@ def measure_case(case: Case) -> tuple[int, int]:
     return max(e[2] for e in events) - start, max(e[2] for e in events if e[3]) - start
 
 
-def two_steps(case: Case, wrapped, optimizer, loss_fn, vocab: int, accumulation: int,
-              before_forward=lambda: None) -> None:
+def two_steps(case: Case, wrapped, optimizer, loss_fn, vocab: int, accumulation: int) -> None:
     """The measured steps of a case: two optimizer steps of `accumulation` micro-batches each (DDP syncs
     on the last; FSDP2 reduce-scatters every one), bf16 autocast for bf16-mixed, the step marked
-    record_function("optimizer_step") for the profiler. Also scripts/memtracker_compare.py's."""
+    record_function("optimizer_step") for the profiler."""
     import contextlib
 
     import torch
@@ -416,7 +415,6 @@ def two_steps(case: Case, wrapped, optimizer, loss_fn, vocab: int, accumulation:
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         for i in range(accumulation):
-            before_forward()
             ids = torch.randint(1, vocab, (case.micro, case.seq), generator=generator)
             sync = not ddp or i == accumulation - 1
             with contextlib.nullcontext() if sync else wrapped.no_sync():
