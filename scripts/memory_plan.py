@@ -494,8 +494,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-hours", action="store_true",
                     help="also estimate the run's compute in GPU-hours on --device at --mfu (an estimate)")
     ap.add_argument("--mfu", type=float, default=None,
-                    help=f"model FLOPs utilisation for --gpu-hours (default {DEFAULT_MFU:.0%}, assumed); a measured "
-                         "one, e.g. from scripts/preflight.py")
+                    help=f"model FLOPs utilisation for --gpu-hours (default {DEFAULT_MFU * 100:.0f}%%, assumed); "
+                         "a measured one, e.g. from scripts/preflight.py")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
     ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")
