@@ -455,18 +455,19 @@ class FRUGAL(Optimizer):
                                                                           w.window, w.ident)
             w.target, w.additive = torch.zeros_like(w.full_grad), True  # collects the state-full update
             w.free_grad = w.grad
-            if free.direction is not None or free.contextual is not None:  # the rule reads the residual
+            if free.reads_residual:
                 w.free_grad = grad - proj.project_back(w.full_grad, p.shape, projection, transposed, w.subspace)
         else:
             w.subspace = state_management.coordinates(w.state, rule, p, group, w.window, w.ident,
                                                       shard_key(w.param, group))
             w.subspace = w.subspace.long()  # once, not in each of the gathers/scatters below
             w.full_grad = proj.project(w.grad, projection, transposed, w.subspace)
-            w.free_grad = w.grad  # phase 5 overwrites the state-full coordinates
-            if free.contextual is not None:  # it reads the residual itself (norms, statistics)
+            if free.elementwise or not free.reads_residual:  # phase 5 overwrites the state-full coordinates
+                w.free_grad, w.target = w.grad, proj.project(p, projection, transposed, w.subspace)
+            else:  # the residual (zero on the state-full coordinates); phase 5 adds the state-full update
                 w.free_grad = proj.write_coordinates_(w.grad.clone(), projection, transposed, w.subspace,
                                                       torch.zeros_like(w.full_grad))
-            w.target = proj.project(p, projection, transposed, w.subspace)
+                w.target, w.additive = torch.zeros_like(w.full_grad), True
         if free.split_step is not None:  # the rule takes the whole step in phase 4 (Fira)
             w.target, w.free_grad = None, None
         if free.init_state is not None:
@@ -532,8 +533,7 @@ class FRUGAL(Optimizer):
             params.append(p)
             grads.append(w.free_grad)
         for key, (params, grads) in buckets.items():
-            STATE_FREE[key.rule].foreach(params, grads, lr=key.lr, decay=key.decay,
-                                         sign_update=key.sign_update)
+            STATE_FREE[key.rule].step_(params, grads, lr=key.lr, decay=key.decay, sign_update=key.sign_update)
 
     @staticmethod
     def _contextual_update(w: Work, rule) -> None:

@@ -43,7 +43,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
         return
     if role == FULL:
         full_rule.init_state(state, param, group=group)
-    if role != SPLIT and full_rule.elementwise:
+    if role != SPLIT and (full_rule if role == FULL else free_rule).elementwise:
         # elementwise: a chunk at a time, so the float32 copies stay small (a 7B embedding: 0.5 GiB each)
         generator = _rounding(param, group, step, ident)
         local_state = {k: sharding.local(v) for k, v in state.items()}  # views: updated in place

@@ -335,8 +335,10 @@ def _one_sided_state(state: dict, like: Tensor, reduced_dim: int) -> None:
 
 @dataclass(frozen=True)
 class StateFreeRule:
-    foreach: Callable | None
-    direction: Callable[[Tensor], Tensor] | None  # None: no update besides weight decay
+    # foreach(params, grads, *, lr, decay, ...): p <- p * decay - lr * d(g) over tensor lists, the fast path;
+    # None: the direction, one tensor at a time (``step_``).
+    foreach: Callable | None = None
+    direction: Callable[[Tensor], Tensor] | None = None  # None: no update besides weight decay
     # Rules that read the split run per split tensor, with their own state created by
     # init_state(state, residual-shaped tensor, reduced_dim). Either
     # contextual (AdaMeM): (residual, state, FreeContext) -> the direction of the residual, or
@@ -354,11 +356,34 @@ class StateFreeRule:
     # Bytes its update allocates for one tensor at a time: (param group, elements, element size) ->
     # bytes (the memory planner): signSGD's sign(g) where the compiled single pass does not run.
     temporary_bytes: Callable[[dict, int, int], int] | None = None
+    # d(g) of each element depends on that element alone (sign, identity): the fast path may hand it the
+    # whole gradient of a coordinate projection (phase 5 overwrites the state-full coordinates) and the
+    # single-tensor path may update a tensor a chunk at a time. Not declared: it gets the residual (zero
+    # on the state-full coordinates) of every split tensor and whole tensors at once.
+    elementwise: bool = False
 
     @property
     def reads_split(self) -> bool:
         """It needs a split tensor (a reduced gradient with a reduced dimension): not block, not randk."""
         return self.contextual is not None or self.split_step is not None
+
+    @property
+    def reads_residual(self) -> bool:
+        """Its update reads the residual ``g - P^{-1}(P(g))`` of a split tensor (``none`` reads nothing;
+        a ``split_step`` rule computes what it reads itself)."""
+        return self.split_step is None and (self.direction is not None or self.contextual is not None
+                                            or not self.elementwise)
+
+    def step_(self, params: list[Tensor], grads: list[Tensor], *, lr: float, decay: float, **options) -> None:
+        """p <- p * decay - lr * d(g) for each pair: its ``foreach`` where it declares one."""
+        if self.foreach is not None:
+            self.foreach(params, grads, lr=lr, decay=decay, **options)
+            return
+        for p, g in zip(params, grads):
+            if decay != 1.0:
+                p.mul_(decay)
+            if self.direction is not None:
+                p.sub_(self.direction(g), alpha=lr)
 
 
 def _eager_sign_bytes(group: dict, numel: int, elem: int) -> int:
@@ -370,9 +395,9 @@ def _eager_sign_bytes(group: dict, numel: int, elem: int) -> int:
 
 STATE_FREE = {
     "signsgd": StateFreeRule(signsgd_, torch.sign, scale_invariant=True,  # sign(c g) = sign(g)
-                             temporary_bytes=_eager_sign_bytes),
-    "sgd": StateFreeRule(sgd_, lambda g: g),
-    "none": StateFreeRule(none_, None, scale_invariant=True),  # weight decay only
+                             temporary_bytes=_eager_sign_bytes, elementwise=True),
+    "sgd": StateFreeRule(sgd_, lambda g: g, elementwise=True),
+    "none": StateFreeRule(none_, None, scale_invariant=True, elementwise=True),  # weight decay only
     # Fira's previous norm: one value per matrix
     "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step,
                           state_bytes=lambda other_side, elem: elem),

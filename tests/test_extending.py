@@ -63,11 +63,26 @@ register_state_free("soft_sign", StateFreeRule(soft_sign_, soft_sign,
 '''
 
 
-@pytest.fixture
-def my_rules(tmp_path, monkeypatch):
-    (tmp_path / "my_rules.py").write_text(textwrap.dedent(MY_RULES))
+# A state-free rule that is not elementwise, declared with the minimal fields: signSGD at the scale of the
+# gradient it is given, d = sign(g) * rms(g) (one number per tensor: the residual's, never a chunk's).
+RMS_SIGN = '''
+import torch
+from frugal.rules import StateFreeRule, register_state_free
+
+
+def rms_sign(g):
+    return torch.sign(g) * g.square().mean().sqrt()
+
+
+register_state_free("rms_sign", StateFreeRule(direction=rms_sign))
+'''
+
+
+def _register(tmp_path, monkeypatch, name, text):
+    """Import the module ``name`` (``text``) from a temporary directory; its registrations are undone after
+    the test (this worker runs other tests next)."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
-    # the registration is undone after the test (this worker runs other tests next)
     monkeypatch.setattr(rules, "STATE_FULL", dict(rules.STATE_FULL))
     monkeypatch.setattr(rules, "STATE_FREE", dict(rules.STATE_FREE))
     for module in ("frugal.optimizer", "frugal.hparams", "frugal.memory", "frugal.reference",
@@ -75,9 +90,20 @@ def my_rules(tmp_path, monkeypatch):
         for table in ("STATE_FULL", "STATE_FREE"):
             if hasattr(sys.modules[module], table):
                 monkeypatch.setattr(sys.modules[module], table, getattr(rules, table))
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+@pytest.fixture
+def my_rules(tmp_path, monkeypatch):
+    yield _register(tmp_path, monkeypatch, "my_rules", MY_RULES)
     sys.modules.pop("my_rules", None)
-    yield importlib.import_module("my_rules")
-    sys.modules.pop("my_rules", None)
+
+
+@pytest.fixture
+def rms_sign(tmp_path, monkeypatch):
+    yield _register(tmp_path, monkeypatch, "rms_sign", RMS_SIGN)
+    sys.modules.pop("rms_sign", None)
 
 
 HP = dict(lr=2e-3, weight_decay=0.1, density=0.5, update_gap=2, seed=1, state_full="rmsprop", state_free="soft_sign")
@@ -152,6 +178,69 @@ def test_new_rules_take_the_reference_path_and_the_step_in_backward(my_rules):
         for twin in twins:
             for p, q in zip(model.parameters(), twin.parameters()):
                 torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+ROWS, COLS = 1030, 1024  # 1,054,720 elements: above the 2^20 of the single-tensor path's chunks
+
+
+def _rms_sign_step(projection, dtype, path, lr=0.05, wd=0.1):
+    """One step of AdamW + rms_sign from fresh state on two projectable tensors (two blocks) whose
+    gradients change scale along both dimensions; returns (weights before, gradients, weights after, the
+    optimizer)."""
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.ones(ROWS, 1)
+    scale[1024:] = 10.0  # the last rows (the second chunk) have gradients 10x larger
+    scale = scale * torch.logspace(-1, 1, COLS)  # and the columns from 0.1x to 10x
+    weights = [torch.randn(ROWS, COLS, generator=gen).to(dtype).requires_grad_() for _ in range(2)]
+    grads = [(torch.randn(ROWS, COLS, generator=gen) * scale).to(dtype) for _ in range(2)]
+    before = [w.detach().clone() for w in weights]
+    groups = [{"params": [w], "projectable": True, "block": i} for i, w in enumerate(weights)]
+    opt = frugal.FRUGAL(groups, lr=lr, weight_decay=wd, density=0.5, projection=projection, state_free="rms_sign",
+                        stochastic_rounding=dtype == torch.bfloat16, foreach=path != "single")
+    stepper = frugal.step_in_backward(opt) if path == "in_backward" else None
+    sum((w * g).sum() for w, g in zip(weights, grads)).backward()
+    opt.step()
+    if stepper is not None:
+        stepper.remove()
+    return before, grads, weights, opt
+
+
+def _expected(p, g, mask, lr=0.05, wd=0.1, eps=1e-8):
+    """The step in float64, as Algorithm 1 states it: AdamW's first step where ``mask`` is 1 (m_hat = g,
+    v_hat = g^2), sign(r) * rms(r) of the residual r = g * (1 - mask) on the whole tensor."""
+    p, g = p.double(), g.double()
+    residual = g * (1 - mask)
+    return (p * (1 - lr * wd) - lr * mask * g / (g.abs() + eps)
+            - lr * torch.sign(residual) * residual.square().mean().sqrt())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("projection", ["block", "column"])
+@pytest.mark.parametrize("path", ["fast", "single", "in_backward"])
+def test_a_non_elementwise_state_free_rule_steps_the_same_on_every_path(rms_sign, path, projection, dtype):
+    """A state-free rule that is not elementwise (sign(g) * rms(g), declared with the direction alone) gets the
+    residual on every projection and is never chunked: the fast path, the single-tensor path (foreach=False;
+    pure bf16 with stochastic rounding always takes it) and the step inside backward take the step Algorithm 1
+    states, computed here in float64, for a block and a column projection of tensors above 2^20 elements."""
+    before, grads, after, opt = _rms_sign_step(projection, dtype, path)
+    for p, g, w in zip(before, grads, after):
+        state, new = opt.state.get(w, {}), w.detach()
+        mask = torch.zeros(ROWS, COLS, dtype=torch.float64)
+        if projection == "block":
+            mask[:] = float("exp_avg" in state)  # the active block: AdamW on the whole tensor
+        else:
+            assert state["index"].numel() == COLS // 2
+            mask[:, state["index"]] = 1.0  # the state-full columns
+        expected = _expected(p, g, mask)
+        if dtype == torch.float32:
+            torch.testing.assert_close(new.double(), expected, rtol=1e-6, atol=1e-6)
+        else:  # stochastic rounding lands on one of the two bf16 neighbours of the exact value
+            err = (new.double() - expected).abs()
+            rms_step = 0.05 * g.double().square().mean().sqrt()  # lr * rms(g): the bf16 arithmetic's share
+            bound = 2 * torch.finfo(torch.bfloat16).eps * expected.abs() + 0.02 * rms_step
+            assert (err <= bound).all(), err.max()
+    if projection == "block":
+        assert sum("exp_avg" in opt.state.get(w, {}) for w in after) == 1  # one block each way
 
 
 def test_a_taken_name_or_a_wrong_kind_is_refused(my_rules):

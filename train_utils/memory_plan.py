@@ -222,6 +222,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
         total = 2 * sum(reduced) * elem + sum(reduced) * elem * temporaries
         # the largest one-tensor-at-a-time temporary of the batch (phase 4: the sign update of each)
         once = max(eager_sign(g, p.numel()) for p in params)
+        free = STATE_FREE[g["state_free"]]
         if projection in proj.COORDINATE:
             if projection == "randk":
                 total += 8 * sum(reduced)
@@ -229,10 +230,12 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
                                      for p, k in zip(params, reduced)])
             if g["reset_state"] == "reproject":
                 once = max(once, n_moments * max(reduced) * elem)
+            if not free.elementwise and free.reads_residual:  # its residual, and the update added back
+                total += sum(p.numel() for p in params) * elem
+                once = max(once, max(p.numel() for p in params) * elem)
         else:
             full = [p.numel() for p in params]
-            free = STATE_FREE[g["state_free"]]
-            if free.direction or free.contextual or free.split_step:  # the rule reads the residual
+            if free.reads_residual or free.split_step:  # the rule reads the residual
                 total += sum(full) * elem  # each tensor's residual gradient, kept until the write back
             once = max(once, max(full) * elem)  # one tensor projected back at a time
             if projection == "svd":  # the decomposition at a projection change (at least fp32)
@@ -248,7 +251,9 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
             whole_tensors = not g["projectable"] or g["always_state_free"] or g["projection"] == "block"
             for p in g["params"]:
                 n = p.numel()
-                if whole_tensors and STATE_FULL[g["state_full"]].elementwise:
+                chunked = STATE_FULL[g["state_full"]].elementwise and (
+                    not g["projectable"] or STATE_FREE[g["state_free"]].elementwise)  # both roles it may take
+                if whole_tensors and chunked:
                     # a chunk at a time (frugal.reference), low-precision moments decoded and coded back too
                     per_element = _ROUNDED_FULL + (4 * n_moments + 1 if is_low(g, n) else 0)
                     rounded = max(rounded, min(state_precision.CHUNK, n) * per_element)
