@@ -21,6 +21,7 @@ Modules (tests/test_extending.py keeps this list whole):
   subspace: LDAdam's power iteration and error feedback
 - state_precision: the moments in bf16 or 8 bits; kernels: the sign update and stochastic rounding
 - in_backward: the step inside backward
+- comm: the state-free part on the wire as a one-bit majority vote (a DDP communication hook, opt-in)
 - grouping: which parameters are split, and their blocks; sharding: FSDP2 shards
 - hparams: the hyperparameters' checks; checks: the shared error and integer check
 - registry: `build_optimizer` for every optimizer of the paper; external: APOLLO and Adam-mini

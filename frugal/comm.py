@@ -1,0 +1,378 @@
+"""The state-free part on the wire as one bit per element: a majority vote under DDP (opt-in).
+
+FRUGAL's state-free rule signSGD updates a coordinate by ``sign(g)``; data-parallel FRUGAL normally
+all-reduces every gradient in full precision and takes the sign of the mean (``exact``). With the
+vote, each rank sends only the signs of its state-free gradient, packed 8 to a byte, and the update
+is the majority vote ``sign(sum_i sign(g_i))`` (signSGD with majority vote, Bernstein et al., 2019);
+the state-full and split tensors keep the exact all-reduce.
+
+    model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = frugal.FRUGAL(model.module, lr=1e-3, density=0.25)
+    vote = frugal.comm.attach_vote(model, optimizer)        # DDP's communication hook
+    ...
+    loss.backward()                                          # the hook votes, bucket by bucket
+    norm = vote.clip_grad_norm_(max_norm=1.0)                # never reads the votes (see below)
+    optimizer.step()                                         # refused if the roles changed since
+
+Definitions (``majority_vote`` is the one-process reference of all of them):
+
+- A rank's sign of an element is +1 where its gradient is > 0 and -1 elsewhere (a zero, and a NaN,
+  send -1: one bit has no room for sign(0) = 0). The vote is +1 where more ranks sent +1 than -1,
+  -1 where fewer did. A tie (an even number of ranks) takes the sign sent by the rank that counts
+  that element's votes (its owner, below): as if the owner's vote weighed 1.5, so no fixed rank
+  breaks every tie. The vote is never 0: a coordinate whose gradient is exactly 0 on most ranks
+  moves by the learning rate where ``exact`` would leave it (with ``exact``, sign(0) = 0).
+- Which tensors are voted: those wholly state-free in this step's window (``FRUGAL.next_roles()``:
+  inactive blocks, ``always_state_free`` groups) whose state-free rule is ``signsgd``. Every other
+  tensor (state-full, split, other rules) takes the exact all-reduce: in a bucket with no voted
+  tensor, the bucket itself exactly as DDP's built-in reduction does it (scaled by 1/W, summed);
+  in a bucket with voted tensors, the others are copied into one buffer that is reduced the same
+  way (same values, same additions; at 2 ranks bit for bit DDP's, since a + b = b + a; at 3+ ranks
+  the order in which a backend adds the ranks' values may depend on an element's position in the
+  buffer, so the last bit can differ from DDP's own reduction of the whole bucket).
+- The exchange, per bucket: its n voted elements are padded to W chunks of e elements (e a
+  multiple of 8); an all-to-all of the packed signs gives every rank the W ranks' bits of its
+  own chunk, it counts them, and an all-gather of the packed votes gives everyone every chunk.
+  Each rank sends (W-1) e/8 bytes in each phase: at most 2 bits per voted element in all, at any W.
+- Accumulation: DDP calls the hook once per optimizer step (``no_sync`` micro-batches accumulate
+  locally), so there is one vote per step over each rank's accumulated gradient. Every rank's
+  vote weighs the same, whatever its number of tokens (a sign has no magnitude to weigh by).
+- The written gradient of a voted tensor is the vote (entries +-1); signSGD's update of it is the
+  vote itself. The votes must never enter a clipping norm (at LLaMA-130M they would read ~8,000):
+  ``grad_norm`` is sqrt(exact part's norm^2 + B^2), with B = mean over ranks of each rank's local
+  norm of its voted gradients (one scalar all-reduce per step). B bounds the norm of the mean
+  gradient (triangle inequality), so the norm is at least the exact norm; it equals it on one
+  process and when every rank has the same gradient. A NaN or inf on any rank makes B, and so
+  every rank's norm, non-finite at the same step. Clipping scales the exact tensors only (a
+  positive factor does not change a sign).
+- Roles: the hook asks the optimizer for the roles of the step it will take; the optimizer's
+  step pre-hook compares them with the roles at ``step()`` and refuses (``RoleMismatchError``)
+  when they differ, or when the voted tensors' gradients did not pass the hook.
+- Bytes: ``stats`` counts what this rank sends per step, by the collectives' algorithms (a ring
+  all-reduce of B bytes sends 2 (W-1)/W B per rank; an all-to-all or ring all-gather of W chunks of
+  c bytes, (W-1) c). docs/communication.md compares the counts with the bytes a network namespace's
+  loopback moved.
+
+Not here: FSDP2 (its reduce-scatter has no hook of this kind), the step inside backward (it steps
+each tensor before DDP reduces it), optimizers that are not FRUGAL, error feedback (a full-size
+buffer per rank is not state-free). On one process there is nothing to communicate:
+``attach_vote`` returns None and nothing changes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .windows import FREE
+
+VOTED_RULES = ("signsgd",)  # state-free rules whose update is sign(g): sign(vote) = vote
+_SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)  # bit 7 of a byte is its first element
+
+
+class RoleMismatchError(RuntimeError):
+    """The optimizer's roles at ``step()`` are not those the communication hook voted with."""
+
+
+# ---- packing --------------------------------------------------------------------------------------
+def _shifts(device) -> Tensor:
+    return torch.tensor(_SHIFTS, dtype=torch.uint8, device=device)
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """Booleans (length a multiple of 8) packed 8 to a byte, the first in the highest bit."""
+    if bits.numel() % 8:
+        raise ValueError(f"pack_bits needs a multiple of 8 booleans, got {bits.numel()}")
+    return (bits.reshape(-1, 8).to(torch.uint8) << _shifts(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, n: int | None = None) -> Tensor:
+    """The booleans of ``pack_bits`` (the first ``n``; all without ``n``)."""
+    bits = ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).bool().reshape(-1)
+    return bits if n is None else bits[:n]
+
+
+def sign_bits(x: Tensor) -> Tensor:
+    """A rank's one-bit signs: True (+1) where ``x > 0``, False (-1) elsewhere (zeros, NaN)."""
+    return x > 0
+
+
+def chunk_layout(n: int, world: int) -> tuple[int, int]:
+    """(e, c): the elements of each rank's chunk of n voted elements (a multiple of 8, W e >= n)
+    and its bytes (e / 8)."""
+    e = max(8, -(-n // (8 * world)) * 8)
+    return e, e // 8
+
+
+def vote_chunk(bits: Tensor, owner: Tensor) -> Tensor:
+    """The vote on one chunk: ``bits`` (W, e) are the ranks' signs, ``owner`` (e,) the counting
+    rank's (it breaks ties). True: +1."""
+    world = bits.shape[0]
+    ones = bits.sum(0, dtype=torch.int32)
+    margin = 2 * ones - world
+    return torch.where(margin == 0, owner, margin > 0)
+
+
+def majority_vote(grads: list[Tensor] | Tensor) -> Tensor:
+    """The one-process reference of the hook's vote on one bucket's voted elements: ``grads`` holds
+    W ranks' flat gradients (equal lengths n; a (W, n) tensor or a list). Returns the vote as
+    float32 +-1 (n,), with the hook's padding, chunks and tie-break by each chunk's owner."""
+    stacked = grads if isinstance(grads, Tensor) else torch.stack([g.reshape(-1) for g in grads])
+    world, n = stacked.shape
+    e, _ = chunk_layout(n, world)
+    bits = torch.zeros(world, e * world, dtype=torch.bool, device=stacked.device)
+    bits[:, :n] = sign_bits(stacked)
+    votes = torch.cat([vote_chunk(bits[:, r * e:(r + 1) * e], bits[r, r * e:(r + 1) * e]) for r in range(world)])
+    return votes[:n].float() * 2 - 1
+
+
+def ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: a reduce-scatter and an all-gather,
+    each (W-1) chunks of nbytes / W."""
+    return 0 if world < 2 else 2 * (world - 1) * nbytes // world
+
+
+# ---- the hook -------------------------------------------------------------------------------------
+@dataclass
+class CommStats:
+    """What one rank sent in one step (bytes, by the collectives' algorithms) and what it voted."""
+    exact_bytes: int = 0  # the all-reduce of exact tensors
+    vote_bytes: int = 0  # the two phases of packed signs (padding included)
+    norm_bytes: int = 0  # the scalar all-reduce of the state-free norm bound
+    exact_elements: int = 0
+    voted_elements: int = 0
+    buckets: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.exact_bytes + self.vote_bytes + self.norm_bytes
+
+
+@dataclass
+class _Record:
+    step: int
+    voted: frozenset  # ids of the voted parameters
+    stats: CommStats = field(default_factory=CommStats)
+    free_sq: Tensor | None = None  # this rank's squared local norm of its voted gradients
+    bound: Tensor | None = None  # the all-reduced bound B (after the last bucket)
+    params: list = field(default_factory=list)  # every parameter whose gradient passed the hook
+    layout: list = field(default_factory=list)  # per bucket, its voted parameters in order (what was voted on)
+
+
+class VoteHook:
+    """DDP communication hook: exact all-reduce of the exact tensors, majority vote of the voted
+    ones (module docstring). ``attach_vote`` builds and registers it."""
+
+    def __init__(self, optimizer, process_group=None):
+        import torch.distributed as dist
+
+        from . import unwrap
+        from .optimizer import FRUGAL
+
+        self.optimizer = unwrap(optimizer)
+        if not isinstance(self.optimizer, FRUGAL):
+            raise TypeError(f"the state-free vote needs an optimizer built on FRUGAL (it asks for each tensor's "
+                            f"role); got {type(self.optimizer).__name__}")
+        if getattr(self.optimizer, "_in_backward", None) is not None:
+            raise ValueError("the state-free vote cannot run with the step inside backward: each tensor is "
+                             "stepped before DDP reduces its gradient")
+        self.dist = dist
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self._record: _Record | None = None  # the iteration in flight, then the one the next step checks
+        self._pending: list = []
+        self.last: CommStats | None = None  # the last completed iteration's counts
+        self.last_layout: list = []  # its buckets' voted parameters, in order (majority_vote's input)
+        self._handle = self.optimizer.register_step_pre_hook(self._check_step)
+
+    # ---- roles ---------------------------------------------------------------------------------
+    def voted_params(self) -> frozenset:
+        """Ids of the parameters voted in the optimizer's next step."""
+        return frozenset(id(t.param) for t in self.optimizer.next_roles()
+                         if t.role == FREE and t.group["state_free"] in VOTED_RULES)
+
+    def _check_step(self, optimizer, args, kwargs) -> None:
+        record, self._record = self._record, None
+        if self._pending:
+            raise RoleMismatchError("optimizer.step() before the communication hook finished its buckets")
+        now = self.voted_params()
+        if record is None:
+            if any(t.param.grad is not None for t in optimizer.next_roles() if id(t.param) in now):
+                raise RoleMismatchError("the state-free vote: this step's gradients did not pass the DDP "
+                                        "communication hook (a backward under no_sync, or a second step)")
+            return
+        if record.step != optimizer.step_count or record.voted != now:
+            raise RoleMismatchError(f"the state-free vote: the hook voted for step {record.step + 1} with "
+                                    f"{len(record.voted)} voted tensors, but the optimizer is about to take step "
+                                    f"{optimizer.step_count + 1} with {len(now)} (the roles changed between "
+                                    f"backward and step: a load_state_dict, add_param_group or a skipped step); "
+                                    f"the update would apply votes to state-full tensors or the reverse")
+
+    def remove(self) -> None:
+        """Detach the optimizer's check (the DDP hook itself cannot be unregistered)."""
+        self._handle.remove()
+
+    # ---- per bucket ----------------------------------------------------------------------------
+    def hook(self, state, bucket):
+        """DDP's communication hook (``register_comm_hook(None, vote.hook)``): a future of the bucket."""
+        fut = torch.futures.Future()
+        try:
+            if not self._pending:  # the first bucket of an iteration
+                self._record = _Record(self.optimizer.step_count, self.voted_params())
+            self._pending.append((self._launch(bucket), fut))
+            if bucket.is_last():
+                self._finish()
+        except Exception as err:  # every bucket's future fails, so DDP raises instead of waiting
+            for _, f in self._pending:
+                if not f.done():
+                    f.set_exception(err)
+            self._pending = []
+            if not fut.done():
+                fut.set_exception(err)
+        return fut
+
+    def _launch(self, bucket) -> dict:
+        """Start the bucket's exact all-reduce and its all-to-all of packed signs (asynchronous)."""
+        dist, record, world = self.dist, self._record, self.world
+        buffer, params, grads = bucket.buffer(), bucket.parameters(), bucket.gradients()
+        record.params.extend(params)
+        record.stats.buckets += 1
+        voted = [id(p) in record.voted for p in params]
+        record.layout.append([p for p, v in zip(params, voted) if v])
+        entry = {"buffer": buffer}
+        exact = [g for g, v in zip(grads, voted) if not v]
+        free = [g for g, v in zip(grads, voted) if v]
+        if exact:
+            # DDP's own reduction: scaled by 1/W (a multiplication, as its reducer does), then summed
+            flat = buffer if not free else torch.cat([g.reshape(-1) for g in exact])
+            flat.mul_(1.0 / world)
+            entry["exact"] = (exact, flat, dist.all_reduce(flat, group=self.group, async_op=True))
+            record.stats.exact_bytes += ring_bytes(flat.numel() * flat.element_size(), world)
+            record.stats.exact_elements += flat.numel()
+        if free:
+            n = sum(g.numel() for g in free)
+            e, c = chunk_layout(n, world)
+            bits = torch.zeros(e * world, dtype=torch.bool, device=buffer.device)
+            sq = torch.zeros((), dtype=torch.float64, device=buffer.device)
+            offset = 0
+            for g in free:
+                k = g.numel()
+                torch.gt(g.reshape(-1), 0, out=bits[offset:offset + k])
+                sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+                offset += k
+            record.free_sq = sq if record.free_sq is None else record.free_sq + sq
+            packed = pack_bits(bits)
+            received = torch.empty_like(packed)
+            work = dist.all_to_all_single(received, packed, group=self.group, async_op=True)
+            entry["free"] = (free, n, e, c, bits[self.rank * e:(self.rank + 1) * e], received, work)
+            record.stats.vote_bytes += 2 * (world - 1) * c  # this all-to-all and the all-gather
+            record.stats.voted_elements += n
+        return entry
+
+    def _finish(self) -> None:
+        """After the last bucket: every bucket's vote (in bucket order, the same on every rank), the
+        norm bound, and the futures DDP waits for."""
+        dist, record = self.dist, self._record
+        for entry, fut in self._pending:
+            if "free" in entry:
+                free, n, e, c, own, received, work = entry["free"]
+                work.wait()
+                votes = pack_bits(vote_chunk(unpack_bits(received).reshape(self.world, e), own))
+                gathered = torch.empty(c * self.world, dtype=torch.uint8, device=votes.device)
+                _all_gather(gathered, votes, self.group)
+                signs = unpack_bits(gathered, n)
+                offset = 0
+                for g in free:
+                    k = g.numel()
+                    g.copy_(signs[offset:offset + k].reshape(g.shape).to(g.dtype) * 2 - 1)
+                    offset += k
+        if record.free_sq is not None:  # B: the ranks' mean local norm of the voted gradients
+            bound = record.free_sq.sqrt().reshape(1)
+            dist.all_reduce(bound, group=self.group)
+            record.bound = (bound / self.world).reshape(())
+            record.stats.norm_bytes += ring_bytes(bound.element_size(), self.world)
+        for entry, fut in self._pending:
+            if "exact" in entry:
+                exact, flat, work = entry["exact"]
+                work.wait()
+                if flat is not entry["buffer"]:
+                    offset = 0
+                    for g in exact:
+                        g.copy_(flat[offset:offset + g.numel()].reshape(g.shape))
+                        offset += g.numel()
+            fut.set_result(entry["buffer"])
+        self._pending = []
+        self.last, self.last_layout = record.stats, record.layout
+
+    # ---- the norm ------------------------------------------------------------------------------
+    def grad_norm(self, params) -> Tensor:
+        """The norm the state-full update is clipped with (module docstring): exact tensors' norm
+        combined with the bound B of the voted ones; identical on every rank. Votes are not read."""
+        record = self._record
+        voted = record.voted if record is not None else frozenset()
+        exact = [p.grad for p in params if p.grad is not None and id(p) not in voted]
+        parts = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in exact]
+        if record is not None and record.bound is not None:
+            parts.append(record.bound.to(torch.float32))
+        if not parts:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([p.to(parts[0].device) for p in parts]))
+
+    def clip_grad_norm_(self, params, max_norm: float | None) -> Tensor:
+        """``grad_norm``, and the exact tensors clipped to ``max_norm`` with it (when set)."""
+        params = list(params)
+        norm = self.grad_norm(params)
+        if max_norm:
+            record = self._record
+            voted = record.voted if record is not None else frozenset()
+            exact = [p for p in params if p.grad is not None and id(p) not in voted]
+            torch.nn.utils.clip_grads_with_norm_(exact, max_norm, norm, foreach=True)
+        return norm
+
+
+def _all_gather(out: Tensor, chunk: Tensor, group) -> None:
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, chunk, group=group)
+
+
+def attach_vote(ddp_model, optimizer, process_group=None) -> VoteHook | None:
+    """Register the state-free vote on a DistributedDataParallel model; return the hook (None on one
+    process: nothing to communicate, nothing changes). Call before the first backward."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return None
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"the state-free vote is a DDP communication hook; got {type(ddp_model).__name__} "
+                        f"(FSDP2's reduce-scatter has no such hook)")
+    hook = VoteHook(optimizer, process_group)
+    ddp_model.register_comm_hook(None, hook.hook)
+    return hook
+
+
+def count_allreduce_hook(stats: list):
+    """A DDP hook that reduces as DDP's built-in reduction does (x 1/W, summed) and appends each
+    bucket's ring bytes to ``stats``: the ``exact`` mode's counter for measurements."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        world = dist.get_world_size()
+        buffer.mul_(1.0 / world)
+        stats.append(ring_bytes(buffer.numel() * buffer.element_size(), world))
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    return hook
+
+
+def payload_ratio(full_elements: int, free_elements: int, element_size: int = 4) -> float:
+    """Bytes of ``vote`` over bytes of ``exact`` for one step by the ring model, padding ignored:
+    the state-full share plus 1/(8 element_size) of the state-free share (both exchanges cost the
+    same factor 2 (W-1)/W)."""
+    total = full_elements + free_elements
+    return (full_elements + free_elements / (8 * element_size)) / total if total else math.nan

@@ -1,0 +1,135 @@
+"""The state-free part as a one-bit majority vote (frugal.comm): packing, the one-process reference
+vote (odd sizes, zeros, ties, padding), and at 2 and 3 ranks (torchrun, gloo) the DDP hook against
+DDP's own reduction and the reference: exact tensors, votes, the norm, the role check, replicas."""
+import json
+import sys
+
+import pytest
+import torch
+
+from frugal import comm
+from _train_helpers import failure, run_cli
+
+
+def naive_vote(grads: torch.Tensor) -> torch.Tensor:
+    """The definition element by element: signs +1 (> 0) / -1 (else), majority, a tie takes the sign
+    sent by the element's owner (rank r owns elements [r e, (r + 1) e) with e from chunk_layout)."""
+    world, n = grads.shape
+    e, _ = comm.chunk_layout(n, world)
+    out = torch.empty(n)
+    for j in range(n):
+        signs = [1 if float(grads[r, j]) > 0 else -1 for r in range(world)]
+        total = sum(signs)
+        out[j] = signs[j // e] if total == 0 else (1 if total > 0 else -1)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 64, 65, 1001])
+def test_pack_unpack_round_trip(n):
+    g = torch.Generator().manual_seed(n)
+    bits = torch.rand(-(-n // 8) * 8, generator=g) > 0.5
+    packed = comm.pack_bits(bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == bits.numel() // 8
+    assert torch.equal(comm.unpack_bits(packed), bits)
+    assert torch.equal(comm.unpack_bits(packed, n), bits[:n])
+    # the first element is the highest bit of the first byte
+    one = torch.zeros(8, dtype=torch.bool)
+    one[0] = True
+    assert comm.pack_bits(one).tolist() == [128]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        comm.pack_bits(torch.ones(9, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("world,n", [(2, 1), (2, 13), (3, 17), (3, 1000), (4, 31), (5, 7), (8, 129), (16, 40)])
+def test_vote_matches_the_definition(world, n):
+    g = torch.Generator().manual_seed(world * 1000 + n)
+    grads = torch.randn(world, n, generator=g)
+    grads[:, : n // 4] = 0.0  # zeros on every rank: -1 from each, a vote of -1
+    grads[0, n // 4: n // 3] = 0.0  # zeros on one rank
+    grads[:, -1] = torch.tensor([(-1.0) ** r for r in range(world)])  # alternating signs: a tie at even W
+    votes = comm.majority_vote(grads)
+    assert votes.shape == (n,) and set(votes.unique().tolist()) <= {-1.0, 1.0}
+    assert torch.equal(votes, naive_vote(grads))
+    assert torch.equal(comm.majority_vote(list(grads)), votes)
+    if n >= 4:
+        assert (votes[: n // 4] == -1).all()
+
+
+def test_ties_go_to_the_owner_and_padding_is_ignored():
+    # 2 ranks, 20 elements: chunks of 16 (padded to 32); rank 0 owns 0-15, rank 1 owns 16-19
+    a = torch.ones(20)
+    b = -torch.ones(20)
+    votes = comm.majority_vote(torch.stack([a, b]))
+    assert votes[:16].eq(1).all() and votes[16:].eq(-1).all()
+    assert comm.chunk_layout(20, 2) == (16, 2)
+    assert comm.chunk_layout(1, 8) == (8, 1)
+    assert comm.chunk_layout(65, 4) == (24, 3)
+
+
+def test_bytes_of_the_two_phases_stay_under_two_bits_per_element():
+    for world in (2, 3, 4, 8, 32):
+        for n in (1000, 12345, 10**6):
+            e, c = comm.chunk_layout(n, world)
+            sent = 2 * (world - 1) * c
+            assert sent * 8 <= 2 * n + 2 * (world - 1) * 8 * 8  # 2 bits per element, plus padding
+            assert e * world >= n
+    assert comm.ring_bytes(1000, 1) == 0 and comm.ring_bytes(1000, 2) == 1000 and comm.ring_bytes(900, 3) == 1200
+    assert comm.payload_ratio(1, 3) == pytest.approx((1 + 3 / 32) / 4)
+
+
+def test_one_process_is_a_no_op():
+    model = torch.nn.Linear(4, 4)
+    from frugal import FRUGAL
+
+    opt = FRUGAL([{"params": list(model.parameters())}], lr=1e-3)
+    assert comm.attach_vote(model, opt) is None  # no process group: nothing to communicate
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"comm{request.param}")
+    proc = run_cli([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={request.param}", "tests/_comm_worker.py", str(out)])
+    assert proc.returncode == 0, failure(proc)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(request.param)]
+
+
+@pytest.mark.slow
+def test_hook_votes_as_the_reference_and_keeps_exact_tensors(ranks):
+    world = ranks[0]["world"]
+    for result in ranks:
+        steps = result["steps"]
+        assert len(steps) == 5
+        assert len({tuple(s["voted"]) for s in steps}) >= 2  # a window switch changed the voted tensors
+        assert any(s["buckets"] > 1 for s in steps)  # several buckets, mixed ones among them
+        for s in steps:
+            assert s["vote_equal"], s
+            assert s["zeros"] > 0
+            if world == 2:
+                assert s["ties"] > 0  # at 2 ranks every disagreement is a tie
+                assert s["exact_equal"], s  # DDP's reduction, bit for bit (a + b = b + a)
+            # bytes: voted elements in under 2 bits each (plus padding), exact ones as a ring all-reduce
+            padding = 2 * (world - 1) * 64 * s["buckets"]
+            assert s["stats"]["vote_bytes"] * 8 <= 2 * s["stats"]["voted_elements"] + padding
+            assert s["stats"]["exact_bytes"] == pytest.approx(s["exact_bytes_if_one_buffer"], abs=8 * s["buckets"])
+    assert len({json.dumps(r["steps"]) for r in ranks}) == 1  # every rank saw and counted the same
+
+
+@pytest.mark.slow
+def test_norm_never_reads_the_votes(ranks):
+    for result in ranks:
+        for s in result["steps"]:
+            assert s["norm"] == pytest.approx(s["norm_expected"], rel=1e-6)
+            assert s["norm"] >= s["norm_exact_mode"] * (1 - 1e-6)  # B bounds the mean's norm
+            assert s["norm_with_votes"] > 10 * s["norm"]  # what reading the +-1 entries would give
+        # every rank has the same data: the norm is exact mode's
+        assert result["identical_norm"] == pytest.approx(result["identical_norm_exact"], rel=1e-6)
+        assert result["nan_norm"] != result["nan_norm"]  # NaN on one rank: NaN on every rank
+
+
+@pytest.mark.slow
+def test_roles_checked_and_replicas_in_sync(ranks):
+    for result in ranks:
+        assert result["in_sync"]
+        assert "roles changed between backward and step" in result["mismatch"]
+        assert "did not pass the DDP communication hook" in result["unsynced"]
