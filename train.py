@@ -70,14 +70,15 @@ from train_utils.naming import is_multirun, run_group
 from train_utils.validation import (AUTO, ConfigError, JobError, check_loop_settings,
                                     stop_with_error, validate_config)
 from train_utils.loop import (NonFiniteError, compile_model, enable_activation_checkpointing, evaluate,
-                              forward_backward, gather_events, grad_norm_, seed_dropout, seed_everything, step_totals,
-                              training_batches)
+                              forward_backward, gather_events, grad_norm_, norm_order, seed_dropout, seed_everything,
+                              step_totals, training_batches)
 from train_utils.measure import workers_needed
 from train_utils.hooks import OptimizerHooks
 from train_utils.metrics import METRICS_FILE, Console, MetricsFileError, MetricsLog
 from train_utils.run import Run, session
 from train_utils.signals import STOP
 from train_utils.slurm import requeue
+from train_utils import state_free_comm
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
@@ -120,6 +121,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         memory = check_memory(run)
         run.raw_model, run.loss_fn, run.model = build_model(run)
         run.optimizer, run.hooks, run.scheduler, run.in_backward = build_optimizer(run)
+        vote = state_free_comm.attach(run)  # train.state_free_comm=vote: the state-free part as a one-bit vote
+        if vote is not None:
+            run.hooks = state_free_comm.VoteHooks(run.hooks, vote)  # the training rows get its bytes per step
         run.dm.check_validation(tc.eval_tokens, tc.require_eval_tokens)  # empty (or, if required, short): stops here
 
         # ---- resume: weights, optimizer state, schedule, the data position, RNG states.
@@ -143,7 +147,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         in_backward = run.in_backward  # None, or the step inside backward: updates run as gradients complete
         watch = divergence.LossWatch(run.ckpt_root, is_main, cfg, plan["ckpt_dir"])  # spikes, last_good checkpoint
         train_iter = training_batches(dm)
-        params = [p for p in raw_model.parameters() if p.requires_grad]
+        params = norm_order(optimizer, raw_model)  # the global norm's order, as in the step inside backward
         set_to_none = distributed.zero_grad_sets_to_none(model)  # DDP: zeroed in place (its buckets)
         log = s.log = report.StepLog(run, step)  # rows, progress bar, progress lines; its clock starts here
         eval_dm = report.EvalProgress(dm, log.shown)
@@ -156,6 +160,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                                                   in_backward.accumulating if in_backward else None)
             if in_backward:  # clip-invariant tensors took the step already; the norm covers every gradient
                 norm = in_backward.compute_grad_norm()
+            elif vote is not None:  # the exact tensors' norm and a bound for the voted ones: never the votes
+                norm = vote.clip_grad_norm_(params, tc.grad_clip)
             else:
                 norm = grad_norm_(params, tc.grad_clip)  # identical on every rank after DDP's all-reduce
             data_events = dm.pop_events()  # e.g. one of this rank's readers wrapped around an epoch

@@ -32,7 +32,7 @@ Modules (tests/test_extending.py keeps this list whole):
 from .optimizer import FRUGAL
 from .grouping import param_groups, resolve_params
 from .hparams import HyperparameterError
-from .in_backward import NonFiniteGradientError, StepInBackward, step_in_backward
+from .in_backward import NonFiniteGradientError, StepInBackward, grad_norm, step_in_backward
 from .registry import OPTIMIZERS, build_optimizer
 from .memory import estimate_state_bytes, state_bytes
 from .schedules import build_scheduler
@@ -69,6 +69,7 @@ __all__ = [
     "HyperparameterError",
     "NonFiniteGradientError",
     "StepInBackward",
+    "grad_norm",
     "step_in_backward",
     "OPTIMIZERS",
     "build_optimizer",

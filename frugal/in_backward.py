@@ -11,44 +11,25 @@ complete, and the gradients are freed there, so the full set of gradients is nev
         model(**batch[-1]).loss.backward()  # updates run here; the gradients are freed here
         optimizer.step()                    # the deferred tensors (clipping), the step count
         scheduler.step()
-        print(float(stepper.grad_norm))     # the global norm before clipping, as clip_grad_norm_'s
+        print(float(stepper.grad_norm))     # the global norm before clipping (frugal.grad_norm's)
     stepper.remove()                        # back to the ordinary step
 
-What runs when (``StepInBackward``):
+What runs when (``StepInBackward``; docs/in_backward.md has the guarantees and the refusals):
 
-- **A block at a time.** A gradient that can be applied at once waits only for the rest of its block
-  (a layer's weights and norms): the block's tensors then take one call of the optimizer's
-  phases, with its multi-tensor kernels, instead of one call each; the block that completes last is
-  applied when backward ends (an autograd engine callback). So at most one block's gradients are
-  held besides those that wait for the clipping norm.
-- **Selection at the step boundary.** Each tensor's role in the step (state-full, state-free or
-  split: phase 1 of ``FRUGAL.step``) is fixed once per step, before the first tensor of that step
-  is updated, with the window of the step's count; nothing about the subspace changes between two
-  tensors of one backward.
-- **Exact global clipping** (``max_norm``). A clipped gradient is ``c * g`` with ``c = max_norm /
-  (norm + 1e-6)`` capped at 1 (``torch.nn.utils.clip_grads_with_norm_``), and ``c`` is known only
-  once every gradient is. Rules whose update does not change when ``g`` is scaled
-  (``StateFreeRule.scale_invariant``: signSGD, since sign(c g) = sign(g); ``none``) run at once;
-  the others (state-full tensors, split tensors, an SGD state-free rule) keep their gradient until
-  ``optimizer.step()``, which clips and applies them: their gradients are the memory the waiting
-  costs (``deferred_bytes``). Without ``max_norm`` nothing waits. (One difference from clipping
-  first: a subnormal gradient entry that ``c`` would round to zero keeps its sign here.)
-- **Equal to the ordinary step.** Every tensor takes the same phases 2-5 as in ``FRUGAL.step``
-  (``FRUGAL._apply``), with the step's learning rate (the scheduler steps after ``optimizer.step()``),
-  so the weights equal ``backward(); clip_grad_norm_(); step()`` up to float rounding; one optimizer,
-  one ``state_dict`` and one LR scheduler as before.
-- **A bad gradient never half-applies silently.** Each block's gradients are checked before they
-  are applied (their norms, one host sync per block); from the block holding the first
-  non-finite one on, no tensor of the step is updated and ``optimizer.step()`` raises
-  ``NonFiniteGradientError``, which says how many tensors had already taken the step (their weights
-  are then one step ahead of the others).
-- **Gradient accumulation** is exact: inside ``accumulating()`` the hooks do nothing, the
-  gradients add up as usual, and the last micro-batch's backward steps on the sums (the memory
-  saving then holds for that backward only: the accumulated gradients are full-size).
-- **Data parallelism.** FSDP2 calls the hooks of its sharded parameters after the reduce-scatter,
-  so each rank updates its shard from the reduced gradient, and the norm's partial sums are
-  all-reduced once in ``optimizer.step()``. DDP's hooks fire before its all-reduce: do not combine
-  it with this (train.py refuses it).
+- **A block at a time.** A gradient that can be applied at once waits only for the rest of its block;
+  the block's tensors then take one call of the optimizer's phases (``FRUGAL._apply``, the ordinary
+  step's), and the block that completes last is applied when backward ends (an autograd engine
+  callback). Each tensor's role is fixed once per step, before its first update.
+- **Exact global clipping** (``max_norm``). Rules whose update ignores the gradient's scale
+  (``scale_invariant``: signSGD, ``none``) run at once; the others keep their gradient until
+  ``optimizer.step()``, which clips them with the global norm (``grad_norm``: one formula for both
+  schedules) and applies them.
+- **A non-finite gradient** is found with the next block's check (one host sync per block, the
+  tensors that wait included): from the block applied after it on, nothing of the step is applied,
+  and ``optimizer.step()`` raises ``NonFiniteGradientError`` naming the tensor and what had moved.
+- **Accumulation** (``accumulating()``) is exact: a tensor the last backward does not reach is
+  applied (and counted in the norm) by ``optimizer.step()``.
+- **Abandoning a step** after an error inside backward: ``abort()`` (``optimizer.zero_grad()`` calls it).
 """
 from __future__ import annotations
 
@@ -62,6 +43,31 @@ from .optimizer import _BATCH_TENSORS as BATCH
 from .rules import STATE_FREE
 from .sharding import is_dtensor, local
 from .windows import FREE
+
+
+def tensor_norms(grads: list[Tensor]) -> list[Tensor]:
+    """Each gradient's 2-norm in float32 (an FSDP2 shard: its local part), whatever its dtype."""
+    return list(torch._foreach_norm([local(g) for g in grads], 2.0, dtype=torch.float32))
+
+
+def total_norm(norms: list[Tensor], sharded: bool = False) -> Tensor:
+    """The norm of per-tensor norms (float32); ``sharded``: of every rank's parts (one all-reduce)."""
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if sharded:
+        import torch.distributed as dist
+
+        total = total.square()
+        dist.all_reduce(total)
+        total = total.sqrt()
+    return total
+
+
+def grad_norm(params) -> Tensor:
+    """The global gradient norm of ``params`` (in this order), the one formula of both schedules:
+    float32 per-tensor norms, then their float32 norm (all-reduced over FSDP2 shards). Over bf16
+    gradients it does not round to bf16 as ``torch.nn.utils.get_total_norm`` does. No host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return total_norm(tensor_norms(grads), any(is_dtensor(g) for g in grads))
 
 
 def waiting_numel(optimizer, clipping: bool = True) -> int:
@@ -82,14 +88,29 @@ def _waits_for_norm(slot) -> bool:
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A non-finite gradient (or norm) reached the step inside backward; the message says which
-    tensors had already taken the step."""
+    """A non-finite gradient (or norm) reached the step inside backward; the message names the first
+    bad tensor and says which tensors had already taken the step."""
 
 
 def step_in_backward(optimizer, max_norm: float | None = None, model=None) -> "StepInBackward":
     """Attach ``StepInBackward`` to a ``frugal.FRUGAL`` optimizer (module docstring) and return it;
-    ``model`` (optional) names the tensors in its messages."""
+    ``model`` (optional) names the tensors in its messages, and a DDP-wrapped one is refused."""
     return StepInBackward(optimizer, max_norm, model)
+
+
+def _refuse_reduction_after_hooks(model, params: list[Tensor]) -> None:
+    """DDP (and any all-reduce after backward) reduces gradients after the hooks have used them."""
+    import torch.distributed as dist
+
+    why = ("its all-reduce runs after the gradient hooks, so each rank would step from its own gradient; valid "
+           "choices: FSDP2 (torch.distributed.fsdp.fully_shard, whose hooks see the reduced shards), one process, "
+           "or the ordinary step")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(f"the step inside backward cannot drive a DDP-wrapped model: {why}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            and not all(is_dtensor(p) for p in params):
+        raise ValueError(f"the step inside backward over {dist.get_world_size()} processes needs FSDP2-sharded "
+                         f"parameters (got plain tensors: DDP, or an all-reduce after backward): {why}")
 
 
 class StepInBackward:
@@ -105,12 +126,20 @@ class StepInBackward:
             raise ValueError("this optimizer already steps inside backward; call .remove() on the first one")
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm={max_norm!r}: valid choices are None (no clipping) or a number > 0")
+        growth = max(g.get("update_gap_growth", 1.0) for g in optimizer.param_groups)
+        if growth > 1.0:  # its clock reads the step's loss (observe_loss) before the window is chosen
+            raise ValueError(f"update_gap_growth={growth!r}: the plateau-grown update gap chooses a step's window from "
+                             f"that step's loss, which is known only after the backward in which the step inside "
+                             f"backward must already choose it; valid choices: update_gap_growth=1.0, or the ordinary "
+                             f"step")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        _refuse_reduction_after_hooks(model, params)
         self.optimizer, self.max_norm = optimizer, max_norm
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._position = {id(p): i for i, p in enumerate(params)}  # the norm's order: grad_norm(params)'s
         self.grad_norm: Tensor | None = None  # the last step's global norm (before clipping)
         self._skip = False
         self._reset()
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         optimizer._in_backward = self
 
@@ -131,10 +160,18 @@ class StepInBackward:
         finally:
             self._skip = False
 
+    def abort(self) -> None:
+        """Abandon the current step (after an exception inside backward, say an out-of-memory error):
+        free the gradients it holds and forget it; the step is not counted. The tensors it had already
+        updated (``applied``) keep their update. ``optimizer.zero_grad()`` calls this."""
+        for slot in (self._slots or {}).values():
+            slot.param.grad = None
+        self._reset()
+
     @property
     def applied(self) -> int:
         """Tensors that took the current step's update so far."""
-        return self._applied
+        return len(self._applied)
 
     @property
     def deferred_bytes(self) -> int:
@@ -142,17 +179,18 @@ class StepInBackward:
         return sum(local(p.grad).nbytes for p in self._deferred if p.grad is not None)
 
     def _reset(self) -> None:
-        self._slots = None  # param -> windows.Slot of this step, fixed before its first update
+        self._slots = None  # id(param) -> windows.Slot of this step, fixed before its first update
         self._deferred: list[Tensor] = []
         self._seen: set[int] = set()  # parameters whose gradient this step has already taken
-        self._norms: list[Tensor] = []  # each gradient's norm (this rank's part of it, sharded)
+        self._norms: dict[int, Tensor] = {}  # position in the optimizer -> the gradient's norm (this rank's part)
+        self._unchecked: list[tuple] = []  # (slot, norm) taken since the last finiteness check, in order
         self._sharded = False
-        self._applied = 0
+        self._applied: list = []  # the slots that took the step's update so far
         self._bad: str | None = None  # the first non-finite gradient of the step
         self._norm: Tensor | None = None
-        self._ready: list[tuple] = []  # (slot, gradient norm): gradients of one block, applied together
+        self._ready: list = []  # slots of one block, applied together
         self._ready_block = None  # the block of the ready gradients (tensors outside blocks join any)
-        self._flush_queued = False
+        self._in_pass = False  # a backward of this step has begun and its end callback has not run
 
     def _begin(self) -> None:
         opt = self.optimizer
@@ -171,13 +209,20 @@ class StepInBackward:
         if slot is None:  # a parameter the optimizer does not hold
             return
         if id(param) in self._seen:
-            raise RuntimeError(f"a second backward reached {self._name(param, slot)} before optimizer.step(): call "
-                               f"optimizer.step() after each step's last backward, and run the backward passes of "
-                               f"the other micro-batches inside stepper.accumulating()")
+            raise RuntimeError(self._second_backward(param, slot))
+        if not self._in_pass:  # the block that completes last is applied when backward ends
+            self._in_pass = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._take(slot)
+
+    def _take(self, slot) -> None:
+        """Count one complete gradient in the norm; apply it with its block, or keep it for the norm."""
+        param = slot.param
         self._seen.add(id(param))
         self._sharded |= is_dtensor(param.grad)
-        norm = torch.linalg.vector_norm(local(param.grad))
-        self._norms.append(norm)  # the global norm is taken as get_total_norm takes it: the same rounding
+        norm = tensor_norms([param.grad])[0]
+        self._norms[self._position[id(param)]] = norm
+        self._unchecked.append((slot, norm))
         if self._waits(slot):
             self._deferred.append(param)
             return
@@ -186,33 +231,45 @@ class StepInBackward:
         if self._ready and (slot.block not in (None, self._ready_block)
                             or (self._ready_block is None and len(self._ready) == BATCH)):
             self._flush()
-        self._ready.append((slot, norm))
+        self._ready.append(slot)
         self._ready_block = slot.block if slot.block is not None else self._ready_block
-        if not self._flush_queued:  # the block that completes last is applied when backward ends
-            self._flush_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _second_backward(self, param: Tensor, slot) -> str:
+        name, moved = self._name(param, slot), f"{self.applied} tensors had taken the step"
+        if self._in_pass:
+            return (f"a backward reached {name} again while an earlier backward of this step had not finished (it "
+                    f"stopped with an error after {moved}): call stepper.abort() or optimizer.zero_grad() to abandon "
+                    f"that step first")
+        return (f"a second backward reached {name} before optimizer.step() ({moved}): call optimizer.step() after "
+                f"each step's last backward, and run the backward passes of the other micro-batches inside "
+                f"stepper.accumulating()")
 
     def _end_of_backward(self) -> None:
-        self._flush_queued = False
+        self._in_pass = False
         with torch.no_grad():
             self._flush()
 
+    def _check(self) -> None:
+        """One finiteness check (one host sync) of every gradient taken since the last one."""
+        unchecked, self._unchecked = self._unchecked, []
+        if self._bad is None and unchecked:
+            finite = torch.isfinite(torch.stack([norm for _, norm in unchecked])).tolist()
+            if not all(finite):
+                slot = unchecked[finite.index(False)][0]
+                self._bad = self._name(slot.param, slot)
+
     def _flush(self) -> None:
         """Apply the ready gradients (one block's) in one call of the optimizer's phases, after one
-        finiteness check of all of them; free them."""
+        finiteness check of them and of the waiting ones taken before them; free them."""
         ready, self._ready, self._ready_block = self._ready, [], None
         if not ready:
             return
-        if self._bad is None:
-            finite = torch.isfinite(torch.stack([norm for _, norm in ready])).tolist()  # one host sync
-            if not all(finite):
-                slot = ready[finite.index(False)][0]
-                self._bad = self._name(slot.param, slot)
+        self._check()
         if self._bad is None:
             opt = self.optimizer
-            opt._apply([opt._work(slot) for slot, _ in ready], opt.step_count)
-            self._applied += len(ready)
-        for slot, _ in ready:
+            opt._apply([opt._work(slot) for slot in ready], opt.step_count)
+            self._applied += ready
+        for slot in ready:
             slot.param.grad = None
 
     def _name(self, param: Tensor, slot) -> str:
@@ -220,39 +277,57 @@ class StepInBackward:
         return f"{name} (shape {tuple(param.shape)})"
 
     def compute_grad_norm(self) -> Tensor:
-        """The step's global gradient norm (a tensor, no host sync; sharded: one all-reduce). Call it
-        after the last backward of the step; ``optimizer.step()`` calls it if you did not."""
+        """The step's global gradient norm, ``grad_norm(params)``'s formula and order (a tensor, no host
+        sync; sharded: one all-reduce). Call it after the last backward of the step (it takes the
+        gradients accumulated for tensors that backward did not reach); ``optimizer.step()`` calls it."""
         if self._norm is None:
-            norms = self._norms or [torch.zeros(())]
-            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))  # as get_total_norm (fp32)
-            if self._sharded:  # the ranks' parts: the norm of all of them
-                import torch.distributed as dist
-
-                total = total.float().square()
-                dist.all_reduce(total)
-                total = total.sqrt()
-            self._norm = total
+            self._take_the_rest()
+            self._norm = total_norm([self._norms[i] for i in sorted(self._norms)], self._sharded)
         return self._norm
+
+    def _take_the_rest(self) -> None:
+        """Gradients accumulated in earlier micro-batches for tensors the last backward did not reach."""
+        if self._slots is None:  # no gradient this step (or only parameters it does not hold)
+            self._begin()
+        for slot in self._slots.values():
+            if id(slot.param) not in self._seen and slot.param.grad is not None and slot.param.requires_grad:
+                self._take(slot)
+        with torch.no_grad():
+            self._flush()  # also what backward ran outside the autograd engine's callbacks
+
+    def _moved(self) -> str:
+        if not self._applied:
+            return "no tensor had taken it (the weights are those before the step)"
+        names = [self._name(s.param, s) for s in self._applied]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"{len(names)} of the step's tensors had already taken it, those applied before it in backward "
+                f"({shown}; their weights are one step ahead of the others)")
 
     def finish(self) -> None:
         """``optimizer.step()``: apply the deferred tensors (clipped) and count the step."""
         opt, step = self.optimizer, self.optimizer.step_count
-        if self._slots is None:  # no gradient this step (or only parameters it does not hold)
-            self._begin()
-        self._flush()  # in case backward ran outside the autograd engine's callbacks
+        if self._in_pass and self._slots is not None:
+            raise RuntimeError(f"optimizer.step() after a backward that did not finish (it stopped with an error after "
+                               f"{self.applied} tensors had taken the step): call stepper.abort() or "
+                               f"optimizer.zero_grad() to abandon the step")
         norm = self.compute_grad_norm()
-        deferred, bad, applied = self._deferred, self._bad, self._applied
-        if bad is None and not bool(torch.isfinite(norm)):
-            bad = "the global gradient norm"
+        written = [self._name(s.param, s) for s in self._applied if s.param.grad is not None]
+        if written:
+            self.abort()
+            raise RuntimeError(f"gradients were written after the step inside backward had applied them ({written[0]}"
+                               f" and {len(written) - 1} more): something reduces or accumulates gradients after the "
+                               f"hooks (DDP?); valid choices: FSDP2, one process, or the ordinary step")
+        if self._bad is None and not bool(torch.isfinite(norm)):  # the step's one host sync here
+            self._check()  # the tensors taken since the last block's check: which one
+        bad = self._bad or (None if bool(torch.isfinite(norm)) else
+                            "the global gradient norm (every gradient is finite: their norm overflows)")
         self.grad_norm = norm
         if bad is not None:
-            for p in deferred:
-                p.grad = None
-            self._reset()
-            moved = (f"{applied} of the step's tensors had already taken it (their weights are one step ahead of the "
-                     f"others)" if applied else "no tensor had taken it (the weights are those before the step)")
+            moved = self._moved()
+            self.abort()
             raise NonFiniteGradientError(f"non-finite gradient in step {step + 1}: {bad}; the step stopped there: "
                                          f"{moved}")
+        deferred = self._deferred
         if deferred:
             if self.max_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(deferred, self.max_norm, norm, foreach=True)

@@ -64,7 +64,7 @@ from . import density, grouping, state_management, state_precision
 from .adaptive import check_shared
 from .hparams import HyperparameterError, check_group, resolve_momentum, validate
 from .reference import update_tensor
-from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
+from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext, keywords, option_defaults
 from .sharding import local, shard_key
 from .windows import FREE, FULL, SPLIT, Layout, Window
 
@@ -100,7 +100,7 @@ class FullKey(NamedTuple):
     momentum: float
     device: torch.device
     dtype: torch.dtype
-    options: tuple = ()  # the values of the rule's own group keys (StateFullRule.options)
+    options: tuple = ()  # the rule's keywords (rules.keywords): (key, value) pairs
 
 
 class FreeKey(NamedTuple):
@@ -108,7 +108,7 @@ class FreeKey(NamedTuple):
     rule: str
     lr: float
     decay: float
-    sign_update: str
+    options: tuple  # the rule's own options: (key, value) pairs
     device: torch.device
     dtype: torch.dtype
 
@@ -148,8 +148,9 @@ class FRUGAL(Optimizer):
             round(:math:`\rho\min(m, n)`) on the smaller side.
         update_gap: T, the steps of one subspace window.
         projection: block, column, row, randk, randperm, svd, random, power.
-        state_full: adamw, adamw_hf (Hugging Face's form), lion, sgdm, adafactor_momentum, muon.
-        state_free: signsgd, sgd, none (BAdam / GaLore), fira, one_sided_adafactor.
+        state_full, state_free: a registered rule (``rules.STATE_FULL``, ``rules.STATE_FREE``): the
+            paper's adamw, lion, sgdm and signsgd, sgd, none (BAdam / GaLore), and those of the modules
+            that register their own (``frugal.describe``'s docs; docs/library.md, "Writing a rule").
         state_free_lr_scale, projectable_lr_scale: :math:`\gamma` and :math:`\kappa`.
         reset_state: the state after a change of subspace: reset (the main text: a block that
             stays state-full keeps its state, density 1 is AdamW), reset_all (the appendix
@@ -169,12 +170,13 @@ class FRUGAL(Optimizer):
             ``badam`` package's blocks as the authors' code makes them for BAdam).
         momentum: sgdm's and muon's; None (the default) takes the rule's own: 0.9 for sgdm (the
             paper's), 0.95 for muon (torch's). seed: the subspace draws.
-        nesterov, ns_steps, ns_coefficients, adjust_lr_fn: ``state_full="muon"``'s, beyond the
-            paper: torch.optim.Muon's keys (with ``momentum`` and ``eps``), on block, column and row
-            projections (``frugal.muon``).
+        **options: the registered rules' own hyperparameters (``StateFullRule.options``,
+            ``StateFreeRule.options``), each rule's defaults where not given: signsgd's ``sign_update``
+            (auto, compiled, eager: ``frugal.kernels``), muon's ``nesterov``, ``ns_steps``,
+            ``ns_coefficients``, ``adjust_lr_fn`` (``frugal.muon``), fira's ``fira_gamma`` (its
+            norm-growth limiter; None: off, for runs that clip gradients).
 
     Args (concurrent methods, module docstring):
-        fira_gamma: Fira's norm-growth limiter (None: off, for runs that clip gradients).
         subspace_momentum, error_feedback: LDAdam (with ``projection="power"``,
             ``reset_state="transport"``).
         svd_signs: the sign of each singular vector of an svd basis, which matters where the state
@@ -192,7 +194,6 @@ class FRUGAL(Optimizer):
             ``plateau_patience`` windows.
 
     Args (implementation: same results, other speed or memory):
-        sign_update: auto, compiled, eager (``frugal.kernels``).
         stochastic_rounding: round bfloat16 weights stochastically (unbiased) so updates below half
             an ulp are not lost in pure bf16 (off: the paper's runs round to nearest).
         master_weights: a bfloat16/float16 tensor keeps, while it is state-full, a float32 copy
@@ -223,13 +224,11 @@ class FRUGAL(Optimizer):
                  density=0.25, update_gap=200, projection="block", state_full="adamw",
                  state_free="signsgd", state_free_lr_scale=1.0, projectable_lr_scale=1.0,
                  reset_state="reset", block_order="descending", block_granularity="layer", window_offset=0,
-                 momentum=None, seed=0, fira_gamma=1.01, subspace_momentum=0.0, error_feedback=False,
+                 momentum=None, seed=0, subspace_momentum=0.0, error_feedback=False,
                  svd_signs="canonical", density_schedule="constant", density_end=0.0, density_steps=None,
                  update_gap_growth=1.0, plateau_patience=3, plateau_threshold=0.01, max_update_gap=None,
-                 nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
-                 adjust_lr_fn="match_rms_adamw",
-                 sign_update="auto", stochastic_rounding=False, state_precision="param", master_weights=False,
-                 foreach=True):
+                 stochastic_rounding=False, state_precision="param", master_weights=False, foreach=True,
+                 **options):
         # a model, named or plain tensors: see grouping.py (a model with state_full "muon": AdamW on the rest)
         params = grouping.resolve_params(params, state_full=state_full)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -238,16 +237,18 @@ class FRUGAL(Optimizer):
                         state_free_lr_scale=state_free_lr_scale,
                         projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
                         block_order=block_order, block_granularity=block_granularity, window_offset=window_offset,
-                        momentum=momentum, seed=seed, fira_gamma=fira_gamma,
+                        momentum=momentum, seed=seed,
                         subspace_momentum=subspace_momentum, error_feedback=error_feedback,
                         svd_signs=svd_signs, density_schedule=density_schedule, density_end=density_end,
                         density_steps=density_steps, update_gap_growth=update_gap_growth,
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-                        max_update_gap=max_update_gap, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_coefficients=ns_coefficients, adjust_lr_fn=adjust_lr_fn, sign_update=sign_update,
-                        stochastic_rounding=stochastic_rounding, state_precision=state_precision,
-                        master_weights=master_weights, foreach=foreach)
-        defaults = validate(defaults)
+                        max_update_gap=max_update_gap, stochastic_rounding=stochastic_rounding,
+                        state_precision=state_precision, master_weights=master_weights, foreach=foreach)
+        rule_options = option_defaults()
+        unknown = sorted(set(options) - set(rule_options))
+        if unknown:
+            raise HyperparameterError(f"FRUGAL does not take {unknown}; valid keys: {sorted({*defaults, *rule_options})}")
+        defaults = validate({**defaults, **rule_options, **options})
         self._layout = None
         self._events: list[dict] = []
         self._in_backward = None  # a frugal.in_backward.StepInBackward while one is attached
@@ -374,6 +375,13 @@ class FRUGAL(Optimizer):
         self._set_step(step + 1)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with the step inside backward attached, also abandons a step that an
+        error inside backward left unfinished (``StepInBackward.abort``)."""
+        if self._in_backward is not None:
+            self._in_backward.abort()
+        super().zero_grad(set_to_none)
+
     def _apply(self, works: list[Work], step: int) -> None:
         """Phases 2-5 over ``works`` (tensors of step ``step``): also what a gradient hook of
         ``frugal.in_backward`` runs for one tensor."""
@@ -489,11 +497,11 @@ class FRUGAL(Optimizer):
             if wd and holds_weights and not lr_full:
                 w.target.mul_(1.0 - lr * wd)
             rule = STATE_FULL[group["state_full"]]
-            options = tuple(tuple(v) if isinstance(v, list) else v for v in (group[k] for k in rule.options))
+            options = tuple(keywords(rule, group).items())
             if w.role == FULL and state_precision.storage(group, w.target.numel()) != "param":
                 state_precision.update_(rule, w.target, w.full_grad, w.state, lr=lr_full, betas=tuple(group["betas"]),
                                         eps=group["eps"], weight_decay=wd_full, momentum=group["momentum"],
-                                        **dict(zip(rule.options, options)))
+                                        **dict(options))
                 continue
             key = FullKey(group["state_full"], lr_full, wd_full, tuple(group["betas"]), group["eps"], group["momentum"],
                           w.target.device, w.target.dtype, options)
@@ -509,7 +517,7 @@ class FRUGAL(Optimizer):
             rule = STATE_FULL[key.rule]
             rule.foreach(targets, grads, [states[n] for n in rule.state_names], steps, lr=key.lr,
                          betas=key.betas, eps=key.eps, weight_decay=key.weight_decay, momentum=key.momentum,
-                         **dict(zip(rule.options, key.options)))
+                         **dict(key.options))
 
     def _update_state_free(self, works: list[Work]) -> None:
         """Phase 4: the state-free rule (with the weight decay of every non-state-full tensor);
@@ -528,12 +536,13 @@ class FRUGAL(Optimizer):
                 self._contextual_update(w, rule)
                 continue
             key = FreeKey(group["state_free"], group["lr"] * group["state_free_lr_scale"],
-                          1.0 - group["lr"] * group["weight_decay"], group["sign_update"], p.device, p.dtype)
+                          1.0 - group["lr"] * group["weight_decay"], tuple(keywords(rule, group).items()), p.device,
+                          p.dtype)
             params, grads = buckets.setdefault(key, ([], []))
             params.append(p)
             grads.append(w.free_grad)
         for key, (params, grads) in buckets.items():
-            STATE_FREE[key.rule].step_(params, grads, lr=key.lr, decay=key.decay, sign_update=key.sign_update)
+            STATE_FREE[key.rule].step_(params, grads, lr=key.lr, decay=key.decay, **dict(key.options))
 
     @staticmethod
     def _contextual_update(w: Work, rule) -> None:

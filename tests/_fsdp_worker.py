@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from frugal import FRUGAL, HyperparameterError, state_bytes
+from frugal import FRUGAL, HyperparameterError, grad_norm, state_bytes, step_in_backward
 
 
 class Block(torch.nn.Module):
@@ -60,11 +60,14 @@ def build(sharded, mesh, dtype=torch.float32, **hp):
     return model, FRUGAL(groups(model), lr=1e-2, update_gap=2, weight_decay=0.1, **hp)
 
 
-def train(model, optimizer, steps, start=0):
+def train(model, optimizer, steps, start=0, max_norm=None):
     dtype = next(model.parameters()).dtype
     for t in range(start, start + steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(t)).to(dtype)
         model(x).float().backward()
+        if max_norm:  # the ordinary step's clipping, with the norm formula of the step inside backward
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm(params))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -110,6 +113,26 @@ def checkpoint_round_trip(mesh, path, **hp):
     return {"diff": max_diff(full(model), full(twin)), "same_step": same_step, "masters": masters}
 
 
+def in_backward(mesh):
+    """The step inside backward on FSDP2 shards (its hooks see the reduce-scattered gradients) against
+    the ordinary clipped step of one unsharded process on the same batches; plain (unsharded)
+    parameters over 2 processes, and a DDP-wrapped model, are refused."""
+    sharded, opt = build(True, mesh, density=0.25)
+    stepper = step_in_backward(opt, max_norm=0.05)
+    plain, ref = build(False, mesh, density=0.25)
+    train(sharded, opt, 7)
+    train(plain, ref, 7, max_norm=0.05)
+    result = {"diff": max_diff(full(sharded), full(plain)), "clipped": float(stepper.grad_norm) > 0.05,
+              "left": sum(p.grad is not None for p in sharded.parameters())}
+    for name, model in (("plain", None), ("ddp", torch.nn.parallel.DistributedDataParallel(plain))):
+        try:
+            step_in_backward(build(False, mesh, density=0.25)[1], model=model)
+            result[name] = None
+        except ValueError as err:
+            result[name] = str(err)
+    return result
+
+
 # optimizer=badam under setup/algorithm=authors (the badam package's options) on bf16 weights
 BADAM_PACKAGE = dict(dtype=torch.bfloat16, density=0.25, state_free="none", reset_state="reset_everything",
                      window_offset=1, master_weights=True)
@@ -137,6 +160,7 @@ def main(out, ckpt):
         result["row"] = compare(mesh, density=0.25, projection="row")
         result["randk"] = compare(mesh, density=0.25, projection="randk")
         result["dcp"] = checkpoint_round_trip(mesh, ckpt)
+        result["in_backward"] = in_backward(mesh)
         result["badam_package"] = badam_package(mesh, ckpt + "_badam")
         try:
             build(True, mesh, projection="svd")

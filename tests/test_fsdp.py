@@ -39,6 +39,16 @@ def test_sharded_matches_unsharded(ranks, projection):
         assert r[projection]["diff"] < 1e-5, r[projection]
 
 
+def test_the_step_inside_backward_on_shards_equals_one_process_and_ddp_is_refused(ranks):
+    for r in ranks:
+        got = r["in_backward"]
+        assert got["diff"] < 1e-5 and got["clipped"] and got["left"] == 0, got
+        assert got["plain"].startswith("the step inside backward over 2 processes needs FSDP2-sharded parameters")
+        assert got["ddp"].startswith("the step inside backward cannot drive a DDP-wrapped model")
+        for message in (got["plain"], got["ddp"]):
+            assert "\n" not in message and "valid choices: FSDP2" in message
+
+
 @pytest.mark.parametrize("projection", ["block", "column", "row", "randk"])
 def test_state_per_rank_is_about_half(ranks, projection):
     total = sum(r[projection]["bytes"] for r in ranks)

@@ -1,5 +1,6 @@
 """FRUGAL's step inside backward (frugal.in_backward) against the ordinary step: the same weights
 over steps that cross block switches, clipping, accumulation, non-finite gradients, resume."""
+import contextlib
 import copy
 import math
 import warnings
@@ -12,6 +13,7 @@ import frugal
 from frugal import FRUGAL, NonFiniteGradientError, step_in_backward
 from frugal.in_backward import waiting_numel
 from frugal.grouping import param_groups
+from train_utils.loop import enable_activation_checkpointing
 
 VOCAB, LAYERS = 64, 4
 
@@ -218,8 +220,7 @@ def test_torch_hooks_schedulers_and_remove():
     loss_of(model, batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="a second backward reached .* before optimizer.step\\(\\).*accumulating"):
         loss_of(model, batches(1)[0]).backward()  # a forgotten optimizer.step(): never two steps in one count
-    opt.zero_grad()
-    stepper._reset()
+    opt.zero_grad()  # abandons the step (StepInBackward.abort): the next backward starts a new one
     with pytest.raises(ValueError, match="already steps inside backward"):
         step_in_backward(opt)
     stepper.remove()
@@ -296,7 +297,7 @@ def test_a_block_at_a_time_one_call_per_block(max_norm):
     opt._apply = apply
 
     def spy(_):
-        ready = {id(s.param) for s, _ in stepper._ready}
+        ready = {id(s.param) for s in stepper._ready}
         blocks_held.append({block_of[id(p)] for p in model.parameters() if id(p) in ready} - {None})
 
     for p in model.parameters():
@@ -307,3 +308,232 @@ def test_a_block_at_a_time_one_call_per_block(max_norm):
     immediate = LAYERS * 7 if max_norm else sum(1 for _ in model.parameters())
     assert sum(calls[:-1] if max_norm else calls) == immediate
     assert len(calls) <= LAYERS + 3 + (1 if max_norm else 0)  # a call per block (+ head, norm, embeddings)
+
+
+# ---- the edges: each was a silent difference from the ordinary step (issue: the step inside backward
+# without silent edges)
+
+def names_moved(model, before):
+    return {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+
+
+NORM2 = "model.layers.2.post_attention_layernorm.weight"
+
+
+@pytest.mark.parametrize("bad,density", [("lm_head.weight", 0.0), (NORM2, 0.0), (NORM2, 0.25)])
+def test_a_non_finite_gradient_that_waits_for_the_norm_stops_the_step_with_the_next_block(bad, density):
+    """A tensor that waits for the clipping norm (state-full) is checked with the next block: nothing
+    applied after it in backward moves, and the message names it (not 'the global norm')."""
+    model, opt, _ = make(density=density)
+    step_in_backward(opt, max_norm=1.0, model=model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poison(dict(model.named_parameters())[bad])
+    loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(NonFiniteGradientError) as err:
+        opt.step()
+    message, moved = str(err.value), names_moved(model, before)
+    assert f"step 1: {bad} (shape" in message, message
+    # backward runs from the output: what moved is what completed before the bad tensor (later layers)
+    later = ("model.layers.3",) if bad.startswith("model.layers.2") else ()
+    assert all(n.startswith(later) for n in moved), moved
+    assert (f"{len(moved)} of the step's tensors had already taken it" in message if moved
+            else "no tensor had taken it" in message), message
+    for n in sorted(moved)[:1]:
+        assert n in message  # the message names what moved
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.step_count == 0 and all(p.grad is None for p in model.parameters())
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk of repeated blocks and two heads: head A is used only by some micro-batches."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.head_a, self.head_b = torch.nn.Linear(16, VOCAB), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids, heads):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return sum(torch.nn.functional.cross_entropy(getattr(self, f"head_{k}")(h).flatten(0, 1), ids.flatten())
+                   for k in heads)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_accumulation_is_exact_when_the_last_micro_batch_skips_a_parameter(max_norm):
+    """Head A takes gradients in the first micro-batch only: the last backward never reaches it, yet
+    it is applied and counted in the norm, and no gradient is left after optimizer.step()."""
+    data = batches(6)
+    results = []
+    for in_backward in (False, True):
+        model = TwoHeads()
+        opt = FRUGAL(model, lr=1e-2, density=0.5, update_gap=2, seed=1)
+        stepper = step_in_backward(opt, max_norm=max_norm) if in_backward else None
+        norms, start = [], model.head_a.weight.detach().clone()
+        for step in range(3):
+            with stepper.accumulating() if stepper else contextlib.nullcontext():
+                model(data[2 * step], "ab").backward()
+            model(data[2 * step + 1], "b").backward()
+            if stepper:
+                norms.append(stepper.compute_grad_norm())
+            else:
+                norms.append(frugal.grad_norm([p for g in opt.param_groups for p in g["params"]]))
+                if max_norm:
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norms[-1])
+            opt.step()
+            assert all(p.grad is None for p in model.parameters()) if stepper else True
+            opt.zero_grad()
+        assert not torch.equal(model.head_a.weight, start)  # head A learned
+        results.append((model, norms))
+    (ref, ref_norms), (got, norms) = results
+    assert [float(n) for n in norms] == [float(n) for n in ref_norms]  # one formula, one order
+    for p, q in zip(ref.parameters(), got.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_plateau_grown_update_gap_is_refused_in_one_line():
+    model = tiny_llama()
+    opt = FRUGAL(model, lr=1e-3, update_gap=3, update_gap_growth=2.0)
+    with pytest.raises(ValueError, match=r"^update_gap_growth=2.0: .*valid choices: update_gap_growth=1.0") as err:
+        step_in_backward(opt, max_norm=1.0)
+    assert "\n" not in str(err.value) and opt._in_backward is None
+
+
+def test_gradients_written_after_the_hooks_are_an_error():
+    """What DDP does after the hooks (it writes the all-reduced gradients back into .grad) is seen at
+    optimizer.step(), which says so instead of leaving them to the next step."""
+    model, opt, _ = make(density=0.0)
+    stepper = step_in_backward(opt, max_norm=1.0, model=model)
+    loss_of(model, batches(1)[0]).backward()
+    applied = model.model.layers[1].mlp.up_proj.weight
+    assert applied.grad is None
+    applied.grad = torch.ones_like(applied)  # as a reducer that runs after the hooks would
+    with pytest.raises(RuntimeError, match=r"gradients were written after the step inside backward had applied them "
+                                           r"\(model.layers.1.mlp.up_proj.weight"):
+        opt.step()
+    assert stepper.applied == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_an_error_inside_backward_is_abandoned_through_a_public_call():
+    """An exception in the middle of backward (an out-of-memory error, say): the next backward says
+    what happened, optimizer.step() refuses the half step, and stepper.abort() / optimizer.zero_grad()
+    let training go on; the steps after it equal the ordinary optimizer's from the same weights."""
+    model, opt, _ = make(density=0.25)
+    stepper = step_in_backward(opt, max_norm=0.05, model=model)
+    middle = model.model.layers[1].self_attn.o_proj.weight
+    handle = middle.register_hook(lambda g: (_ for _ in ()).throw(MemoryError("out of memory")))
+    with pytest.raises(MemoryError):
+        loss_of(model, batches(1)[0]).backward()
+    handle.remove()
+    moved = stepper.applied
+    assert moved > 0  # the later layers had taken the step
+    with pytest.raises(RuntimeError, match=f"did not finish \\(it stopped with an error after {moved} tensors had "
+                                           f"taken the step\\): call stepper.abort\\(\\) or optimizer.zero_grad"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="while an earlier backward of this step had not finished"):
+        loss_of(model, batches(1)[0]).backward()
+    for abandon in (stepper.abort, opt.zero_grad):
+        abandon()
+        assert opt.step_count == 0 and stepper.applied == 0 and all(p.grad is None for p in model.parameters())
+    ref_model, ref_opt, _ = make(density=0.25)
+    ref_model.load_state_dict(model.state_dict())
+    ref_opt.load_state_dict(opt.state_dict())
+    for ids in batches(3, seed=7):
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            loss_of(m, ids).backward()
+            if o is ref_opt:
+                torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.05, frugal.grad_norm(
+                    [p for g in o.param_groups for p in g["params"]]))
+            o.step()
+            o.zero_grad()
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def bf16_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)  # 8,192-element weights: above bitsandbytes' min_8bit_size
+
+
+@pytest.mark.parametrize("density,extra", [
+    (0.0, {}), (0.25, {}),
+    (0.25, {"state_precision": "8bit"}),  # bitsandbytes' format (requirements.txt)
+])
+def test_pure_bf16_with_stochastic_rounding_equals_the_ordinary_step_bit_for_bit(density, extra):
+    """One norm formula (frugal.grad_norm: float32 per-tensor norms, float32 total, the optimizer's
+    order) in both schedules: pure bf16 weights with stochastic rounding (and 8-bit moments) take bit
+    for bit the same steps over block switches; the logged norm is the same number. (torch's
+    get_total_norm over bf16 gradients rounds the norm to bf16: 0.4% off.)"""
+    runs = []
+    for in_backward in (False, True):
+        model = bf16_llama()
+        opt = FRUGAL(model, lr=1e-2, weight_decay=0.1, density=density, update_gap=2, seed=3,
+                     stochastic_rounding=True, reset_state="reset_all", **extra)
+        stepper = step_in_backward(opt, max_norm=0.5, model=model) if in_backward else None
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norms = []
+        for ids in batches(5, length=16):
+            loss_of(model, ids).backward()
+            if stepper is None:
+                norms.append(frugal.grad_norm(params))
+                torch.nn.utils.clip_grads_with_norm_(params, 0.5, norms[-1], foreach=True)
+            opt.step()
+            norms.append(stepper.grad_norm) if stepper else None
+            opt.zero_grad()
+        runs.append((model, [float(n) for n in norms]))
+    (ref, ref_norms), (got, norms) = runs
+    assert norms == ref_norms and min(norms) > 0.5  # clipped every step
+    assert all(p.dtype == torch.bfloat16 for p in got.parameters())
+    if extra:
+        assert any(s.get("exp_avg", torch.zeros(())).dtype == torch.uint8 for s in opt.state.values())
+    for (name, p), q in zip(ref.named_parameters(), got.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_the_bf16_norm_is_float32s_not_bf16_rounded():
+    grads = [torch.randn(300, 200, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(4)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    exact = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    ours = frugal.grad_norm(params)
+    assert ours.dtype == torch.float32 and float(ours) == pytest.approx(exact, rel=1e-5)
+    assert abs(float(torch.nn.utils.get_total_norm(grads)) / exact - 1) > 1e-3  # bf16-rounded: what we avoid
+
+
+def test_tied_embeddings_and_non_reentrant_checkpointing_equal_the_ordinary_step():
+    """A tied embedding is one tensor with one hook (its gradient is complete once both uses have
+    added to it); non-reentrant activation checkpointing recomputes inside backward."""
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                          tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg).float()
+        enable_activation_checkpointing(model)  # train.py's: non-reentrant
+        model.train()
+        return model
+
+    runs = []
+    for in_backward in (False, True):
+        model = build()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        opt = FRUGAL(model, lr=3e-3, density=0.25, update_gap=2, seed=5)
+        stepper = step_in_backward(opt, max_norm=0.05, model=model) if in_backward else None
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for ids in batches(5):
+            loss_of(model, ids).backward()
+            if stepper is None:
+                torch.nn.utils.clip_grads_with_norm_(params, 0.05, frugal.grad_norm(params))
+            opt.step()
+            opt.zero_grad()
+        runs.append(model)
+    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert torch.equal(p, q), name

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import frugal
+
 
 def autocast(precision: str, device: torch.device):
     """bf16 autocast for bf16-mixed; nothing for pure bf16 (the weights are bf16) and fp32."""
@@ -177,16 +179,22 @@ class NonFiniteError(FloatingPointError):
 
 
 def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """The global gradient norm (one foreach norm over every gradient, identical on every rank after
-    DDP's all-reduce); clips the gradients to `max_norm` in place when it is set. No host sync.
-    FSDP2's sharded gradients give a DTensor norm, reduced over the shards (one all-reduce)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    """The global gradient norm (`frugal.grad_norm`: float32 per-tensor norms in the order of `params`,
+    the formula of the step inside backward too; identical on every rank after DDP's all-reduce; FSDP2's
+    shards reduced with one all-reduce); clips the gradients to `max_norm` in place when it is set. No
+    host sync."""
+    norm = frugal.grad_norm(params)
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
+
+
+def norm_order(optimizer, model) -> list[torch.Tensor]:
+    """The trainable parameters in the order the global norm sums them: the optimizer's (its
+    param_groups, the order of the step inside backward), then any it does not hold."""
+    held = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    ids = {id(p) for p in held}
+    return held + [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
 
 
 class StepTotals(NamedTuple):

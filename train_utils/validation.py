@@ -203,6 +203,12 @@ def check_in_backward(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"train.optimizer_in_backward=true runs FRUGAL's step inside backward, but optimizer.name="
                           f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
                           f"(or train.optimizer_in_backward=false)")
+    growth = OmegaConf.select(cfg, "optimizer.update_gap_growth", default=1.0)
+    if growth is not None and growth > 1.0:
+        raise ConfigError(f"train.optimizer_in_backward=true with optimizer.update_gap_growth={growth}: the plateau-"
+                          f"grown gap chooses a step's window from that step's loss, known only after the backward "
+                          f"in which the step inside backward chooses it; valid choices: optimizer.update_gap_growth="
+                          f"1.0 or train.optimizer_in_backward=false")
     if world_size > 1 and cfg.train.parallelism == "ddp":
         raise ConfigError(f"train.optimizer_in_backward=true cannot run under DDP ({world_size} processes): each "
                           f"tensor's update would run on its gradient before DDP all-reduces it; use "
