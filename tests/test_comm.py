@@ -133,3 +133,67 @@ def test_roles_checked_and_replicas_in_sync(ranks):
         assert result["in_sync"]
         assert "roles changed between backward and step" in result["mismatch"]
         assert "did not pass the DDP communication hook" in result["unsynced"]
+
+
+# ---- train.py: train.state_free_comm ---------------------------------------------------------------
+VOTE = ["train.micro_batch_size=2", "optimizer.update_gap=2", "train.grad_clip=1.0"]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["train.state_free_comm=votes"], "train.state_free_comm='votes' is invalid; choose one of exact, vote$"),
+    (["train.parallelism=fsdp"], "FSDP2"),
+    (["train.optimizer_in_backward=true"], "step inside backward"),
+    (["optimizer=adamw"], "optimizer.name='adamw' is not built on FRUGAL; valid choices: "),
+])
+def test_train_refuses_what_the_vote_cannot_run_in_one_line(overrides, match):
+    from _train_helpers import TINY, compose_cfg
+    from train_utils.validation import ConfigError, validate_config
+
+    vote = [] if overrides[0].startswith("train.state_free_comm") else ["train.state_free_comm=vote"]
+    cfg = compose_cfg(*[o for o in TINY if not o.startswith("optimizer.")], *vote, *overrides)
+    with pytest.raises(ConfigError, match=match) as err:
+        validate_config(cfg, world_size=1)  # refused on one process too (where the vote would be a no-op)
+    assert "\n" not in str(err.value)
+
+
+def test_one_process_vote_is_exact_bit_for_bit(tmp_path):
+    """Across a window switch (update_gap 2, 4 steps), with clipping: the same weights, bit for bit,
+    and the run says that the vote is a no-op."""
+    from _train_helpers import assert_same_weights, rows, run_inprocess, weights
+
+    runs = {}
+    for mode in ("exact", "vote"):
+        run_dir = tmp_path / mode
+        assert run_inprocess(run_dir, *VOTE, "train.steps=4", f"train.state_free_comm={mode}") == 0
+        runs[mode] = run_dir
+    final = "checkpoints/step_00000004"
+    assert_same_weights(weights(runs["exact"] / final), weights(runs["vote"] / final))
+    start = rows(runs["vote"])[0]
+    assert start["state_free_comm"] == "exact (vote requested: a no-op on one process)"
+    assert any(r.get("event") == "switch" for r in rows(runs["vote"]))
+    assert "the vote is a no-op" in (runs["vote"] / "train.log").read_text()
+    assert not any("comm_bytes_per_rank" in r for r in rows(runs["vote"]))
+
+
+@pytest.mark.slow
+def test_two_processes_vote_trains_labelled_with_its_bytes(tmp_path):
+    from _train_helpers import rows, torchrun_cmd
+
+    proc = run_cli(torchrun_cmd(tmp_path, *VOTE, "train.steps=4", "train.state_free_comm=vote"))
+    assert proc.returncode == 0, failure(proc)
+    log = rows(tmp_path)
+    start, end = log[0], log[-1]
+    assert start["state_free_comm"] == "vote" and end["state_free_comm"] == "vote" and end["ranks_in_sync"] is True
+    assert "one-bit majority vote" in proc.stdout + proc.stderr  # the first lines and the summary say so
+    steps = [r for r in log if "loss" in r]
+    assert len(steps) == 4 and all(r["state_free_comm"] == "vote" for r in steps)
+    assert any(r.get("event") == "switch" for r in log)
+    params = start["params"]
+    exact_bytes = comm.ring_bytes(4 * params, 2)  # fp32 gradients, every one all-reduced
+    for r in steps:
+        assert r["comm_voted_elements"] + r["comm_exact_elements"] == params
+        full_share, free_share = r["comm_exact_elements"] / params, r["comm_voted_elements"] / params
+        assert r["comm_bytes_per_rank"] <= (full_share + free_share / 16) * exact_bytes
+        assert r["comm_exact_bytes_per_rank"] == comm.ring_bytes(4 * r["comm_exact_elements"], 2) or \
+            abs(r["comm_exact_bytes_per_rank"] - comm.ring_bytes(4 * r["comm_exact_elements"], 2)) < 64
+        assert 0 < r["grad_norm"] < 100  # the votes (+-1 on ~600k entries) would read ~776

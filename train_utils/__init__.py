@@ -19,6 +19,7 @@
 - sweep_check: every job of a sweep checked before the first starts
 - toy: debug=toy's update gaps fitted to the toy run
 - naming: run directories, wandb names and groups
+- state_free_comm: train.state_free_comm, FRUGAL's state-free part as a one-bit vote under DDP (frugal.comm)
 
 configs/ composes with plain Hydra; importing the package registers the run-directory resolvers
 (`${launch_time:}`, `${launch_id:}`) that resolving `hydra.run.dir` needs. It imports no torch (train.py

@@ -172,10 +172,12 @@ def run_name(cfg: DictConfig, run_dir: str, hydra_cfg=None) -> str:
         return str(cfg.wandb.name)
     base = f"{cfg.model.name}-{optimizer_option(cfg, hydra_cfg)}"
     values = {k: v for k, v in sweep_values(hydra_cfg).items() if k not in GROUP_KEYS}
+    # train.state_free_comm=vote (frugal.comm's one-bit vote) is in the name: <model>-<option>-vote-...
+    vote = "-vote" if OmegaConf.select(cfg, "train.state_free_comm", default="exact") == "vote" else ""
     if not values:
-        return f"{base}-{os.path.basename(os.path.normpath(run_dir)).replace(f'-{base}-', '-')}"  # not twice
+        return f"{base}{vote}-{os.path.basename(os.path.normpath(run_dir)).replace(f'-{base}-', '-')}"  # not twice
     labels = short_labels(list(values))
-    return "-".join([base] + [f"{labels[k]}={v}" for k, v in values.items()])
+    return "-".join([base + vote] + [f"{labels[k]}={v}" for k, v in values.items()])
 
 
 def run_group(cfg: DictConfig, hydra_cfg=None) -> str | None:

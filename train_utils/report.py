@@ -22,6 +22,7 @@ from train_utils.loop import activation_checkpointing_on, evaluate, ranks_in_syn
 from train_utils.measure import Interval, StateBytes, input_demand, optimizer_state_bytes
 from train_utils.metrics import plot_losses
 from train_utils.naming import debug_option, optimizer_option
+from train_utils.state_free_comm import label as state_free_comm_label
 
 
 def state_full_fraction(optimizer) -> float | None:
@@ -55,6 +56,7 @@ def start_settings(run, resumed_from: str | None) -> dict:
             "ddp_gradient_as_bucket_view": getattr(run.model, "gradient_as_bucket_view", None),
             "zero_grad_set_to_none": zero_grad_sets_to_none(run.model), "parallelism": tc.parallelism,
             "optimizer_in_backward": bool(tc.optimizer_in_backward),
+            "state_free_comm": state_free_comm_label(cfg, run.world),
             "compiled": run.compiled, "tf32": run.tf32}
 
 
@@ -173,7 +175,8 @@ def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> st
               f"{row['memory_available_bytes'] / gib:.1f} "
               f"GiB available" if "memory_planned_bytes" in row else f"memory check {row.get('memory_check', 'off')}")
     in_backward = ", optimizer step inside backward" if row.get("optimizer_in_backward") else ""
-    lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}{in_backward}; {memory}")
+    vote = ", state-free part sent as a one-bit majority vote" if row.get("state_free_comm") == "vote" else ""
+    lines.append(f"  device {row['device']}, {row['precision']}, {row['parallelism']}{in_backward}{vote}; {memory}")
     if row.get("resumed_from"):
         lines.append(f"  resuming from {row['resumed_from']} (step {row['step']})")
     return "\n".join(lines)
@@ -288,7 +291,8 @@ def finish(run, eval_dm, *, step: int, tokens: int, last_eval: dict | None, star
            "optimizer_state_bytes": optimizer_state_bytes(optimizer, sharded, device),
            **({"optimizer_state_bytes_rank0": frugal.state_bytes(optimizer)} if sharded else {}),
            "adamw_state_bytes": adamw_bytes, "seconds": time.perf_counter() - started,
-           "ranks_in_sync": in_sync, "weights_checksum": checksum}
+           "ranks_in_sync": in_sync, "weights_checksum": checksum,
+           "state_free_comm": state_free_comm_label(run.cfg, run.world)}
     metrics.log(end)
     metrics.close()  # wandb prints its own lines at finish; the summary below comes last
     if accelerator.is_main_process and tc.plot:
@@ -303,6 +307,8 @@ def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir:
     lines = [f"\n{model_name} + {optimizer_name}: {end['step']} steps, {end['tokens']:,} tokens, "
              f"{end['seconds']:.0f} s in this run",
              f"  validation loss {end['val_loss']:.4f}, perplexity {end['val_ppl']:.3f}"]
+    if end.get("state_free_comm") == "vote":
+        lines.insert(1, "  state-free part communicated as a one-bit majority vote (train.state_free_comm=vote)")
     if end.get("loss_floor") is not None:
         floor = end["loss_floor"]
         lines.append(f"  corpus loss floor {floor:.4f} (perplexity {math.exp(floor):.3f}): "

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from frugal.checks import check_integer
 
+from . import state_free_comm
 from .naming import is_multirun
 from .schema import unknown_key_line, unknown_keys
 
@@ -175,6 +176,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
                           f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
                           f"train.parallelism=ddp")
     check_in_backward(cfg, world_size)
+    state_free_comm.check(cfg)
     check_optimizer_values(cfg)
     resume = cfg.train.resume
     if not isinstance(resume, str) or not resume:
