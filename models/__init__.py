@@ -3,7 +3,8 @@
 Why transformers instead of a vendored copy: the reference code carried a 900-line LLaMA file that
 drifted from upstream; the paper's LLaMA configs are exactly ``LlamaForCausalLM`` (SwiGLU, RMSNorm,
 rotary embeddings, untied embeddings) and GPT-2 124M is ``GPT2LMHeadModel``. Nothing is downloaded:
-the config node carries every shape, and weights come from the model's own ``_init_weights``.
+the config node carries every shape, and weights come from the model's own ``_init_weights``, with its
+normal draws made in float64 (``_Float64Normals``) so that a seed builds the same weights on every CPU kind.
 
 A model config (``configs/model/*.yaml``, or a plain dict) has exactly the keys of ``CONFIG_KEYS``;
 a missing, unknown or invalid value raises ``ModelConfigError`` naming it. Activation checkpointing is
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from frugal.checks import check_integer
 from frugal.grouping import module_roles
@@ -149,6 +151,40 @@ def _gpt2(c: dict[str, Any]):
     return GPT2LMHeadModel(config)
 
 
+DRAW_CHUNK = 1 << 20  # elements per float64 draw: the temporaries stay small at any model size
+
+
+class _Float64Normals(TorchFunctionMode):
+    """Every ``normal_`` on a CPU tensor, drawn in float64 from the same generator and rounded to the
+    tensor's dtype through fp32. torch's fp32 ``normal_`` takes a vectorised approximate path on some CPU
+    kinds and an exact one on others (ATen's CPU capability), so the same seed built other weights
+    (a third of them, by up to 5e-8); the float64 draw is the same on every kind. The initialiser still
+    decides which tensors are drawn and with which std (GPT-2's scaled residual projections included).
+    The price: a scalar float64 draw, ~25 ns a number on one core (minutes for 7B), where the vectorised
+    fp32 one took ~5. Other devices (meta, CUDA) draw as before."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.normal_, torch.nn.init.normal_):
+            return _draw_normal(*args, **(kwargs or {}), draw=func)
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def _draw_normal(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator=None, *,
+                 draw) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        return draw(tensor, mean, std, generator=generator)
+    target = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype)
+    flat, size = target.view(-1), min(DRAW_CHUNK, target.numel())
+    drawn = torch.empty(size, dtype=torch.float64)
+    rounded = None if target.dtype == torch.float32 else torch.empty(size)  # a bf16 build = fp32 build cast
+    for start in range(0, flat.numel(), DRAW_CHUNK):
+        part = flat[start:start + DRAW_CHUNK]
+        chunk = drawn[:part.numel()].normal_(mean, std, generator=generator)
+        part.copy_(chunk if rounded is None else rounded[:part.numel()].copy_(chunk))
+    return tensor if target is tensor else tensor.copy_(target)
+
+
 class BlockSizes(NamedTuple):
     """The sizes of a transformer block, read from the built model's config."""
     intermediate: int  # MLP width
@@ -205,19 +241,20 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None,
     language, token files made from it) decides how many ids the model embeds. Building under
     ``with torch.device("meta"):`` allocates nothing, so parameter counts and memory estimates of the
     7B config are free. ``dtype`` (pure bf16 training): every tensor is created in it, so LLaMA-7B
-    never exists in fp32 (27 GB); the weights equal an fp32 build cast to it (the initialisers draw
-    normals, which torch draws in fp32 and rounds). Raises ModelConfigError for a missing, unknown or
-    invalid key.
+    never exists in fp32 (27 GB); the weights equal an fp32 build cast to it (normals are drawn in
+    float64 and rounded through fp32, ``DRAW_CHUNK`` at a time). The same seed builds bitwise the same
+    weights on every CPU kind. Raises ModelConfigError for a missing, unknown or invalid key.
     """
     checked = _check(cfg, vocab_size)
-    if dtype is None:
-        return FAMILY[_get(cfg, "family")].build(checked)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(dtype or previous)
     try:
-        model = FAMILY[_get(cfg, "family")].build(checked)
+        with _Float64Normals():
+            model = FAMILY[_get(cfg, "family")].build(checked)
     finally:
         torch.set_default_dtype(previous)
+    if dtype is None:
+        return model
     return model.to(dtype)  # buffers computed in fp32 on purpose (rotary frequencies) too, as a cast build
 
 

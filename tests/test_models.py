@@ -1,14 +1,19 @@
 """models/: shapes and parameter counts of every config (on the meta device), and a real tiny model."""
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+import models
 from models import CONFIG_KEYS, ModelConfigError, build_model, count_parameters
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "model"
 GIB = 2 ** 30
 
 # (total params, Linear-in-blocks params) in millions, computed from the shapes in configs/model and kept
@@ -126,9 +131,12 @@ def test_bad_model_configs_raise_clear_errors(change, match):
     assert issubclass(ModelConfigError, ValueError)
 
 
-def test_a_bf16_build_never_creates_fp32_weights_and_equals_a_cast_build():
+def test_a_bf16_build_never_creates_fp32_weights_and_equals_a_cast_build(monkeypatch):
     """models.build_model(dtype=bf16): what pure bf16 training builds (LLaMA-7B: 13.5 GB instead of
-    an fp32 27 GB first). Every tensor the build creates is recorded: none is an fp32 weight."""
+    an fp32 27 GB first). Every tensor the build creates is recorded: none is an fp32 weight. The
+    normals are drawn DRAW_CHUNK at a time in float64 and rounded through an fp32 chunk: made smaller
+    than any weight here, so that a weight made in fp32 would still show."""
+    monkeypatch.setattr(models, "DRAW_CHUNK", 4096)  # llama_tiny's smallest weight: 128 x 128
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Created(TorchDispatchMode):
@@ -149,10 +157,48 @@ def test_a_bf16_build_never_creates_fp32_weights_and_equals_a_cast_build():
         torch.manual_seed(0)
         model = build_model(cfg, dtype=torch.bfloat16)
     assert torch.get_default_dtype() == torch.float32  # restored
-    assert created.fp32 <= cfg["hidden_size"]  # only small fp32 temporaries (rotary frequencies)
+    # only small fp32 temporaries: rotary frequencies, one chunk of drawn normals
+    assert created.fp32 <= max(cfg["hidden_size"], models.DRAW_CHUNK)
     torch.manual_seed(0)
     cast = build_model(cfg).to(torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     for (name, a), b in zip(cast.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert all(torch.equal(a, b) for a, b in zip(cast.buffers(), model.buffers()))
+
+
+def seeded_builds() -> dict:
+    """What the CPU-kind test compares: fp32 draws of torch itself (the control) and three builds from
+    seed 0 (LLaMA in fp32 and bf16, a tied GPT-2)."""
+    torch.manual_seed(0)
+    out = {"torch normal_": torch.empty(4096).normal_()}
+    for name, cfg, dtype in [("llama", dict(load("llama_tiny"), vocab_size=512), None),
+                             ("llama bf16", dict(load("llama_tiny"), vocab_size=512), torch.bfloat16),
+                             ("gpt2", small_gpt2(vocab_size=300), None)]:
+        torch.manual_seed(0)
+        out[name] = build_model(cfg, dtype=dtype).state_dict()
+    return out
+
+
+def test_the_same_seed_builds_the_same_weights_on_every_cpu_kind(tmp_path):
+    """torch's fp32 normal_ depends on ATen's CPU capability (vectorised on some kinds), so before
+    build_model drew its normals in float64 a seed built other weights under ATEN_CPU_CAPABILITY=default
+    than under this CPU's own kind (llama_tiny: 36% of its 9.0M numbers, by up to 5e-8). Now the two
+    are bitwise equal, while torch's own fp32 draws (the control) still differ."""
+    native = torch.backends.cpu.get_cpu_capability()
+    if native == "DEFAULT":
+        pytest.skip("this process already runs ATen's default kernels: no second kind to compare")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = ("import sys, torch, test_models; assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'; "
+              "torch.save(test_models.seeded_builds(), sys.argv[1])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "default.pt")], env=env, cwd=ROOT, check=True)
+    default, here = torch.load(tmp_path / "default.pt"), seeded_builds()
+    assert not torch.equal(default.pop("torch normal_"), here.pop("torch normal_")), \
+        f"torch's fp32 normal_ draws alike under DEFAULT and {native}: the control no longer tells them apart"
+    assert default.keys() == here.keys()
+    for name, weights in here.items():
+        assert default[name].keys() == weights.keys()
+        differ = sum(int((default[name][k] != w).sum()) for k, w in weights.items())
+        assert differ == 0, f"{name}: {differ} of {sum(w.numel() for w in weights.values())} numbers differ " \
+                            f"between DEFAULT and {native}"

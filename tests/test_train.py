@@ -43,6 +43,7 @@ def test_quickstart_config_learns_and_logs_every_field(quickstart_run):
     assert start["optimizer_state_bytes_estimate"] < start["adamw_state_bytes"]
     assert start["loss_floor"] > 0
     assert start["zero_grad_set_to_none"] is True and start["parallelism"] == "ddp"  # one process: no DDP
+    assert start["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512...
     train_rows = [r for r in log if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 31))
     for r in train_rows:

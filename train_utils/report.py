@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
 import frugal
@@ -45,7 +46,8 @@ def density_message(report: dict) -> str | None:
 
 def start_settings(run, resumed_from: str | None) -> dict:
     """The start row's account of how the run trains: what, on which processes and device, in which
-    batches and precision, resumed from which checkpoint, and what the loop switched on."""
+    batches and precision, resumed from which checkpoint, and what the loop switched on. `cpu_capability`
+    is ATen's CPU kernel set (DEFAULT, AVX2, AVX512...): sign-based runs differ by it (docs/mini_repro.md)."""
     cfg, tc = run.cfg, run.tc
     return {"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
             "model": cfg.model.name, "debug": debug_option(), "loss_floor": run.dm.loss_floor,
@@ -57,7 +59,7 @@ def start_settings(run, resumed_from: str | None) -> dict:
             "zero_grad_set_to_none": zero_grad_sets_to_none(run.model), "parallelism": tc.parallelism,
             "optimizer_in_backward": bool(tc.optimizer_in_backward),
             "state_free_comm": state_free_comm_label(cfg, run.world),
-            "compiled": run.compiled, "tf32": run.tf32}
+            "compiled": run.compiled, "tf32": run.tf32, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def no_switch_message(run, density: dict | None) -> str | None:
