@@ -3,7 +3,7 @@ step inside backward (frugal/in_backward.py), pure bf16 with stochastic rounding
 checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 tokens.
 
     python scripts/bench_7b.py                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
-    python scripts/bench_7b.py --optimizer adamw     # refused by the memory check before allocating
+    python scripts/bench_7b.py --optimizer adamw --cap-gib 24   # refused by the memory check before allocating
     python scripts/bench_7b.py optimizer.density=0.25 optimizer.state_precision=8bit   # density 0.25, 8-bit moments
     python scripts/bench_7b.py --model llama_tiny    # the same script on a tiny model (what CI runs)
     python scripts/bench_7b.py --device cuda --cap-gib 24   # a GPU held to 24 GiB (scripts/preflight.py)
@@ -88,12 +88,14 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--cap-gib", type=float, default=None, help="cuda: hold the process to this much device memory")
+    ap.add_argument("--cap-gib", type=float, default=None,
+                    help="plan against this much memory (e.g. 24: a 24 GB card's budget, whatever the host has); "
+                         "cuda: also hold the process to it")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
-    if args.cap_gib is not None and args.device != "cuda":
-        ap.error("--cap-gib needs --device cuda")
+    if args.cap_gib is not None and not args.cap_gib > 0:
+        ap.error(f"--cap-gib {args.cap_gib}: valid values are > 0")
     if args.steps < 1 or args.seq_len < 2 or args.micro_batch < 1:
         ap.error("--steps and --micro-batch must be >= 1 and --seq-len >= 2")
     others = [o for o in args.overrides if not o.startswith("optimizer.")]
@@ -113,11 +115,13 @@ def main(argv=None) -> int:
         planned, available = plan.required, min(total, args.cap_gib * GIB if args.cap_gib else total)
     else:
         planned, available = plan.total + PROCESS_BYTES, device_memory("cpu")
+        if args.cap_gib:
+            available = min(available, int(args.cap_gib * GIB))
     print(plan.format(), file=sys.stderr)
     result = {"model": args.model, "optimizer": args.optimizer, "overrides": args.overrides, "in_backward": in_backward,
               "planned_gib": round(planned / GIB, 2), "available_gib": round(available / GIB, 2)}
     if planned > available:  # the memory check: before anything is allocated
-        where = "this host has" if device.type == "cpu" else f"{device} may use"
+        where = f"{device} may use" if device.type == "cuda" or args.cap_gib else "this host has"
         print(f"refused by the memory check before allocating: {args.model} + {args.optimizer} plans "
               f"{planned / GIB:.1f} GiB (with the process) and {where} {available / GIB:.1f} GiB",
               file=sys.stderr)

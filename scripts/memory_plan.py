@@ -266,7 +266,9 @@ class Case:
     "ddp" (gradient_as_bucket_view=True, gradients zeroed in place: the loop's DDP), "ddp-no-view"
     (gradient_as_bucket_view=False), "ddp-set-to-none" (bucket view, zero_grad(set_to_none=True)),
     "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce). compiled: the loop's
-    train.compile (blocks and loss compiled by train_utils.loop.compile_model)."""
+    train.compile (blocks and loss compiled by train_utils.loop.compile_model). in_backward: the step
+    inside backward with clipping (frugal.step_in_backward, max_norm 1.0), one micro-batch per step (the
+    7B recipe: with accumulation every gradient is held, as in the ordinary step)."""
     model: str
     vocab: int | None
     optimizer: dict
@@ -276,6 +278,7 @@ class Case:
     precision: str = "bf16-mixed"
     wrapper: str = "none"
     compiled: bool = False
+    in_backward: bool = False
 
 
 _SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch at the second step
@@ -307,6 +310,11 @@ VALIDATION_CASES = [
     Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit"}, 4, 128),
     Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit", "stochastic_rounding": True}, 4, 128,
          precision="bf16"),
+    # The step inside backward with clipping: the 7B recipe (rho 0, pure bf16, checkpointing) and rho 0.25
+    # with a block switch (the state-full blocks' gradients wait for the norm)
+    Case("llama_20m", 1000, {"name": "frugal", "density": 0.0, "stochastic_rounding": True}, 4, 128,
+         checkpointing=True, precision="bf16", in_backward=True),
+    Case("llama_20m", 1000, _SWITCHING, 4, 128, in_backward=True),
 ]
 
 
@@ -323,7 +331,8 @@ def plan_case(case: Case, phase: str | None = None) -> int:
                        activation_checkpointing=case.checkpointing, precision=case.precision,
                        vocab_size=case.vocab, device_type="cpu", gradient_as_bucket_view=not copy,
                        world_size=2 if case.wrapper.startswith("ddp") else 1,
-                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp", compiled_loss=case.compiled)
+                       parallelism="fsdp" if case.wrapper == "fsdp" else "ddp", compiled_loss=case.compiled,
+                       optimizer_in_backward=case.in_backward, grad_clip=case.in_backward, accumulation=1)
     return plan.phases[phase] if phase else plan.total
 
 
@@ -383,7 +392,9 @@ def measure_case(case: Case) -> tuple[int, int]:
             fully_shard(model, mp_policy=policy)
         hp = dict(case.optimizer)
         optimizer = frugal.build_optimizer(model, hp.pop("name"), **hp)
-        two_steps(case, wrapped, optimizer, loss_fn, vocab, accumulation)
+        if case.in_backward:
+            frugal.step_in_backward(optimizer, max_norm=1.0, model=model)
+        two_steps(case, wrapped, optimizer, loss_fn, vocab, 1 if case.in_backward else accumulation)
         del wrapped, model, optimizer
     events = []
 

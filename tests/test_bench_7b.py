@@ -24,16 +24,18 @@ def test_two_steps_in_backward_move_the_weights_within_the_plan(overrides):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out["in_backward"] and out["weights_changed"] is True
     assert len(out["loss"]) == len(out["step_s"]) == 2 and all(math.isfinite(x) for x in out["loss"])
-    # A tiny model: the process itself is nearly all of it, 0.6-0.7 GiB, or ~1.2 GiB when the sign kernel is
-    # compiled in this process (a busy machine); the planner allows 1 GiB for it. (The 7B figure: README.)
-    assert 0.3 < out["peak_rss_gib"] < out["planned_gib"] + 0.5
+    # A tiny model: the process itself is nearly all of it (0.5-0.7 GiB measured; the planner allows 1 GiB for
+    # it, and nothing is compiled: pure bf16 with stochastic rounding takes the single-tensor path), so the
+    # peak stays under the plan; the plan's accuracy for the step inside backward is checked where the
+    # tensors dominate (tests/test_memory_plan.py's measured cases, within 10%; the 7B figure: README).
+    assert 0.3 < out["peak_rss_gib"] <= out["planned_gib"]
     assert "step inside backward (clipping, accumulation 1)" in proc.stderr
     assert out["overrides"] == overrides and ("density 0.25" in proc.stderr) == bool(overrides)
 
 
 def test_adamw_at_7b_is_refused_before_allocating():
-    proc, out = bench("--optimizer", "adamw")
+    proc, out = bench("--optimizer", "adamw", "--cap-gib", "24")  # a 24 GB card's budget, whatever the host has
     assert proc.returncode == 2 and out["refused"] is True
-    assert out["planned_gib"] > 45  # 12.5 GiB of bf16 weights, as much gradient, 25 GiB of state
+    assert out["planned_gib"] > 45 and out["available_gib"] <= 24  # 12.5 GiB of bf16 weights, gradients, 25 of state
     assert "refused by the memory check before allocating: llama_7b + adamw plans" in proc.stderr
     assert out["peak_rss_gib"] < 3  # the 7B model was only planned (on the meta device), never built

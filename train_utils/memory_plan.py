@@ -582,6 +582,11 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                              f"{_plain(optimizer_cfg)['name']!r})")
         if accumulation == 1:  # one block's gradients, applied together, and those waiting for the norm
             held = f.layer_params + (f.clip_waiting if grad_clip else 0)
+    # The step inside backward with one micro-batch: no gradient exists before the head's backward ends
+    # (the previous step freed them all), and each block's update allocates its share of the step's
+    # transient (a block at a time: its temporaries, stochastic rounding's float32 chunks) inside backward.
+    stepping = optimizer_in_backward and accumulation == 1
+    block_step = -(-shard(f.optimizer_transient) // f.layers) if stepping else 0
     base = {"weights": shard(f.params * master), "gradients": shard(held * master),
             "comm_buffers": f.params * master if (not fsdp and n > 1 and not gradient_as_bucket_view) else 0,
             "optimizer_state": shard(f.optimizer_state)}
@@ -644,6 +649,11 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                                          activations=inputs + act_layer - act_input + block_bwd)
     phases["optimizer step"] = dict(optimizer_transient=shard(f.optimizer_transient)
                                     + f.matrix_transient[1 if fsdp else 0])  # Muon: whole matrices
+    for name, extra in phases.items():
+        if stepping and name in ("forward end", "loss backward", "head backward"):
+            extra["gradients"] = -base["gradients"]
+        elif stepping and name != "optimizer step":
+            extra["optimizer_transient"] = block_step
 
     def assemble(extra: dict) -> dict:
         parts = dict.fromkeys(MemoryPlan.PARTS, 0)
