@@ -47,8 +47,12 @@ All functions here are tensor-only (no ``.item()``): the limiter decides with ``
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+from .checks import HyperparameterError
 
 DEFAULT_GAMMA = 1.01  # Fira's paper, Section 4.3 (norm-growth limiter)
 _NORM_EPS = 1e-8  # guards an all-zero slice of the projected gradient
@@ -92,6 +96,16 @@ def fira_residual_update(residual: Tensor, psi: Tensor, g_red: Tensor, reduced_d
     if gamma is not None and prev_norm is not None:
         limit_norm_growth_(s, prev_norm, gamma)
     return s
+
+
+def check_options(hparams: dict) -> dict:
+    """``fira_gamma``: a number >= 1, or None (the limiter off, for runs that clip gradients)."""
+    gamma = hparams.get("fira_gamma")
+    if gamma is None:
+        return hparams
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma < 1:
+        raise HyperparameterError(f"Invalid fira_gamma: {gamma!r} (expected a number >= 1) or None (off)")
+    return {**hparams, "fira_gamma": float(gamma)}
 
 
 def new_limiter_state(like: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """FRUGAL's hyperparameters: their valid choices and checks, declared once.
 
 The defaults are the keyword defaults of `FRUGAL.__init__` (the constructor people read in their
-editor); `frugal.registry.defaults` lists them per entry. The named options, the one validator
+editor) and the rules' own options (`StateFullRule.options`, `StateFreeRule.options`: a rule checks
+its own, `validate_options`); `frugal.registry.defaults` lists them per entry. The named options, the one validator
 and the checks of a whole param group (its settings together, and its tensors) live here. The
 optimizer, the registry (`build_optimizer`), the memory estimate and the training configs all use
 these, so a bad value is reported the same way wherever it enters.
@@ -16,7 +17,6 @@ from . import projections as proj
 from . import state_precision
 from .checks import HyperparameterError, check_integer
 from .adaptive import DENSITY_KINDS
-from .kernels import SIGN_UPDATES
 from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 from .sharding import is_dtensor
 
@@ -33,14 +33,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reset_state": RESET_MODES,
     "block_order": proj.BLOCK_ORDERS,
     "block_granularity": GRANULARITIES,
-    "sign_update": SIGN_UPDATES,
     "density_schedule": DENSITY_KINDS,
     "svd_signs": proj.SVD_SIGNS,
     "state_precision": state_precision.PRECISIONS,
 }
 
 # Switches: True or False (not 0/1 or "yes": a config typo must not silently flip them).
-BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback", "nesterov", "master_weights")
+BOOLEANS = ("stochastic_rounding", "foreach", "error_feedback", "master_weights")
 
 # Numeric keys: (low, high, high_open); None = unbounded on that side.
 _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -57,10 +56,9 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
 }
 # Numeric keys that may also be None, and what None means.
 _OPTIONAL_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    "fira_gamma": (1.0, None, False),
     "momentum": (0.0, 1.0, True),
 }
-_NONE_MEANS = {"fira_gamma": "off", "momentum": "the state-full rule's default (StateFullRule.default_momentum)"}
+_NONE_MEANS = {"momentum": "the state-full rule's default (StateFullRule.default_momentum)"}
 # Integer keys: lowest value, and whether None is allowed.
 _INTEGERS: dict[str, tuple[int | None, bool]] = {
     "update_gap": (1, False),
@@ -98,7 +96,7 @@ def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
     the key, the value and the valid range or choices.
     """
     out = dict(hparams)
-    for rule in STATE_FULL.values():  # the rules' own keys (Muon's ns_steps, ns_coefficients, ...)
+    for rule in (*STATE_FULL.values(), *STATE_FREE.values()):  # the rules' own options (Muon's ns_steps, ...)
         if rule.validate_options is not None:
             out = rule.validate_options(out)
     for key, choices in choices_now().items():

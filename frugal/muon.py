@@ -57,8 +57,9 @@ NS_STEPS = 5
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 # Projections whose state-full part is a matrix Muon can orthogonalise.
 PROJECTIONS = ("block", "column", "row")
-# Group keys the rule reads besides FRUGAL's common ones (lr, weight_decay, eps, momentum).
-OPTIONS = ("nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn", "transposed")
+# The rule's own hyperparameters (torch.optim.Muon's) with their defaults (``StateFullRule.options``).
+OPTIONS = {"nesterov": True, "ns_steps": NS_STEPS, "ns_coefficients": NS_COEFFICIENTS,
+           "adjust_lr_fn": "match_rms_adamw"}
 
 _gathered = [0]
 

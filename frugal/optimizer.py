@@ -247,7 +247,8 @@ class FRUGAL(Optimizer):
         rule_options = option_defaults()
         unknown = sorted(set(options) - set(rule_options))
         if unknown:
-            raise HyperparameterError(f"FRUGAL does not take {unknown}; valid keys: {sorted({*defaults, *rule_options})}")
+            raise HyperparameterError(f"FRUGAL does not take {unknown}; valid keys: "
+                                      f"{sorted({*defaults, *rule_options})}")
         defaults = validate({**defaults, **rule_options, **options})
         self._layout = None
         self._events: list[dict] = []

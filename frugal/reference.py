@@ -20,7 +20,7 @@ from torch import Tensor
 from . import projections as proj
 from . import sharding, state_management, state_precision
 from .kernels import stochastic_round_
-from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext
+from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext, keywords
 from .windows import FREE, FULL, SPLIT
 
 
@@ -31,7 +31,8 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     p = sharding.local(param)
     full_rule, free_rule = STATE_FULL[group["state_full"]], STATE_FREE[group["state_free"]]
     rule_kwargs = {"betas": tuple(group["betas"]), "eps": group["eps"], "momentum": group["momentum"],
-                   **{k: group[k] for k in full_rule.options}}
+                   **keywords(full_rule, group)}
+    free_kwargs = keywords(free_rule, group)
     lr = group["lr"]
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
@@ -61,7 +62,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     elif role == FREE:
         new *= decay
         if free_rule.direction is not None:
-            new -= lr_free * free_rule.direction(grad)
+            new -= lr_free * free_rule.direction(grad, **free_kwargs)
     else:
         projection, transposed = group["projection"], group["transposed"]
         if projection in proj.MATRIX:  # with error feedback (LDAdam) a = g + e
@@ -85,7 +86,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
                 d = free_rule.contextual(g_free.t() if flip else g_free, state, FreeContext(g_full, dim, group))
                 new -= lr_free * (d.t() if flip else d)
             elif free_rule.direction is not None:
-                new -= lr_free * free_rule.direction(a - lift(g_full))
+                new -= lr_free * free_rule.direction(a - lift(g_full), **free_kwargs)
     _write(p, new, _rounding(param, group, step, ident))
 
 
@@ -127,5 +128,5 @@ def _whole_chunk(p: Tensor, grad: Tensor, start: int, stop: int, state: dict, gr
         new *= decay
         free_rule = STATE_FREE[group["state_free"]]
         if free_rule.direction is not None:
-            new -= lr_free * free_rule.direction(g)
+            new -= lr_free * free_rule.direction(g, **keywords(free_rule, group))
     _write(flat_p, new, generator)

@@ -60,7 +60,7 @@ from . import external, hparams
 from .grouping import TENSOR_ORDERS, param_groups
 from .hparams import HyperparameterError
 from .optimizer import FRUGAL
-from .rules import STATE_FREE
+from .rules import STATE_FREE, STATE_FULL, option_defaults
 
 COMMON_KEYS = ("lr", "weight_decay", "seed")
 # FRUGAL-based entries with layout "blocks" also take the `param_groups` keys.
@@ -94,7 +94,7 @@ _ENTRIES: dict[str, _Entry] = {
     # The pure baselines are FRUGAL with one group: every tensor state-free (no state at all) or
     # every tensor state-full and never reset (the state-full rule alone).
     "signsgd": _Entry("frugal", "signSGD on every parameter (no state)", {"state_free": "signsgd"},
-                      ("sign_update",) + IMPLEMENTATION_KEYS, "all_state_free"),
+                      IMPLEMENTATION_KEYS, "all_state_free"),
     "sgd": _Entry("frugal", "SGD on every parameter (no state)", {"state_free": "sgd"},
                   IMPLEMENTATION_KEYS, "all_state_free"),
     # Lion's authors run it 3-10x below AdamW's rate (Chen et al., 2023): 1e-4.
@@ -122,8 +122,8 @@ _ENTRIES: dict[str, _Entry] = {
     # (grouping.REST_RULES), as for FRUGAL(model, state_full="muon").
     "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
                    {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
-                   ("betas", "eps", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn",
-                    "state_free_modules", "target_modules", "tensor_order") + IMPLEMENTATION_KEYS),
+                   ("betas", "eps", "momentum", "state_free_modules", "target_modules", "tensor_order")
+                   + IMPLEMENTATION_KEYS),
     "frugal_muon": _Entry("frugal", "FRUGAL with Muon as the state-full rule (block projection)",
                           {"state_full": "muon", "momentum": 0.95}),
     "apollo": _Entry("external", external.DOCS["apollo"]),
@@ -132,9 +132,11 @@ _ENTRIES: dict[str, _Entry] = {
 
 
 def frugal_defaults() -> dict:
-    """Every FRUGAL hyperparameter with its default: the keyword defaults of `FRUGAL.__init__`."""
+    """Every FRUGAL hyperparameter with its default: the keyword defaults of `FRUGAL.__init__` and the
+    registered rules' own options (`rules.option_defaults`)."""
     sig = inspect.signature(FRUGAL.__init__)
-    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    own = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    return {**own, **option_defaults()}
 
 
 def _entry(name: str) -> _Entry:
@@ -159,7 +161,10 @@ def defaults(name: str) -> dict:
     if entry.kind == "external":
         return dict(external.DEFAULTS[name])
     base = {**frugal_defaults(), **GROUPING_DEFAULTS, **entry.preset}
-    keys = set(base) if entry.keys is None else set(entry.keys) | set(COMMON_KEYS)
+    # an entry that lists its keys also takes the options of the rules its preset names
+    rules = [STATE_FULL.get(entry.preset.get("state_full")), STATE_FREE.get(entry.preset.get("state_free"))]
+    own = {k for rule in rules if rule is not None for k in rule.options}
+    keys = set(base) if entry.keys is None else set(entry.keys) | set(COMMON_KEYS) | own
     if entry.layout != "blocks":
         keys -= set(GROUPING_DEFAULTS)
     return {k: base[k] for k in sorted(keys)}

@@ -42,13 +42,14 @@ phases can express).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import factored, kernels, state_precision
+from .checks import HyperparameterError
 from . import fira as _fira
 from . import muon as _muon
 
@@ -206,7 +207,10 @@ class StateFullRule:
     shapes: Callable | None = None  # target shape -> {state name: shape}; None: all the target's
     matrix_only: bool = False  # needs 2-D targets (Adafactor's factors)
     decays_after: bool = False  # weight decay after the update (Hugging Face's AdamW), not before
-    options: tuple[str, ...] = ()  # group keys passed to the rule as keywords (Muon's)
+    # Its own hyperparameters with their defaults (Muon's ns_steps, ...): keywords of FRUGAL(...), of
+    # build_optimizer and of the configs (optimizer.<key>=), passed to foreach and direction as keywords.
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
+    group_keys: tuple[str, ...] = ()  # group keys it also reads as keywords (Muon: transposed)
     gathers: bool = False  # takes whole FSDP2 DTensors (not local shards) and gathers what it needs
     check: Callable | None = None  # group -> None, raises HyperparameterError for what it cannot update
     # Its state may be updated a slice at a time (frugal.state_precision: low-precision moments).
@@ -218,7 +222,7 @@ class StateFullRule:
     bucket_temporaries: int = 0
     # Adam's two moments, which LDAdam's moment transport and error feedback are written for.
     adam_moments: bool = False
-    validate_options: Callable | None = None  # hparams -> hparams: checks and normalises its own keys
+    validate_options: Callable | None = None  # hparams -> hparams: checks and normalises its own options
 
     def init_state(self, state: dict, like: Tensor, shape=None, group: dict | None = None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
@@ -256,8 +260,8 @@ STATE_FULL = {
                                         ("exp_avg", "row", "col"), True, _factored_shapes, True),
     # Muon (frugal/muon.py): one momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz.
     "muon": StateFullRule(_muon.muon_, _muon.muon_direction, ("momentum_buffer",), False,
-                          options=_muon.OPTIONS, gathers=True, check=_muon.check_group, default_momentum=0.95,
-                          validate_options=_muon.check_options),
+                          options=_muon.OPTIONS, group_keys=("transposed",), gathers=True, check=_muon.check_group,
+                          default_momentum=0.95, validate_options=_muon.check_options),
 }
 
 
@@ -267,7 +271,18 @@ def signsgd_(params, grads, *, lr, decay=1.0, sign_update="auto"):
     kernels.sign_update_(params, grads, lr=lr, decay=decay, mode=sign_update)
 
 
-def sgd_(params, grads, *, lr, decay=1.0, sign_update=None):
+def signsgd_direction(g, sign_update="auto"):
+    return torch.sign(g)
+
+
+def _check_sign_update(hparams: dict) -> dict:
+    if "sign_update" in hparams and hparams["sign_update"] not in kernels.SIGN_UPDATES:
+        raise HyperparameterError(f"Invalid sign_update: {hparams['sign_update']!r}; valid choices: "
+                                  f"{', '.join(kernels.SIGN_UPDATES)}")
+    return hparams
+
+
+def sgd_(params, grads, *, lr, decay=1.0):
     """p <- p * decay - lr * g."""
     if params and decay != 1.0:
         torch._foreach_mul_(params, decay)
@@ -275,7 +290,7 @@ def sgd_(params, grads, *, lr, decay=1.0, sign_update=None):
         torch._foreach_add_(params, grads, alpha=-lr)
 
 
-def none_(params, grads, *, lr, decay=1.0, sign_update=None):
+def none_(params, grads, *, lr, decay=1.0):
     """No gradient step on the complement: it is frozen (BAdam) or dropped (GaLore); decoupled
     weight decay still applies to every weight."""
     if params and decay != 1.0:
@@ -356,6 +371,10 @@ class StateFreeRule:
     # Bytes its update allocates for one tensor at a time: (param group, elements, element size) ->
     # bytes (the memory planner): signSGD's sign(g) where the compiled single pass does not run.
     temporary_bytes: Callable[[dict, int, int], int] | None = None
+    # Its own hyperparameters with their defaults, passed to foreach and direction as keywords (as
+    # StateFullRule's), and the check of their values.
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
+    validate_options: Callable | None = None
     # d(g) of each element depends on that element alone (sign, identity): the fast path may hand it the
     # whole gradient of a coordinate projection (phase 5 overwrites the state-full coordinates) and the
     # single-tensor path may update a tensor a chunk at a time. Not declared: it gets the residual (zero
@@ -383,7 +402,7 @@ class StateFreeRule:
             if decay != 1.0:
                 p.mul_(decay)
             if self.direction is not None:
-                p.sub_(self.direction(g), alpha=lr)
+                p.sub_(self.direction(g, **options), alpha=lr)
 
 
 def _eager_sign_bytes(group: dict, numel: int, elem: int) -> int:
@@ -394,17 +413,32 @@ def _eager_sign_bytes(group: dict, numel: int, elem: int) -> int:
 
 
 STATE_FREE = {
-    "signsgd": StateFreeRule(signsgd_, torch.sign, scale_invariant=True,  # sign(c g) = sign(g)
-                             temporary_bytes=_eager_sign_bytes, elementwise=True),
+    "signsgd": StateFreeRule(signsgd_, signsgd_direction, scale_invariant=True,  # sign(c g) = sign(g)
+                             temporary_bytes=_eager_sign_bytes, elementwise=True,
+                             options={"sign_update": "auto"}, validate_options=_check_sign_update),
     "sgd": StateFreeRule(sgd_, lambda g: g, elementwise=True),
     "none": StateFreeRule(none_, None, scale_invariant=True, elementwise=True),  # weight decay only
     # Fira's previous norm: one value per matrix
     "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step,
-                          state_bytes=lambda other_side, elem: elem),
+                          state_bytes=lambda other_side, elem: elem, options={"fira_gamma": 1.01},
+                          validate_options=_fira.check_options),
     # AdaMeM's one-sided statistic (a value per index of the side not reduced) and its int64 counter
     "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state,
                                          state_bytes=lambda other_side, elem: other_side * elem + 8),
 }
+
+
+def keywords(rule, group: dict) -> dict[str, Any]:
+    """What ``rule`` takes from ``group`` as keywords: its options and the group keys it reads (lists,
+    as a config gives them, as tuples)."""
+    names = (*rule.options, *getattr(rule, "group_keys", ()))
+    return {k: tuple(group[k]) if isinstance(group[k], list) else group[k] for k in names}
+
+
+def option_defaults() -> dict[str, Any]:
+    """Every registered rule's own options with their defaults: the keywords of ``FRUGAL(...)`` beyond its
+    signature (a rule in its own module adds its options when it registers)."""
+    return {k: v for rule in (*STATE_FULL.values(), *STATE_FREE.values()) for k, v in rule.options.items()}
 
 
 def register_state_full(name: str, rule: StateFullRule) -> None:

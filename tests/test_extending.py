@@ -20,10 +20,12 @@ from train_utils.memory_plan import plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A researcher's module: RMSprop as the state-full rule (one moment, bias-corrected), and a "soft sign"
-# state-free rule (the gradient scaled by 1/tau and clipped to [-1, 1]: signSGD for large gradients).
+# A researcher's module: RMSprop as the state-full rule (one moment, bias-corrected, with a hyperparameter of
+# its own, rms_beta), and a "soft sign" state-free rule (the gradient scaled by 1/tau and clipped to [-1, 1]:
+# signSGD for large gradients).
 MY_RULES = '''
 import torch
+from frugal import HyperparameterError
 from frugal.rules import StateFreeRule, StateFullRule, register_state_free, register_state_full
 
 
@@ -32,21 +34,28 @@ def _rms_direction(g, v, step, beta2, eps):
     return g / ((v / (1.0 - beta2 ** step.double())).sqrt() + eps)
 
 
-def rmsprop_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
-    """t *= 1 - lr*wd;  v = b2 v + (1-b2) g^2;  t -= lr * g / (sqrt(v / (1 - b2^step)) + eps)."""
+def rmsprop_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0, rms_beta=0.99):
+    """t *= 1 - lr*wd;  v = b v + (1-b) g^2;  t -= lr * g / (sqrt(v / (1 - b^step)) + eps), b = rms_beta."""
     (squares,) = states
     torch._foreach_add_(steps, 1.0)
     for t, g, v, step in zip(targets, grads, squares, steps):
         t.mul_(1.0 - lr * weight_decay)
-        t.sub_(lr * _rms_direction(g, v, step, betas[1], eps))
+        t.sub_(lr * _rms_direction(g, v, step, rms_beta, eps))
 
 
-def rmsprop_direction(grad, state, *, betas, eps, momentum=0.0):
+def rmsprop_direction(grad, state, *, betas, eps, momentum=0.0, rms_beta=0.99):
     state["step"] += 1
-    return _rms_direction(grad, state["exp_avg_sq"], state["step"], betas[1], eps)
+    return _rms_direction(grad, state["exp_avg_sq"], state["step"], rms_beta, eps)
 
 
-def soft_sign_(params, grads, *, lr, decay=1.0, sign_update=None):
+def check_rms_beta(hparams):
+    beta = hparams.get("rms_beta", 0.5)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise HyperparameterError(f"Invalid rms_beta: {beta!r} (expected a number in [0, 1))")
+    return hparams
+
+
+def soft_sign_(params, grads, *, lr, decay=1.0):
     for p, g in zip(params, grads):
         p.mul_(decay).sub_(soft_sign(g), alpha=lr)
 
@@ -56,7 +65,8 @@ def soft_sign(g, tau=1e-3):
 
 
 register_state_full("rmsprop", StateFullRule(rmsprop_, rmsprop_direction, ("exp_avg_sq",), counts_steps=True,
-                                             elementwise=True, nonnegative=("exp_avg_sq",)))
+                                             elementwise=True, nonnegative=("exp_avg_sq",),
+                                             options={"rms_beta": 0.99}, validate_options=check_rms_beta))
 # one temporary of the tensor's size per update (g / tau), for the memory planner
 register_state_free("soft_sign", StateFreeRule(soft_sign_, soft_sign,
                                                temporary_bytes=lambda group, numel, elem: numel * elem))
@@ -78,35 +88,40 @@ register_state_free("rms_sign", StateFreeRule(direction=rms_sign))
 '''
 
 
-def _register(tmp_path, monkeypatch, name, text):
-    """Import the module ``name`` (``text``) from a temporary directory; its registrations are undone after
-    the test (this worker runs other tests next)."""
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
+@pytest.fixture
+def registered(tmp_path, monkeypatch):
+    """``load(name, text)`` imports the module ``name`` (``text``) from a temporary directory; what it
+    registers and the module itself are gone after the test (this worker runs other tests next)."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(rules, "STATE_FULL", dict(rules.STATE_FULL))
-    monkeypatch.setattr(rules, "STATE_FREE", dict(rules.STATE_FREE))
-    for module in ("frugal.optimizer", "frugal.hparams", "frugal.memory", "frugal.reference",
-                   "frugal.state_management", "frugal.in_backward"):
-        for table in ("STATE_FULL", "STATE_FREE"):
-            if hasattr(sys.modules[module], table):
-                monkeypatch.setattr(sys.modules[module], table, getattr(rules, table))
-    sys.modules.pop(name, None)
-    return importlib.import_module(name)
+    tables = {id(t): (t, dict(t)) for t in (rules.STATE_FULL, rules.STATE_FREE)}
+    names = []
+
+    def load(name, text):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
+        names.append(name)
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+    yield load
+    for table, saved in tables.values():
+        table.clear()
+        table.update(saved)
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture
-def my_rules(tmp_path, monkeypatch):
-    yield _register(tmp_path, monkeypatch, "my_rules", MY_RULES)
-    sys.modules.pop("my_rules", None)
+def my_rules(registered):
+    return registered("my_rules", MY_RULES)
 
 
 @pytest.fixture
-def rms_sign(tmp_path, monkeypatch):
-    yield _register(tmp_path, monkeypatch, "rms_sign", RMS_SIGN)
-    sys.modules.pop("rms_sign", None)
+def rms_sign(registered):
+    return registered("rms_sign", RMS_SIGN)
 
 
-HP = dict(lr=2e-3, weight_decay=0.1, density=0.5, update_gap=2, seed=1, state_full="rmsprop", state_free="soft_sign")
+HP = dict(lr=1e-3, weight_decay=0.1, density=0.5, update_gap=2, seed=1, state_full="rmsprop", state_free="soft_sign",
+          rms_beta=0.999)  # not its default
 MODEL = yaml.safe_load((ROOT / "configs" / "model" / "llama_tiny.yaml").read_text())
 VOCAB = 64
 
@@ -178,6 +193,30 @@ def test_new_rules_take_the_reference_path_and_the_step_in_backward(my_rules):
         for twin in twins:
             for p, q in zip(model.parameters(), twin.parameters()):
                 torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:frugal.FRUGAL found no projectable")
+def test_a_rules_own_option_is_a_keyword_everywhere(my_rules):
+    """rms_beta, declared with its default next to the rule: FRUGAL(...), build_optimizer and the registry's
+    defaults (the option files) take it; a bad value or a misspelt key is one line naming the valid ones."""
+    assert frugal.registry.defaults("frugal")["rms_beta"] == 0.99
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    g = torch.randn(4, 3, dtype=torch.float64)
+    before = w.detach().clone()
+    opt = frugal.FRUGAL([w], lr=0.1, state_full="rmsprop", rms_beta=0.5)  # no projectable tensor: all RMSprop
+    w.grad = g.clone()
+    opt.step()
+    v_hat = 0.5 * g * g / (1 - 0.5)  # one step: v = (1 - b) g^2, bias-corrected
+    torch.testing.assert_close(w.detach(), before - 0.1 * g / (v_hat.sqrt() + 1e-8), rtol=1e-12, atol=0)
+    with pytest.raises(frugal.HyperparameterError, match=r"^Invalid rms_beta: 1.5 \(expected a number in \[0, 1\)\)$"):
+        frugal.FRUGAL([w], state_full="rmsprop", rms_beta=1.5)
+    with pytest.raises(frugal.HyperparameterError, match=r"FRUGAL does not take \['rms_betta'\]; valid keys: .*'rms_b"):
+        frugal.FRUGAL([w], state_full="rmsprop", rms_betta=0.5)
+    model = models.build_model(MODEL, vocab_size=VOCAB)
+    with pytest.raises(frugal.HyperparameterError, match=r"does not take \['rms_betta'\]; valid keys .*'rms_beta'"):
+        frugal.build_optimizer(model, "frugal", state_full="rmsprop", rms_betta=0.5)
+    opt = frugal.build_optimizer(model, "frugal", state_full="rmsprop", rms_beta=0.5)
+    assert {g["rms_beta"] for g in opt.param_groups} == {0.5}
 
 
 ROWS, COLS = 1030, 1024  # 1,054,720 elements: above the 2^20 of the single-tensor path's chunks

@@ -132,9 +132,18 @@ def test_defaults_cover_exactly_the_accepted_keys_and_build(name, llama):
 def test_frugal_defaults_are_the_constructor_defaults():
     import inspect
 
+    from frugal.rules import STATE_FREE, STATE_FULL
+
     sig = inspect.signature(frugal.FRUGAL.__init__)
     expected = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    # and the rules' own options (StateFullRule.options, StateFreeRule.options), which FRUGAL(...) takes as keywords
+    options = {k: v for rule in (*STATE_FULL.values(), *STATE_FREE.values()) for k, v in rule.options.items()}
+    assert {"sign_update", "ns_steps", "fira_gamma"} <= set(options) and not set(options) & set(expected)
+    expected.update(options)
     assert registry.frugal_defaults() == expected
+    with pytest.warns(UserWarning, match="no projectable"):
+        opt = frugal.FRUGAL([torch.nn.Parameter(torch.zeros(2))], ns_steps=3)
+    assert set(opt.defaults) == set(expected) and opt.defaults["ns_steps"] == 3
     # presets overlay the constructor defaults
     assert registry.defaults("galore")["projection"] == "svd"
     assert registry.defaults("frugal")["projection"] == expected["projection"]
