@@ -5,57 +5,19 @@
     python scripts/make_tables.py multirun/table15 --format csv        # CSV on stdout
     python scripts/make_tables.py multirun/rho_T --pivot optimizer.density optimizer.update_gap --plot grid.png
 
-Each run directory holds `metrics.jsonl` (written by train.py) and Hydra's `.hydra/` (config.yaml,
-hydra.yaml, overrides.yaml). The table a run belongs to is its `paper.table` (set by the experiment
-presets); its row comes from the optimizer config (method, density, rules...), its column from the
-model size, the schedule, or the evaluation step (Tables 1, 5, 6/7 read the perplexity at 4k/40k/200k...
-steps from the eval rows). Runs without `paper.table` are listed in a plain table.
-
-Every run is printed: nothing is averaged or dropped. A key whose value differs between the runs of a
-table (read from each run's `.hydra/overrides.yaml`: what a multirun swept, e.g. update_gap in a rho x T
-sweep) becomes a CSV column, and where two runs would share a row and column, their row labels are
-extended with those values ("FRUGAL, rho=0.25, update_gap=100"). The CSV also names each run's
-optimizer option (frugal vs frugal_rho0, galore vs galore_original) and run directory.
-
-Cells: `ours` = validation perplexity at the end of the run (the `end` row, else the last eval row);
-`@N` after it means the run stopped at step N, not at the paper's step; `*` means it is not finished;
-`[model]` means the run trained another model than the one the table is about: no difference to the
-paper's number is computed for it. Table 2 also shows the optimizer-state memory we measured
-(`optimizer_state_bytes`, GiB) beside the paper's memory column. Tables 9 and 17, whose memory the
-paper does not print, show the measured memory beside the estimate (`frugal.estimate_state_bytes` of
-the run's optimizer and model, built on the meta device; for a row no run fills, of the row's
-configs/optimizer option: Appendix D's layout, as Table 2's column).
-
-After the cells, each row says what its runs realised and how they were evaluated: `realised rho`, from
-the run's start row (the optimizer's density report: k/L state-full blocks for blockwise runs), and
-`eval` (tokens: our token-weighted loss; authors: the paper's code's mean of per-batch losses,
-eval.mode=authors). A row's label is never a density its run did not realise: a blockwise run whose
-whole layers missed the requested rho is filed under what it realised ("0.0833 (asked 0.0625)"), with
-no difference to the paper. Table 3 also prints the learning rate at the read-out step (as a share of
-the peak, from the run's schedule) and its memory column (weights + optimizer state, GB).
-
-Toy runs (debug=toy, from hydra.yaml's choices, the start row or overrides.yaml) are not the paper's
-runs: a table of them prints no paper or difference column and none of the paper's rows without a run,
-and says so in a note; a toy run in a table of real runs is marked [debug=toy] and gets no difference.
-A row whose run trained with another value than its command line asked (debug=toy writes the update
-gaps it fits to its short run into the saved config) names the request: "T=19 (asked update_gap=200)".
-Cells that are one run repeated (identical resolved configs apart from names, with the density the
-optimizer realised and "no switch" for a constant update gap >= train.steps) are marked [same N].
-
-The sweep view, `--pivot ROW_KEY COL_KEY` (override keys; a key's last part, `density`, does where one
-swept key has it): a grid of final validation perplexity, each cell the mean over its runs (usually
-seeds) with min-max and n, runs without a finite number counted apart. Rows and columns are what the
-runs realised (the start row's density_realised with k/L blocks, "no switch", the model's parameter
-count, what `auto` resolved to, the value in the saved config where debug=toy changed the request),
-with the request after "asked" where it differs; runs that realised the same value share a row. Notes
-under the grid name every other override key that differs inside a cell, cells that count one seed
-twice, cells that are one run repeated, unfinished runs and differing final steps. `--format csv` gives
-one line per cell; `--plot FILE` draws a heatmap. A key no run has: a one-line error naming the keys
-the runs differ in (exit 2).
+Runs are read by train_utils.results.load_runs. A run's table is its `paper.table` (the experiment presets
+set it), its row the optimizer config (a row label is never a density its run did not realise), its column
+the model size, the schedule or the evaluation step; runs without `paper.table` are listed in a plain table.
+Every run is printed, nothing averaged or dropped: a key the runs of a table differ in (a sweep's) becomes a
+CSV column and, where two runs would share a cell, part of their row label. Cell marks: `@N` (read at step N,
+not the paper's), `*` (not finished), `[model]` (another model than the table's: no difference), `[same N]`
+(one run repeated), `[debug=toy]`; toy runs alone get no paper column. Tables 2, 3, 9 and 17 add memory
+columns, each row its realised rho and evaluation mode. `--pivot ROW_KEY COL_KEY` is the sweep view
+(scripts/sweep_view.py): mean final perplexity per cell with min-max and n; `--plot FILE` draws it.
+Everything each column means: docs/results.md.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -70,86 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.paper_tables import GIB, MODEL_OF_SIZE, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
-from train_utils.metrics import read_metrics  # noqa: E402
-from train_utils.naming import parse_overrides, short_labels  # noqa: E402
-
-IGNORED_KEYS = ("experiment",)  # a different preset is a different table already
-
-
-def runs_argument_parser(description: str) -> argparse.ArgumentParser:
-    """The command line shared by the scripts that read run directories."""
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run directories, or folders to search for them (multirun dirs)")
-    return ap
-
-
-def find_runs(paths: list[str], tool: str = "make_tables") -> list[Path]:
-    """Run directories (holding metrics.jsonl) at or below each path, in a stable order."""
-    runs: list[Path] = []
-    for p in map(Path, paths):
-        if (p / "metrics.jsonl").is_file():
-            runs.append(p)
-        elif p.is_dir():
-            runs.extend(sorted(m.parent for m in p.rglob("metrics.jsonl")))
-        else:
-            print(f"{tool}: no run at {p} (expected a directory with metrics.jsonl)", file=sys.stderr)
-    seen, out = set(), []
-    for r in runs:
-        if r.resolve() not in seen:
-            seen.add(r.resolve())
-            out.append(r)
-    return out
-
-
-def load_run(run: Path) -> dict:
-    """Everything the tables need from one run directory."""
-    hydra_dir = run / ".hydra"
-    if not (hydra_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run}: no .hydra/config.yaml (was it written by train.py?)")
-    conf = OmegaConf.load(hydra_dir / "config.yaml")
-    cfg = OmegaConf.to_container(conf, resolve=False)
-    choices = {}
-    if (hydra_dir / "hydra.yaml").is_file():
-        choices = OmegaConf.to_container(OmegaConf.load(hydra_dir / "hydra.yaml").hydra.runtime.choices)
-    overrides = {}
-    if (hydra_dir / "overrides.yaml").is_file():
-        overrides = parse_overrides(OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml")))
-    rows = read_metrics(str(run / "metrics.jsonl"))
-    evals = {r["step"]: r for r in rows if "val_ppl" in r and r.get("event") in (None, "end")}
-    end = next((r for r in reversed(rows) if r.get("event") == "end"), None)
-    last_eval = max(evals.values(), key=lambda r: r["step"]) if evals else None
-    final = end if end is not None and "val_ppl" in end else last_eval
-    state = [r["optimizer_state_bytes"] for r in rows if isinstance(r.get("optimizer_state_bytes"), (int, float))]
-    start = next((r for r in rows if r.get("event") == "start"), None)
-    return {
-        "dir": str(run), "cfg": cfg, "conf": conf, "evals": evals, "finished": end is not None,
-        "final_ppl": final["val_ppl"] if final else None, "final_step": final["step"] if final else None,
-        "state_bytes": max(state) if state else None,
-        "table": (cfg.get("paper") or {}).get("table"), "choices": choices, "overrides": overrides,
-        "option": choices.get("optimizer") or (cfg.get("optimizer") or {}).get("name"),
-        "model": (cfg.get("model") or {}).get("name"), "start": start,
-        "eval_mode": eval_mode(cfg, [r for r in rows if "val_ppl" in r]),
-        "debug": debug_of(choices, overrides, start),
-    }
-
-
-def debug_of(choices: dict, overrides: dict, start: dict | None) -> str | None:
-    """The configs/debug option a run was made with (`toy`), None for a run at its real scale: Hydra's
-    choice (hydra.yaml), else the start row's `debug`, else the command line's override."""
-    for value in (choices.get("debug"), (start or {}).get("debug"), overrides.get("debug")):
-        if value not in (None, "", "null", "None"):
-            return str(value)
-    return None
-
-
-def eval_mode(cfg: dict, evals: list[dict]) -> str:
-    """How the run's perplexities were computed: the `val_mode` its evaluation rows name, else its
-    config's `eval.mode`; runs from before the setting existed evaluated token-weighted ("tokens")."""
-    modes = {str(r["val_mode"]) for r in evals if r.get("val_mode")}
-    if modes:
-        return ", ".join(sorted(modes))
-    return str((cfg.get("eval") or {}).get("mode") or "tokens")
-
+from scripts.sweep_view import (PivotKeyError, pivot, pivot_csv, pivot_figure, pivot_markdown,  # noqa: E402,F401
+                                plot_pivot)
+from train_utils.naming import short_labels  # noqa: E402
+from train_utils.results import (asked_value, debug_of, effective_value, find_runs, load_run,  # noqa: E402,F401
+                                 load_runs, repeats, runs_argument_parser, swept_keys)
 
 def readout_lr(run: dict, step: int | None) -> float | None:
     """The learning rate at `step` as a share of the peak, from the run's schedule (Table 3 reads
@@ -179,25 +66,6 @@ def model_memory_gb(run: dict) -> float | None:
         return None
     precision = ((run["cfg"].get("train") or {}).get("precision"))
     return (start["params"] * (2 if precision == "bf16" else 4) + state) / 1e9
-
-
-def effective_value(run: dict, key: str) -> str:
-    """What `key` was in the run: the group option chosen, else the config value, else the override."""
-    if key in run["choices"]:
-        return str(run["choices"][key])
-    try:
-        value = OmegaConf.select(run["conf"], key, default=None)
-    except Exception:  # an interpolation that only resolves inside a live run
-        value = None
-    if value is None:
-        return run["overrides"].get(key, "")
-    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value).replace("'", "")
-
-
-def swept_keys(runs: list[dict]) -> list[str]:
-    """Override keys whose value differs between `runs` (in first-seen order)."""
-    keys = list(dict.fromkeys(k for r in runs for k in r["overrides"] if k not in IGNORED_KEYS))
-    return [k for k in keys if len({effective_value(r, k) for r in runs}) > 1]
 
 
 def _k(step: int) -> str:
@@ -325,53 +193,6 @@ def _blocks(run: dict) -> str | None:
 def _start_value(run: dict, key: str):
     value = (run.get("start") or {}).get(key)
     return value if isinstance(value, (int, float)) else None
-
-
-NAME_KEYS = ("paper", "wandb")  # what a run is called and filed under, not what it trains
-
-
-def no_switch(conf) -> bool:
-    """True when the run's subspace never changes: a constant optimizer.update_gap of at least
-    train.steps (a toy run of Table 15's T=200..1000) leaves it in its first window throughout."""
-    try:
-        gap, steps = (OmegaConf.select(conf, k, default=None) for k in ("optimizer.update_gap", "train.steps"))
-        growth = OmegaConf.select(conf, "optimizer.update_gap_growth", default=1.0)
-    except Exception:  # an interpolation that only resolves inside a live run
-        return False
-    return isinstance(gap, int) and isinstance(steps, int) and gap >= steps and growth in (None, 1, 1.0)
-
-
-def realised_config(run: dict) -> str:
-    """The run's resolved config without its names (model.name, paper, wandb), with what its optimizer
-    realised in place of what was asked (the density of its blocks; an update gap the run never reaches
-    is no switch at all): two runs with the same text trained the same thing."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = OmegaConf.to_container(run["conf"], resolve=True)
-    except OmegaConfBaseException:  # an interpolation that resolves only inside a live run
-        cfg = OmegaConf.to_container(run["conf"], resolve=False)
-    for key in NAME_KEYS:
-        cfg.pop(key, None)
-    if isinstance(cfg.get("model"), dict):
-        cfg["model"].pop("name", None)
-    start = run.get("start") or {}
-    if isinstance(cfg.get("optimizer"), dict) and start.get("density_realised") is not None:
-        cfg["optimizer"]["density"] = [start["density_realised"], start.get("density_blocks")]
-    if no_switch(run["conf"]):
-        cfg["optimizer"]["update_gap"] = "no switch"
-    return json.dumps(cfg, sort_keys=True, default=str)
-
-
-def repeats(runs: list[dict]) -> dict[str, int]:
-    """{run dir: group number} for runs that are one run repeated (realised_config): toy runs make them,
-    where debug=toy leaves cells differing only in a model's name or in update gaps the short run never
-    reaches. Numbered 1, 2, ... in the runs' order; runs without a twin are not in the result."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for r in runs:
-        groups[realised_config(r)].append(r["dir"])
-    twins = [dirs for dirs in groups.values() if len(dirs) > 1]
-    return {d: i for i, dirs in enumerate(twins, 1) for d in dirs}
 
 
 def model_shape(run: dict) -> str:
@@ -622,345 +443,6 @@ def to_csv(records: list[dict]) -> str:
     return buf.getvalue()
 
 
-# ---- the sweep view: --pivot ROW_KEY COL_KEY --------------------------------------------------------
-# A grid of final validation perplexity over two keys of a sweep: each cell is the mean over the runs that
-# share its row and column (seeds, usually), with their min-max and count; nothing is dropped. Rows and
-# columns are labelled with what the runs report they realised (their start row), not only with what was
-# asked: a requested density of 0.125 that the blocks realise as 4 of 28 tensors is the row 0.1429.
-
-SEED_KEYS = ("train.seed",)  # runs of one cell that differ only in these are what a cell averages
-
-
-class PivotKeyError(ValueError):
-    """A --pivot key that no run has; its message is the command's one-line error."""
-
-
-_ABSENT = object()
-
-
-def lookup(run: dict, key: str) -> str | None:
-    """The run's value of `key` as text (the group option chosen, else the config value, "null" for a
-    null), None when the run has no such key at all."""
-    if key in run["choices"]:
-        return str(run["choices"][key])
-    try:
-        value = OmegaConf.select(run["conf"], key, default=_ABSENT)
-    except Exception:  # an interpolation that only resolves inside a live run
-        value = _ABSENT
-    if value is _ABSENT:
-        return run["overrides"].get(key)
-    return "null" if value is None else effective_value(run, key)
-
-
-def pivot_key(runs: list[dict], key: str) -> str:
-    """The key `--pivot` names: as given (an override's leading + or ~ dropped), or the one key the runs
-    differ in whose last part it is (`density` for optimizer.density)."""
-    key = key.lstrip("+~")
-    if any(lookup(r, key) is not None for r in runs):
-        return key
-    swept = swept_keys(runs)
-    by_leaf = [k for k in swept if k.rsplit(".", 1)[-1] == key]
-    if len(by_leaf) == 1:
-        return by_leaf[0]
-    raise PivotKeyError(f"--pivot: no run has the key {key!r}; the runs differ in: "
-                        f"{', '.join(swept) if swept else 'no key (one configuration)'}")
-
-
-def _number(text) -> float | None:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _num_text(x: float) -> str:
-    return f"{round(x, 4):g}"
-
-
-def realised(run: dict, key: str, asked: str) -> dict | None:
-    """What the run realised for `key`, None when nothing tells: {"text", "number" (to sort by), "names"
-    (the text names the request already), "how" (for the note under the grid)}. `optimizer.X` from the
-    start row's `X_realised` (the density the optimizer's blocks realise), an update gap the run never
-    reaches (no switch), the model with the parameter count it built, an `auto` train.X from the start
-    row's X (the micro-batch, the precision it resolved to)."""
-    start, leaf = run.get("start") or {}, key.rsplit(".", 1)[-1]
-    got = start.get(f"{leaf}_realised")
-    if key.startswith("optimizer.") and isinstance(got, (int, float)):
-        how = f"the start row's {leaf}_realised" + (" (k/L: state-full blocks)" if leaf == "density" else "")
-        return {"text": _num_text(got), "number": float(got), "names": False, "how": how}
-    if key == "optimizer.update_gap" and no_switch(run["conf"]):
-        return {"text": f"{asked} (no switch)", "number": _number(asked), "names": True,
-                "how": "no switch: update_gap >= train.steps, the subspace never changes in the run"}
-    if key == "model" and isinstance(start.get("params"), int):
-        return {"text": f"{asked} ({start['params'] / 1e6:.3g}M params)", "number": float(start["params"]),
-                "names": True, "how": "the parameter count of the model it built (start row)"}
-    if key.startswith("train.") and asked == "auto" and start.get(leaf) is not None:
-        return {"text": str(start[leaf]), "number": _number(start[leaf]), "names": False,
-                "how": "what auto resolved to (start row)"}
-    return None
-
-
-def same_value(a, b) -> bool:
-    """Two spellings of one value: 0.001 and 1e-3, False and false."""
-    na, nb = _number(a), _number(b)
-    if na is not None and nb is not None:
-        return _num_text(na) == _num_text(nb)
-    return str(a).lower() == str(b).lower()
-
-
-def asked_value(run: dict, key: str) -> tuple[str | None, str | None]:
-    """(the run's value of `key` in its saved config, the command line's request where that differs):
-    debug=toy writes the values its run trains with into the config (update gaps fitted to 200 steps),
-    and the request stays in overrides.yaml."""
-    value = lookup(run, key)
-    asked = run["overrides"].get(key)
-    if key not in run["choices"] and _is_node(run, key):
-        asked = None  # a group option (optimizer=galore) of a run without hydra.yaml: nothing to compare
-    return value, asked if value is not None and asked is not None and not same_value(asked, value) else None
-
-
-def _is_node(run: dict, key: str) -> bool:
-    try:
-        return OmegaConf.is_config(OmegaConf.select(run["conf"], key, default=None))
-    except Exception:  # an interpolation that only resolves inside a live run
-        return False
-
-
-def axis_value(run: dict, key: str) -> dict:
-    """Where a run sits on a pivot axis: its label text, the number it sorts by, the value asked, whether
-    that differs from the label, and k/L state-full blocks for a density."""
-    value, request = asked_value(run, key)
-    if value is None:
-        return {"text": "unset", "number": None, "asked": "unset", "differs": False, "blocks": None}
-    asked = request or value
-    got = realised(run, key, value) or {"text": value, "number": _number(value), "names": True}
-    differs = request is not None or (not got["names"] and not same_value(asked, got["text"]))
-    blocks = _blocks(run) if key.endswith("density") else None
-    return {"text": got["text"], "number": got["number"], "asked": asked, "differs": differs, "blocks": blocks}
-
-
-def _axis(runs: list[dict], key: str) -> tuple[dict[str, str], list[str], dict[str, float | None]]:
-    """{run dir: label}, the labels in order (numbers ascending, then texts, unset last), {label: number}.
-    Runs that realised the same value share a label, which lists every value they asked if one differs."""
-    values = {r["dir"]: axis_value(r, key) for r in runs}
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for v in values.values():
-        groups[v["text"]].append(v)
-    label = {}
-    for text, vs in groups.items():
-        parts = [_joined(v["blocks"] for v in vs)]
-        if any(v["differs"] for v in vs):
-            asked = sorted({v["asked"] for v in vs}, key=lambda a: (_number(a) is None, _number(a) or 0.0, a))
-            parts.append("asked " + ", ".join(asked))
-        extra = "; ".join(p for p in parts if p)
-        label[text] = f"{text} ({extra})" if extra else text
-    order = sorted(groups, key=lambda t: (t == "unset", groups[t][0]["number"] is None,
-                                          groups[t][0]["number"] or 0.0, t))
-    return ({d: label[v["text"]] for d, v in values.items()}, [label[t] for t in order],
-            {label[t]: groups[t][0]["number"] for t in order})
-
-
-def cell_stats(runs: list[dict]) -> dict:
-    """Mean, min and max of the runs' final validation perplexity and how many runs they are; runs without
-    a finite number yet (no evaluation, or a diverged inf/nan) are counted apart, not averaged."""
-    ppl = [float(r["final_ppl"]) for r in runs if _number(r["final_ppl"]) is not None]
-    no_eval = sum(r["final_ppl"] is None for r in runs)
-    return {"mean": math.fsum(ppl) / len(ppl) if ppl else None, "min": min(ppl, default=None),
-            "max": max(ppl, default=None), "n": len(ppl), "no_eval": no_eval,
-            "non_finite": len(runs) - len(ppl) - no_eval,
-            "unfinished": sum(not r["finished"] and r["final_ppl"] is not None for r in runs),
-            "steps": sorted({r["final_step"] for r in runs if r["final_step"] is not None}),
-            "runs": [r["dir"] for r in runs]}
-
-
-def pivot(runs: list[dict], row_key: str, col_key: str) -> dict:
-    """The sweep view of `runs`: rows by `row_key`, columns by `col_key` (override keys: optimizer.density,
-    train.seed, model...); raises PivotKeyError for a key no run has."""
-    row_key, col_key = pivot_key(runs, row_key), pivot_key(runs, col_key)
-    if row_key == col_key:
-        raise PivotKeyError(f"--pivot: give two different keys (both name {row_key})")
-    row_of, rows, row_values = _axis(runs, row_key)
-    col_of, cols, col_values = _axis(runs, col_key)
-    members: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for r in runs:
-        members[(row_of[r["dir"]], col_of[r["dir"]])].append(r)
-    cells = {rc: cell_stats(rs) for rc, rs in members.items()}
-    return {"row_key": row_key, "col_key": col_key, "rows": rows, "cols": cols, "row_values": row_values,
-            "col_values": col_values, "cells": cells, "notes": _pivot_notes(runs, members, cells, row_key, col_key),
-            "debug": sorted({r["debug"] for r in runs if r["debug"]})}
-
-
-def _pivot_notes(runs: list[dict], members: dict, cells: dict, row_key: str, col_key: str) -> list[str]:
-    """The lines under the grid: how its labels were read, and everything a cell's mean hides."""
-    notes = []
-    for axis, key in (("rows", row_key), ("columns", col_key)):
-        how = [(realised(r, key, lookup(r, key) or "") or {}).get("how") for r in runs]
-        if any(asked_value(r, key)[1] is not None for r in runs):
-            how.append("the value in the run's saved config where the command line asked another: debug=toy "
-                       "fits update gaps to its run")
-        if any(how):
-            notes.append(f"{axis} ({key}): what the runs realised ({_joined(how)}); the value asked after 'asked' "
-                         f"where it differs")
-    others = [k for k in dict.fromkeys(k for r in runs for k in r["overrides"])
-              if k not in (row_key, col_key, *SEED_KEYS)]
-    for key in others:  # what else a cell averages over, besides the seed
-        split = {rc: {effective_value(r, key) for r in rs} for rc, rs in members.items()}
-        split = {rc: vals for rc, vals in split.items() if len(vals) > 1}
-        if split:
-            values = ", ".join(sorted(set().union(*split.values())))
-            notes.append(f"note: {len(split)} of {len(members)} cells average runs that also differ in {key} "
-                         f"({values}), not only in the seed: pivot on it, or give the runs of one value")
-    twice = [rc for rc, rs in members.items()
-             if len({tuple(effective_value(r, k) for k in [*others, *SEED_KEYS]) for r in rs}) < len(rs)]
-    if twice:
-        notes.append(f"note: {len(twice)} cells count runs of the same seed and settings more than once (reruns, "
-                     f"copies, or requests realised alike): {'; '.join(f'{r} / {c}' for r, c in twice)}")
-    notes += _repeated_across_cells(runs, members)
-    if any(c["unfinished"] for c in cells.values()):
-        notes.append("*: the cell includes runs that have not finished (their last evaluation is used)")
-    steps = sorted({s for c in cells.values() for s in c["steps"]})
-    if len(steps) > 1:
-        notes.append(f"note: the runs' final evaluations are at different steps ({', '.join(map(str, steps))})")
-    debug = sorted({r["debug"] for r in runs if r["debug"]})
-    if debug:
-        notes.append(f"toy runs ({', '.join(f'debug={d}' for d in debug)}): shrunk models and budgets, "
-                     f"not comparable to the paper's numbers")
-    return notes
-
-
-def _repeated_across_cells(runs: list[dict], members: dict) -> list[str]:
-    """Cells whose runs are one run repeated (make_tables.repeats: identical configs once realised), such
-    as the update gaps a toy run never reaches: their numbers are no comparison."""
-    twins = repeats(runs)
-    cell_of = {r["dir"]: rc for rc, rs in members.items() for r in rs}
-    spans: dict[tuple, int] = defaultdict(int)  # the cells one run spans -> for how many seeds
-    for n in set(twins.values()):
-        cells = tuple(dict.fromkeys(cell_of[d] for d, m in twins.items() if m == n))
-        if len(cells) > 1:
-            spans[cells] += 1
-    return [f"note: cells {'; '.join(f'{r} / {c}' for r, c in cells)} hold one run repeated (identical configs "
-            f"apart from names, once realised{f', for each of {k} seeds' if k > 1 else ''})"
-            for cells, k in spans.items()]
-
-
-def pivot_cell_text(c: dict | None) -> str:
-    """"24.05 (24.00-24.10, n=2)": mean (min-max, n runs averaged); a single run: "24.10 (n=1)"."""
-    if c is None:
-        return ""
-    parts = []
-    if c["n"]:
-        spread = f"{c['min']:.2f}-{c['max']:.2f}, " if c["n"] > 1 else ""
-        parts.append(f"{c['mean']:.2f} ({spread}n={c['n']})" + ("*" if c["unfinished"] else ""))
-    if c["no_eval"]:
-        parts.append(f"{c['no_eval']} no eval yet")
-    if c["non_finite"]:
-        parts.append(f"{c['non_finite']} non-finite")
-    return "; ".join(parts)
-
-
-def pivot_markdown(grid: dict) -> str:
-    short = short_labels([grid["row_key"], grid["col_key"]])
-    head = [f"{short[grid['row_key']]} \\ {short[grid['col_key']]}", *grid["cols"]]
-    out = io.StringIO()
-    out.write(f"### Final validation perplexity: {grid['row_key']} (rows) x {grid['col_key']} (columns)\n\n"
-              "cell: mean of the runs' final validation perplexity (min-max over the runs, n = runs averaged)\n\n")
-    out.write("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-    for row in grid["rows"]:
-        texts = [pivot_cell_text(grid["cells"].get((row, col))) for col in grid["cols"]]
-        out.write("| " + " | ".join([row, *texts]) + " |\n")
-    out.write("".join(f"\n{n}\n" for n in grid["notes"]))
-    return out.getvalue()
-
-
-PIVOT_CSV_FIELDS = ["row_key", "row", "row_value", "col_key", "col", "col_value", "mean_ppl", "min_ppl", "max_ppl",
-                    "n", "no_eval", "non_finite", "unfinished", "steps", "runs"]
-
-
-def pivot_csv(grid: dict) -> str:
-    """One line per cell that has runs (long format: `row_value`/`col_value` are the numbers to plot by)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=PIVOT_CSV_FIELDS)
-    w.writeheader()
-    for row in grid["rows"]:
-        for col in grid["cols"]:
-            c = grid["cells"].get((row, col))
-            if c is None:
-                continue
-            d = {"row_key": grid["row_key"], "row": row, "row_value": grid["row_values"][row],
-                 "col_key": grid["col_key"], "col": col, "col_value": grid["col_values"][col], "mean_ppl": c["mean"],
-                 "min_ppl": c["min"], "max_ppl": c["max"], "n": c["n"], "no_eval": c["no_eval"],
-                 "non_finite": c["non_finite"], "unfinished": c["unfinished"],
-                 "steps": " ".join(map(str, c["steps"])), "runs": " ".join(c["runs"])}
-            w.writerow({k: "" if v is None else v for k, v in d.items()})
-    return buf.getvalue()
-
-
-def pivot_figure(grid: dict):
-    """The grid as a heatmap (a matplotlib Figure on the Agg canvas): colour = mean perplexity (lighter is
-    lower), each cell annotated with its mean, min-max and n; grey = no run."""
-    import numpy as np
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import LogNorm, Normalize
-    from matplotlib.figure import Figure
-
-    rows, cols = grid["rows"], grid["cols"]
-    means = np.array([[_cell_mean(grid["cells"].get((r, c))) for c in cols] for r in rows], dtype=float)
-    toy = f"; {', '.join(f'debug={d}' for d in grid['debug'])} runs" if grid["debug"] else ""
-    title = [f"final validation perplexity: {grid['row_key']} x {grid['col_key']}", f"mean over runs (min-max, n){toy}"]
-    width = max(5.0, 1.0 + 0.11 * max(map(len, rows)) + 1.5 * len(cols), 0.09 * max(map(len, title)))
-    fig = Figure(figsize=(width, max(3.0, 1.8 + 0.8 * len(rows))), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    finite = means[np.isfinite(means)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 2.0)
-    # a diverged corner would wash out the rest on a linear scale
-    norm = LogNorm(lo, hi) if lo > 0 and hi / lo > 3 else Normalize(lo, hi if hi > lo else lo + 1e-9)
-    cmap = colormaps["viridis_r"].with_extremes(bad="0.88")
-    image = ax.imshow(np.ma.masked_invalid(means), cmap=cmap, norm=norm, aspect="auto")
-    for i, row in enumerate(rows):
-        for j, col in enumerate(cols):
-            c = grid["cells"].get((row, col))
-            if c is None:
-                continue
-            rgb = cmap(norm(means[i, j]))[:3] if np.isfinite(means[i, j]) else (0.88,) * 3
-            dark = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 0.5
-            ax.text(j, i, _figure_cell_text(c), ha="center", va="center", fontsize=9,
-                    color="white" if dark else "black")
-    long = max(map(len, cols)) > 8  # long column labels would overlap: slant them
-    ax.set_xticks(range(len(cols)), cols, rotation=20 if long else 0, ha="right" if long else "center")
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel(grid["col_key"])
-    ax.set_ylabel(grid["row_key"])
-    fig.suptitle("\n".join(title), fontsize=10)
-    fig.colorbar(image, ax=ax, label="mean final validation perplexity")
-    return fig
-
-
-def _cell_mean(c: dict | None) -> float:
-    return c["mean"] if c is not None and c["mean"] is not None else float("nan")
-
-
-def _figure_cell_text(c: dict) -> str:
-    lines = []
-    if c["n"]:
-        lines.append(f"{c['mean']:.2f}" + ("*" if c["unfinished"] else ""))
-        if c["n"] > 1:
-            lines.append(f"{c['min']:.2f}-{c['max']:.2f}")
-        lines.append(f"n={c['n']}")
-    if c["no_eval"] or c["non_finite"]:
-        lines.append(" ".join(filter(None, [f"{c['no_eval']} no eval" if c["no_eval"] else "",
-                                            f"{c['non_finite']} non-finite" if c["non_finite"] else ""])))
-    return "\n".join(lines)
-
-
-def plot_pivot(grid: dict, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pivot_figure(grid).savefig(path, dpi=120)
-    return path
-
-
 def main(argv=None) -> int:
     ap = runs_argument_parser(__doc__)
     ap.add_argument("--format", choices=["markdown", "csv"], default="markdown", help="what to print")
@@ -975,11 +457,10 @@ def main(argv=None) -> int:
         print("make_tables: --plot draws the --pivot grid; give --pivot ROW_KEY COL_KEY "
               "(curves of runs: scripts/plot_runs.py)", file=sys.stderr)
         return 2
-    dirs = find_runs(args.runs)
-    if not dirs:
+    runs = load_runs(args.runs, "make_tables")
+    if not runs:
         print("make_tables: no runs found", file=sys.stderr)
         return 1
-    runs = [load_run(d) for d in dirs]
     if args.pivot:
         try:
             grid = pivot(runs, *args.pivot)

@@ -3,12 +3,12 @@
     python scripts/plot_runs.py multirun/2025-01-01/12-00-00 --out table15.png
     python scripts/plot_runs.py runs/a runs/b --out cmp.png --smooth 50 --logy
 
-Each curve is labelled by the values of the keys the runs differ in (what a sweep varied, read from
-each run's `.hydra/overrides.yaml` as make_tables.py does), in short form: `density=0.25 update_gap=200
-seed=1`. What every run shares (model, optimizer option, debug=toy) is the figure's title instead,
-unless --title gives one. Runs that differ in no override key (runs launched one by one) are labelled
-by method, rho and T, plus the model where it differs; two runs that would still look alike get their
-directory. Runs are found as in make_tables.py (directories holding metrics.jsonl, searched recursively).
+Each curve is labelled by the values of the keys the runs differ in (what a sweep varied, from each run's
+`.hydra/overrides.yaml`), in short form: `density=0.25 update_gap=200 seed=1`. What every run shares (model,
+optimizer option, debug=toy) is the figure's title instead, unless --title gives one. Runs that differ in no
+override key (runs launched one by one) are labelled by method, rho and T, plus the model where it differs;
+two runs that would still look alike get their directory. Runs are found and read by train_utils.results,
+as for make_tables.py (directories holding metrics.jsonl, searched recursively).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.make_tables import asked_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
 from scripts.paper_tables import method  # noqa: E402
 from train_utils.metrics import read_metrics  # noqa: E402
 from train_utils.naming import short_labels  # noqa: E402
+from train_utils.results import asked_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
 
 
 def label(run: dict, swept: list[str], with_model: bool) -> str:

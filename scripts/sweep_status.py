@@ -47,6 +47,7 @@ import yaml
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hydra_plugins/: the repository's sweeper
+from train_utils.results import final_evaluation  # noqa: E402
 # The file names train.py writes (train_utils/metrics.py, train_utils/run_lock.py); not imported from
 # there, because those modules import torch: seconds per call of a status meant to take well under one.
 METRICS_FILE, LOG_FILE, LOCK_FILE = "metrics.jsonl", "train.log", "run.lock"
@@ -340,8 +341,9 @@ def job_status(job: Job, hydra_cfg: dict, sweep: Path, now: float, stale_after_s
     rows = tail_rows(run_dir / METRICS_FILE)
     end = next((r for r in reversed(rows) if r.get("event") == "end"), None)
     if end is not None:
-        return {**out, "state": "done", "step": end.get("step"), "val_loss": end.get("val_loss"),
-                "val_ppl": end.get("val_ppl")}
+        final = final_evaluation(rows) or end  # the final evaluation, as make_tables reads it
+        return {**out, "state": "done", "step": final.get("step"), "val_loss": final.get("val_loss"),
+                "val_ppl": final.get("val_ppl")}
     lock, holder = lock_state(run_dir)
     submitit = submitit_paths(hydra_cfg, sweep, job.job_id)
     out.update(progress_of(rows, total_steps(run_dir)), idle_s=max(0.0, now - last_write(run_dir)), lock=lock,

@@ -8,8 +8,9 @@ The convention (README and docs authors: this is all there is to it):
 - A command block is a code block (indented or fenced) whose first line starts with `python`,
   `torchrun`, `accelerate`, `sbatch` or `pip`; `\\` continues a line, `#` starts a comment, `&&` chains.
   Other blocks (the layout tree) are text. A fenced ```python block is executed as Python with `model`
-  bound to a tiny LLaMA (the library example's "your model"); a sketch that cannot run on its own (it
-  names a `cfg` it never builds) is fenced without a language, as text.
+  bound to a tiny LLaMA (the library example's "your model"), in a directory where `multirun/table15`
+  holds three jobs of the README's toy sweep (made up: docs/results.md's own table reads them); a sketch
+  that cannot run on its own (it names a `cfg` it never builds) is fenced without a language, as text.
 - Every command block runs, its commands in order, in a fresh working directory (so relative outputs
   such as `multirun/table15` are the block's own), with `train.py`, `eval.py` and `scripts/` taken from
   the repository and the Hub, wandb and the network off. Each `python script.py` command is its own
@@ -231,8 +232,14 @@ def test_readme_python_block_runs(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     import torch
     import yaml
+    from test_sweep_view import write_run
 
     import models
+
+    for job, gap in enumerate((10, 50, 200)):  # python train.py -m experiment=table15_update_gap debug=toy ...
+        write_run(tmp_path / "multirun" / "table15", str(job), ["experiment=table15_update_gap",
+                  f"optimizer.update_gap={gap}", "debug=toy"], ppl=30.0 - job, table="table15_update_gap",
+                  optimizer={"update_gap": gap}, debug="toy")
 
     torch.manual_seed(0)
     cfg = yaml.safe_load((ROOT / "configs" / "model" / "llama_tiny.yaml").read_text())

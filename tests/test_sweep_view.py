@@ -176,6 +176,29 @@ def test_plot_is_a_heatmap_with_every_cell_annotated(sweep, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+# ---- train_utils.results.load_runs: the records every program reads ---------------------------------
+def test_load_runs_gives_each_run_its_sweep_values_config_density_evaluation_and_state(tmp_path):
+    from train_utils.results import load_runs
+
+    sweep_run(tmp_path, 0.25, 200, 0, 26.5)
+    sweep_run(tmp_path, 0.125, 50, 1, 30.0, finished=False)  # stopped halfway: its last evaluation counts
+    sweep_run(tmp_path, 0.125, 200, 2, None, finished=False)  # no evaluation yet
+    runs = load_runs([str(tmp_path)])
+    done, half, fresh = sorted(runs, key=lambda r: r["swept"]["train.seed"])  # typed: 0, 1, 2
+    assert done["swept"] == {"optimizer.density": 0.25, "optimizer.update_gap": 200, "train.seed": 0}
+    assert half["swept"] == {"optimizer.density": 0.125, "optimizer.update_gap": 50, "train.seed": 1}
+    assert done["config"]["optimizer"]["seed"] == 0 and half["config"]["optimizer"]["seed"] == 1  # resolved
+    assert half["cfg"]["optimizer"]["seed"] == "${train.seed}"  # as saved
+    assert (done["density_realised"], done["density_blocks"]) == (7 / 28, (7, 28))
+    assert (half["density_realised"], half["density_blocks"]) == (4 / 28, (4, 28))  # 0.125 x 28 tensors -> 4
+    assert (done["final_ppl"], done["final_step"], done["finished"]) == (26.5, 2000, True)
+    assert done["final_loss"] == pytest.approx(math.log(26.5))
+    assert (half["final_ppl"], half["final_step"], half["finished"]) == (30.0, 1000, False)
+    assert fresh["final_ppl"] is fresh["final_loss"] is fresh["final_step"] is None and not fresh["finished"]
+    assert done["state_bytes"] == half["state_bytes"] == 4096 and done["debug"] == "toy"
+    assert load_runs([str(tmp_path / "nowhere")]) == []
+
+
 # ---- plot_runs.py: a legend of the swept values ---------------------------------------------------
 def test_plot_runs_legend_is_the_swept_values(tmp_path):
     for density, gap, seed in [(0.25, 200, 0), (0.25, 200, 1), (0.125, 100, 1)]:

@@ -19,6 +19,7 @@
 - sweep_check: every job of a sweep checked before the first starts
 - toy: debug=toy's update gaps fitted to the toy run
 - naming: run directories, wandb names and groups
+- results: runs as records (`load_runs`) for the tables, the plots, sweep status and your own tables
 - state_free_comm: train.state_free_comm, FRUGAL's state-free part as a one-bit vote under DDP (frugal.comm)
 
 configs/ composes with plain Hydra; importing the package registers the run-directory resolvers
