@@ -18,9 +18,11 @@ Definitions (``majority_vote`` is the one-process reference of all of them):
 
 - A rank's sign of an element is +1 where its gradient is > 0 and -1 elsewhere (a zero, and a NaN,
   send -1: one bit has no room for sign(0) = 0). The vote is +1 where more ranks sent +1 than -1,
-  -1 where fewer did. A tie (an even number of ranks) takes the sign sent by the rank that counts
-  that element's votes (its owner, below): as if the owner's vote weighed 1.5, so no fixed rank
-  breaks every tie. The vote is never 0: a coordinate whose gradient is exactly 0 on most ranks
+  -1 where fewer did. A tie (an even number of ranks) takes the sign sent by rank (i + k) mod W for
+  element i (flat index) of the parameter at position k among the optimizer's (``tie_ranks``): as if
+  that rank's vote weighed 1.5. The rule depends on the element alone, not on DDP's buckets (which
+  DDP rebuilds after a run's first iteration: a resumed run votes as the uninterrupted one), and no
+  rank breaks every tie. The vote is never 0: a coordinate whose gradient is exactly 0 on most ranks
   moves by the learning rate where ``exact`` would leave it (with ``exact``, sign(0) = 0).
 - Which tensors are voted: those wholly state-free in this step's window (``FRUGAL.next_roles()``:
   inactive blocks, ``always_state_free`` groups) whose state-free rule is ``signsgd``. Every other
@@ -106,25 +108,44 @@ def chunk_layout(n: int, world: int) -> tuple[int, int]:
     return e, e // 8
 
 
-def vote_chunk(bits: Tensor, owner: Tensor) -> Tensor:
-    """The vote on one chunk: ``bits`` (W, e) are the ranks' signs, ``owner`` (e,) the counting
-    rank's (it breaks ties). True: +1."""
+def vote_chunk(bits: Tensor, tie: Tensor) -> Tensor:
+    """The vote on one chunk: ``bits`` (W, e) are the ranks' signs, ``tie`` (e,) the rank whose sign
+    breaks each element's tie. True: +1."""
     world = bits.shape[0]
-    ones = bits.sum(0, dtype=torch.int32)
-    margin = 2 * ones - world
-    return torch.where(margin == 0, owner, margin > 0)
+    margin = 2 * bits.sum(0, dtype=torch.int32) - world
+    return torch.where(margin == 0, bits.gather(0, tie.reshape(1, -1)).reshape(-1), margin > 0)
 
 
-def majority_vote(grads: list[Tensor] | Tensor) -> Tensor:
-    """The one-process reference of the hook's vote on one bucket's voted elements: ``grads`` holds
-    W ranks' flat gradients (equal lengths n; a (W, n) tensor or a list). Returns the vote as
-    float32 +-1 (n,), with the hook's padding, chunks and tie-break by each chunk's owner."""
+def tie_ranks(numels: list[int], idents: list[int], world: int, start: int = 0, stop: int | None = None,
+              device=None) -> Tensor:
+    """The tie-breaking rank of elements ``start:stop`` of parameters laid end to end (their sizes
+    ``numels``, their positions ``idents`` among the optimizer's): (i + ident) mod W for element i of
+    its parameter; 0 past the end (padding)."""
+    stop = sum(numels) if stop is None else stop
+    out = torch.zeros(stop - start, dtype=torch.long, device=device)
+    offset = 0
+    for k, ident in zip(numels, idents):
+        lo, hi = max(start, offset), min(stop, offset + k)
+        if lo < hi:
+            out[lo - start:hi - start] = (torch.arange(lo - offset, hi - offset, device=device) + ident) % world
+        offset += k
+    return out
+
+
+def majority_vote(grads: list[Tensor] | Tensor, tie: Tensor | None = None) -> Tensor:
+    """The one-process reference of the hook's vote: ``grads`` holds W ranks' flat gradients (equal
+    lengths n; a (W, n) tensor or a list), ``tie`` (n,) each element's tie-breaking rank
+    (``tie_ranks``; default: element i's is i mod W, one parameter at position 0). Returns the vote as
+    float32 +-1 (n,), through the hook's padding and chunks."""
     stacked = grads if isinstance(grads, Tensor) else torch.stack([g.reshape(-1) for g in grads])
     world, n = stacked.shape
+    tie = tie_ranks([n], [0], world, device=stacked.device) if tie is None else tie
     e, _ = chunk_layout(n, world)
     bits = torch.zeros(world, e * world, dtype=torch.bool, device=stacked.device)
     bits[:, :n] = sign_bits(stacked)
-    votes = torch.cat([vote_chunk(bits[:, r * e:(r + 1) * e], bits[r, r * e:(r + 1) * e]) for r in range(world)])
+    ties = torch.zeros(e * world, dtype=torch.long, device=stacked.device)
+    ties[:n] = tie
+    votes = torch.cat([vote_chunk(bits[:, r * e:(r + 1) * e], ties[r * e:(r + 1) * e]) for r in range(world)])
     return votes[:n].float() * 2 - 1
 
 
@@ -153,7 +174,7 @@ class CommStats:
 @dataclass
 class _Record:
     step: int
-    voted: frozenset  # ids of the voted parameters
+    voted: dict  # {id of a voted parameter: its position among the optimizer's (ties)}
     stats: CommStats = field(default_factory=CommStats)
     free_sq: Tensor | None = None  # this rank's squared local norm of its voted gradients
     bound: Tensor | None = None  # the all-reduced bound B (after the last bucket)
@@ -189,10 +210,10 @@ class VoteHook:
         self._handle = self.optimizer.register_step_pre_hook(self._check_step)
 
     # ---- roles ---------------------------------------------------------------------------------
-    def voted_params(self) -> frozenset:
-        """Ids of the parameters voted in the optimizer's next step."""
-        return frozenset(id(t.param) for t in self.optimizer.next_roles()
-                         if t.role == FREE and t.group["state_free"] in VOTED_RULES)
+    def voted_params(self) -> dict:
+        """{id: position among the optimizer's parameters} of those voted in the optimizer's next step."""
+        return {id(t.param): t.ident for t in self.optimizer.next_roles()
+                if t.role == FREE and t.group["state_free"] in VOTED_RULES}
 
     def _check_step(self, optimizer, args, kwargs) -> None:
         record, self._record = self._record, None
@@ -267,7 +288,8 @@ class VoteHook:
             packed = pack_bits(bits)
             received = torch.empty_like(packed)
             work = dist.all_to_all_single(received, packed, group=self.group, async_op=True)
-            entry["free"] = (free, n, e, c, bits[self.rank * e:(self.rank + 1) * e], received, work)
+            idents = [record.voted[id(p)] for p, v in zip(params, voted) if v]
+            entry["free"] = (free, n, e, c, idents, received, work)
             record.stats.vote_bytes += 2 * (world - 1) * c  # this all-to-all and the all-gather
             record.stats.voted_elements += n
         return entry
@@ -278,9 +300,11 @@ class VoteHook:
         dist, record = self.dist, self._record
         for entry, fut in self._pending:
             if "free" in entry:
-                free, n, e, c, own, received, work = entry["free"]
+                free, n, e, c, idents, received, work = entry["free"]
                 work.wait()
-                votes = pack_bits(vote_chunk(unpack_bits(received).reshape(self.world, e), own))
+                tie = tie_ranks([g.numel() for g in free], idents, self.world, self.rank * e, (self.rank + 1) * e,
+                                device=received.device)
+                votes = pack_bits(vote_chunk(unpack_bits(received).reshape(self.world, e), tie))
                 gathered = torch.empty(c * self.world, dtype=torch.uint8, device=votes.device)
                 _all_gather(gathered, votes, self.group)
                 signs = unpack_bits(gathered, n)
@@ -312,7 +336,7 @@ class VoteHook:
         """The norm the state-full update is clipped with (module docstring): exact tensors' norm
         combined with the bound B of the voted ones; identical on every rank. Votes are not read."""
         record = self._record
-        voted = record.voted if record is not None else frozenset()
+        voted = record.voted if record is not None else {}
         exact = [p.grad for p in params if p.grad is not None and id(p) not in voted]
         parts = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in exact]
         if record is not None and record.bound is not None:
@@ -327,7 +351,7 @@ class VoteHook:
         norm = self.grad_norm(params)
         if max_norm:
             record = self._record
-            voted = record.voted if record is not None else frozenset()
+            voted = record.voted if record is not None else {}
             exact = [p for p in params if p.grad is not None and id(p) not in voted]
             torch.nn.utils.clip_grads_with_norm_(exact, max_norm, norm, foreach=True)
         return norm

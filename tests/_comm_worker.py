@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from frugal import FRUGAL
-from frugal.comm import RoleMismatchError, attach_vote, majority_vote, ring_bytes
+from frugal.comm import RoleMismatchError, attach_vote, majority_vote, ring_bytes, tie_ranks
 
 D, LAYERS, STEPS = 13, 4, 5
 
@@ -85,12 +85,14 @@ def main(out_dir: str) -> None:
         row["exact_count"] = sum(id(p) not in voted_ids for p in params)
         # voted tensors: the reference vote of every bucket, on the ranks' local gradients
         position = {id(p): i for i, p in enumerate(params)}
+        ident = {id(t.param): t.ident for t in opt.next_roles()}
         same, ties, zeros = True, 0, 0
         for bucket in voted:
             if not bucket:
                 continue
             locals_ = torch.cat([flat_all_gather(local_params[position[id(p)]].grad, world) for p in bucket], dim=1)
-            expected = majority_vote(locals_)
+            expected = majority_vote(locals_, tie_ranks([p.numel() for p in bucket], [ident[id(p)] for p in bucket],
+                                                        world))
             got = torch.cat([p.grad.reshape(-1) for p in bucket])
             same &= torch.equal(expected, got)
             ties += int(((locals_ > 0).sum(0) * 2 == world).sum())

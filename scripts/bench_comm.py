@@ -1,0 +1,242 @@
+"""The state-free vote (frugal.comm) measured: bytes on the wire and step time, exact vs vote.
+
+    python scripts/bench_comm.py bytes                 # hook counters vs a private loopback's bytes (root)
+    python scripts/bench_comm.py time                  # step time with the loopback rate-limited (root)
+    python scripts/bench_comm.py agreement             # one-process simulator: vote vs sign of the mean
+    python scripts/bench_comm.py compute               # the pack / vote / unpack compute, no communication
+
+Each case runs `torchrun --standalone` inside a private network namespace (`unshare -n`, root): the
+ranks talk over that namespace's own loopback, whose byte counters (/proc/net/dev) then hold this
+job's traffic alone (plus the rendezvous, outside the measured window); `time` shapes it with
+`tc qdisc add dev lo root tbf rate R burst 256kb latency 100ms`. In every case the ranks train a
+LLaMA (models/) with FRUGAL (block projection) on random tokens in a plain DDP loop
+(gradient_as_bucket_view, fp32 gradients, no buffer broadcast): `exact` with a counting copy of DDP's
+own reduction (frugal.comm.count_allreduce_hook: x 1/W, summed), `vote` with frugal.comm.attach_vote.
+Rank 0 reads the loopback's transmitted bytes after a barrier before and after the measured steps;
+the hooks' per-rank counts are summed over ranks. Loopback counts each byte sent once (plus TCP/IP
+headers); the barriers add a few hundred bytes.
+
+The worker (`--worker`) prints one JSON line per case; the driver prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- the worker: one case, under torchrun ---------------------------------------------------------
+def lo_tx_bytes() -> int:
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])  # transmit bytes
+    raise RuntimeError("no lo in /proc/net/dev")
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, REPO)
+    import models
+    from frugal import FRUGAL
+    from frugal.comm import attach_vote, count_allreduce_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = OmegaConf.load(os.path.join(REPO, "configs", "model", f"{args.model}.yaml"))
+    model = models.build_model(cfg, vocab_size=args.vocab)
+    optimizer = FRUGAL(model, lr=1e-3, density=args.density, update_gap=args.update_gap)
+    ddp = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
+    counted: list[int] = []
+    vote = None
+    if args.mode == "vote":
+        vote = attach_vote(ddp, optimizer)
+    else:
+        ddp.register_comm_hook(None, count_allreduce_hook(counted))
+    params = [p for p in model.parameters()]
+    g = torch.Generator().manual_seed(1 + rank)
+    times, sent = [], []
+    before = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            before = lo_tx_bytes() if rank == 0 else 0
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        t0 = time.perf_counter()
+        counted.clear()
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if vote is not None:
+            vote.clip_grad_norm_(params, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            sent.append(vote.last.bytes_sent if vote is not None else sum(counted))
+    dist.barrier()
+    after = lo_tx_bytes() if rank == 0 else 0
+    totals = [None] * world
+    dist.all_gather_object(totals, {"sent": sent, "times": times})
+    if rank == 0:
+        voted = vote.last.voted_elements if vote is not None else 0
+        n_params = sum(p.numel() for p in params)
+        times_all = sorted(max(t["times"][i] for t in totals) for i in range(args.steps))
+        print("RESULT " + json.dumps({
+            "mode": args.mode, "world": world, "model": args.model, "vocab": args.vocab, "density": args.density,
+            "params": n_params, "voted_elements": voted, "steps": args.steps,
+            "hook_bytes_per_rank_per_step": totals[0]["sent"][-1],
+            "hook_bytes_all_ranks": sum(sum(t["sent"]) for t in totals),
+            "loopback_bytes": after - before, "step_time_median_s": times_all[len(times_all) // 2],
+            "step_times_s": times_all}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+def run_case(mode: str, world: int, *, rate: str | None, model: str, vocab: int, density: float, steps: int,
+             warmup: int = 2, batch: int = 1, seq: int = 64, timeout: int = 600) -> dict:
+    inner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+             os.path.abspath(__file__), "--worker", "--mode", mode, "--model", model, "--vocab", str(vocab),
+             "--density", str(density), "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
+             "--seq", str(seq)]
+    shape = f"tc qdisc add dev lo root tbf rate {rate} burst 256kb latency 100ms; " if rate else ""
+    script = f"ip link set lo up; {shape}exec {shlex.join(inner)}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"case {mode} W={world} rate={rate} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {**json.loads(lines[-1][len("RESULT "):]), "rate": rate or "unshaped"}
+
+
+def wire_table(args, rates) -> None:
+    """One row per case: step time, the hooks' bytes and the loopback's."""
+    print("| link | ranks | mode | step s (median of the slowest rank) | hook bytes / rank / step | "
+          "hook bytes, all ranks | loopback bytes | loopback / hook |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rate in rates:
+        for world in args.worlds:
+            for mode in args.modes:
+                r = run_case(mode, world, rate=None if rate == "unshaped" else rate, model=args.model,
+                             vocab=args.vocab, density=args.density, steps=args.steps, warmup=args.warmup)
+                print(f"| {rate} | {world} | {mode} | {r['step_time_median_s']:.3f} | "
+                      f"{r['hook_bytes_per_rank_per_step']:,} | {r['hook_bytes_all_ranks']:,} | "
+                      f"{r['loopback_bytes']:,} | {r['loopback_bytes'] / r['hook_bytes_all_ranks']:.4f} |", flush=True)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+
+
+def agreement_table(args) -> None:
+    """The one-process simulator of W ranks: each rank's gradient is the mean gradient plus its own
+    noise (a stand-in for W sub-batches), and the share of coordinates where the vote agrees with
+    the sign of the mean, against the noise's size."""
+    import torch
+
+    from frugal.comm import majority_vote
+
+    g = torch.Generator().manual_seed(0)
+    n = args.elements
+    mean = torch.randn(n, generator=g)
+    print("| ranks W | noise / signal | agreement of the vote with sign(mean of the W gradients) |")
+    print("|---|---|---|")
+    for noise in args.noise:
+        for world in args.sim_worlds:
+            grads = mean + noise * torch.randn(world, n, generator=g)
+            agree = (majority_vote(grads) == torch.sign(grads.mean(0))).double().mean().item()
+            print(f"| {world} | {noise:g} | {agree:.4f} |", flush=True)
+
+
+def compute_table(args) -> None:
+    """What the vote costs in compute on one rank, without communication: the signs packed (the
+    all-to-all's input), the W ranks' bits of a chunk counted and packed (the vote), and the gathered
+    votes unpacked into +-1 gradients, for n voted elements; against a sum of W fp32 tensors of n / W
+    elements (a stand-in for what a ring all-reduce adds on one rank)."""
+    import torch
+
+    from frugal.comm import chunk_layout, pack_bits, tie_ranks, unpack_bits, vote_chunk
+
+    torch.set_num_threads(1)
+    print("| voted elements | ranks W | pack signs ms | vote on own chunk ms | unpack to +-1 ms | "
+          "all-reduce's local adds ms (fp32, for comparison) |")
+    print("|---|---|---|---|---|---|")
+    for n in args.compute_elements:
+        for world in args.worlds:
+            e, c = chunk_layout(n, world)
+            grad = torch.randn(n)
+            bits = torch.zeros(e * world, dtype=torch.bool)
+            received = torch.randint(0, 256, (world * c,), dtype=torch.uint8)
+            out = torch.empty(n)
+            tie = tie_ranks([n], [0], world, 0, e)
+
+            def pack():
+                torch.gt(grad, 0, out=bits[:n])
+                return pack_bits(bits)
+
+            def vote():
+                return pack_bits(vote_chunk(unpack_bits(received).reshape(world, e), tie))
+
+            def unpack():
+                out.copy_(unpack_bits(received, n).to(out.dtype) * 2 - 1)
+
+            parts = [torch.randn(-(-n // world)) for _ in range(world)]
+
+            def adds():
+                acc = parts[0].clone()
+                for p in parts[1:]:
+                    acc.add_(p)
+
+            ms = []
+            for fn in (pack, vote, unpack, adds):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                ms.append((time.perf_counter() - t0) / 5 * 1e3)
+            print(f"| {n:,} | {world} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[3]:.1f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["bytes", "time", "agreement", "compute"])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--mode", default="exact", choices=["exact", "vote"])
+    parser.add_argument("--model", default="llama_60m")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--density", type=float, default=0.25)
+    parser.add_argument("--update_gap", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--modes", nargs="+", default=["exact", "vote"], choices=["exact", "vote"])
+    parser.add_argument("--rates", nargs="+", default=["unshaped", "1gbit", "200mbit"])
+    parser.add_argument("--elements", type=int, default=1_000_000)
+    parser.add_argument("--noise", type=float, nargs="+", default=[0.5, 2.0, 8.0])
+    parser.add_argument("--compute_elements", type=int, nargs="+", default=[1_000_000, 19_000_000])
+    parser.add_argument("--sim_worlds", type=int, nargs="+", default=[2, 3, 8, 16, 32])
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.what in ("bytes", "time"):
+        return wire_table(args, ["unshaped"] if args.what == "bytes" else args.rates)
+    {"agreement": agreement_table, "compute": compute_table}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
