@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.paper_tables import GIB, MODEL_OF_SIZE, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
-from scripts.sweep_view import (PivotKeyError, pivot, pivot_csv, pivot_figure, pivot_markdown,  # noqa: E402,F401
-                                plot_pivot)
+from scripts.sweep_view import (PivotKeyError, blocks_text, joined, pivot, pivot_csv,  # noqa: E402,F401
+                                pivot_figure, pivot_markdown, plot_pivot)
 from train_utils.naming import short_labels  # noqa: E402
 from train_utils.results import (asked_value, debug_of, effective_value, find_runs, load_run,  # noqa: E402,F401
                                  load_runs, repeats, runs_argument_parser, swept_keys)
@@ -156,7 +156,7 @@ def build(runs: list[dict]) -> list[dict]:
                     model=r["model"], table_model=spec.get("model"), model_differs=differs, run=r["dir"],
                     density_requested=_start_value(r, "density_requested"),
                     density_realised=_start_value(r, "density_realised"), eval_mode=r["eval_mode"],
-                    density_blocks=_blocks(r),
+                    density_blocks=blocks_text(r),
                     lr_at_readout=readout_lr(r, step) if spec.get("readout_lr") else None,
                     memory_gb=model_memory_gb(r) if spec.get("model_memory_gb") else None,
                     paper_memory_gb=None if debug else spec.get("model_memory_gb", {}).get(base[r["dir"]]),
@@ -182,12 +182,6 @@ def _asked_text(run: dict) -> str:
     asked = {k: a for k in run["overrides"] for a in [asked_value(run, k)[1]] if a is not None}
     short = short_labels(list(asked))
     return f" (asked {', '.join(f'{short[k]}={a}' for k, a in asked.items())})" if asked else ""
-
-
-def _blocks(run: dict) -> str | None:
-    """"k/L" state-full blocks of L, for a blockwise run whose start row says (density_blocks)."""
-    blocks = (run.get("start") or {}).get("density_blocks")
-    return f"{blocks[0]}/{blocks[1]}" if isinstance(blocks, (list, tuple)) and len(blocks) == 2 else None
 
 
 def _start_value(run: dict, key: str):
@@ -376,7 +370,7 @@ def _repeat_notes(runs: list[dict]) -> list[str]:
     """Runs that are one run repeated ([same N]), and model columns that debug=toy made one model."""
     notes = []
     for n in sorted({r["same_run"] for r in runs if r.get("same_run")}):
-        where = _joined(f"{r['row']} @ {r['column']}" for r in runs if r.get("same_run") == n)
+        where = joined(f"{r['row']} @ {r['column']}" for r in runs if r.get("same_run") == n)
         notes.append(f"[same {n}]: {where} are one run repeated (identical configs apart from names, once what "
                      f"the optimizer realised replaces what was asked: its density; no switch for an update gap "
                      f">= train.steps).")
@@ -391,10 +385,6 @@ def _repeat_notes(runs: list[dict]) -> list[str]:
     return notes
 
 
-def _joined(values) -> str:
-    return ", ".join(dict.fromkeys(v for v in values if v))
-
-
 def _row_extras(table: str, recs: list[dict], show_paper: bool = True) -> dict:
     """{column title: row label -> text} printed once per row after the cells: what every run of the
     row realised (density), how it was evaluated, and Table 3's read-out point and memory column (the
@@ -405,16 +395,16 @@ def _row_extras(table: str, recs: list[dict], show_paper: bool = True) -> dict:
         by_row[r["row"]].append(r)
     runs = lambda row: [r for r in by_row[row] if r.get("run")]  # noqa: E731
     extras = {
-        "realised rho": lambda row: _joined(
+        "realised rho": lambda row: joined(
             f"{r['density_realised']:.4g}" + (f" ({r['density_blocks']})" if r.get("density_blocks") else "")
             for r in runs(row) if r.get("density_realised") is not None),
-        "eval": lambda row: _joined(r.get("eval_mode") for r in runs(row)),
+        "eval": lambda row: joined(r.get("eval_mode") for r in runs(row)),
     }
     if spec.get("readout_lr"):
-        extras["lr/peak at read-out"] = lambda row: _joined(
+        extras["lr/peak at read-out"] = lambda row: joined(
             f"{r['lr_at_readout']:.2f} (step {r['step']})" for r in runs(row) if r.get("lr_at_readout") is not None)
     if spec.get("model_memory_gb"):
-        extras["memory GB ours"] = lambda row: _joined(_f(r.get("memory_gb"), 1) for r in runs(row))
+        extras["memory GB ours"] = lambda row: joined(_f(r.get("memory_gb"), 1) for r in runs(row))
     if spec.get("model_memory_gb") and show_paper:
         extras["memory GB paper"] = lambda row: _f(next((r.get("paper_memory_gb") for r in by_row[row]
                                                          if r.get("paper_memory_gb") is not None), None), 1)

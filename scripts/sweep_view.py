@@ -18,11 +18,11 @@ from train_utils.results import (asked_value, effective_value, lookup, no_switch
                                  same_value, swept_keys)
 
 
-def _joined(values) -> str:
+def joined(values) -> str:
     return ", ".join(dict.fromkeys(v for v in values if v))
 
 
-def _blocks(run: dict) -> str | None:
+def blocks_text(run: dict) -> str | None:
     """"k/L" state-full blocks of L, for a blockwise run whose start row says (density_blocks)."""
     blocks = run.get("density_blocks")
     return f"{blocks[0]}/{blocks[1]}" if blocks else None
@@ -81,7 +81,7 @@ def axis_value(run: dict, key: str) -> dict:
     asked = request or value
     got = realised(run, key, value) or {"text": value, "number": number(value), "names": True}
     differs = request is not None or (not got["names"] and not same_value(asked, got["text"]))
-    blocks = _blocks(run) if key.endswith("density") else None
+    blocks = blocks_text(run) if key.endswith("density") else None
     return {"text": got["text"], "number": got["number"], "asked": asked, "differs": differs, "blocks": blocks}
 
 
@@ -94,7 +94,7 @@ def _axis(runs: list[dict], key: str) -> tuple[dict[str, str], list[str], dict[s
         groups[v["text"]].append(v)
     label = {}
     for text, vs in groups.items():
-        parts = [_joined(v["blocks"] for v in vs)]
+        parts = [joined(v["blocks"] for v in vs)]
         if any(v["differs"] for v in vs):
             asked = sorted({v["asked"] for v in vs}, key=lambda a: (number(a) is None, number(a) or 0.0, a))
             parts.append("asked " + ", ".join(asked))
@@ -145,7 +145,7 @@ def _pivot_notes(runs: list[dict], members: dict, cells: dict, row_key: str, col
             how.append("the value in the run's saved config where the command line asked another: debug=toy "
                        "fits update gaps to its run")
         if any(how):
-            notes.append(f"{axis} ({key}): what the runs realised ({_joined(how)}); the value asked after 'asked' "
+            notes.append(f"{axis} ({key}): what the runs realised ({joined(how)}); the value asked after 'asked' "
                          f"where it differs")
     others = [k for k in dict.fromkeys(k for r in runs for k in r["overrides"])
               if k not in (row_key, col_key, *SEED_KEYS)]
