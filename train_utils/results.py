@@ -1,6 +1,7 @@
 """Runs as records: what train.py left in each run directory (`metrics.jsonl`, Hydra's `.hydra/`), read
-once for every program that reports on runs (scripts/make_tables.py and its `--pivot` view,
-scripts/plot_runs.py, scripts/sweep_status.py) and for a table of your own (docs/results.md):
+one way for every program that reports on runs (scripts/make_tables.py and its `--pivot` view in
+scripts/sweep_view.py, scripts/plot_runs.py; scripts/sweep_status.py takes `final_evaluation`) and for
+a table of your own (docs/results.md):
 
     from train_utils.results import load_runs
     for run in load_runs(["multirun/table15"]):
