@@ -14,8 +14,9 @@ complement, updated with a state-free rule (signSGD, SGD) that keeps no optimize
 Modules (tests/test_extending.py keeps this list whole):
 
 - optimizer: `FRUGAL`, the phased step; reference: Algorithm 1 for one tensor (the fast path's reference)
-- rules: the state-full and state-free rules, each declaring its facts (`register_state_full/free`
-  adds one); muon, fira, factored: the rules of Muon, Fira and AdaMeM
+- rules: the paper's state-full and state-free rules, each declaring its facts (`register_state_full/free`
+  adds one); muon, fira, factored: the rules of Muon, of Fira (and Hugging Face's AdamW) and of AdaMeM,
+  which register themselves when imported here
 - projections: how the state-full subspace is chosen; windows: which tensors are state-full in a
   step's window; state_management: a projected tensor's subspace and state, window by window;
   subspace: LDAdam's power iteration and error feedback
@@ -30,6 +31,7 @@ Modules (tests/test_extending.py keeps this list whole):
 - schedules: learning-rate schedules; adaptive: the opt-in density schedule and growing update gap
 """
 from .optimizer import FRUGAL
+from . import factored, fira, muon  # noqa: F401  (their rules register themselves)
 from .grouping import param_groups, resolve_params
 from .hparams import HyperparameterError
 from .in_backward import NonFiniteGradientError, StepInBackward, grad_norm, step_in_backward

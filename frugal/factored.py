@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .rules import FreeContext, StateFreeRule, StateFullRule, register_state_free, register_state_full
+
 
 def factored_shapes(shape: tuple[int, int]) -> tuple[tuple[int], tuple[int]]:
     """Shapes of the row and column factors of an ``m x n`` tensor: ``(m,)`` and ``(n,)``."""
@@ -163,3 +165,57 @@ def adafactor_(param: Tensor, grad: Tensor, row: Tensor, col: Tensor, step: int,
     update_factors_(row, col, grad, decay_weight(step, 0.0, beta2_decay))
     u = grad * factored_variance(row, col, 1.0, eps1).rsqrt_()
     param.sub_(rms_clip_(u, clip_threshold), alpha=lr)
+
+
+# ---- the rules, registered: AdaMeM's state-full rule and its residual rule -------------------------------
+def _momentum_foreach(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
+    """AdaMeM's state-full rule (``adafactor_momentum_direction``): t *= 1 - lr*wd;
+    t -= lr * (m_hat / (sqrt(V_hat) + eps)), V_hat the factored second moment of the (reduced)
+    gradient, with Adam's bias corrections counted per tensor. One tensor at a time."""
+    if not targets:
+        return
+    exp_avgs, rows, cols = states
+    torch._foreach_add_(steps, 1.0)
+    for t, g, m, r, c, step in zip(targets, grads, exp_avgs, rows, cols, steps):
+        if weight_decay:
+            t.mul_(1.0 - lr * weight_decay)
+        t.sub_(_adafactor_math(g, m, r, c, step, betas, eps), alpha=lr)
+
+
+def _adafactor_math(g, m, row, col, step, betas, eps):
+    # bias corrections in float64 from the float32 counter, as the AdamW rule computes them
+    return adafactor_momentum_direction(g, m, row, col, step.double(), beta1=betas[0], beta2=betas[1], eps=eps)
+
+
+def _momentum_direction(grad, state, *, betas, eps, momentum=0.0):
+    state["step"] += 1
+    return _adafactor_math(grad, state["exp_avg"], state["row"], state["col"], state["step"], betas, eps)
+
+
+def _factored_shapes(shape) -> dict:
+    if len(shape) != 2:
+        raise ValueError(f"state_full 'adafactor_momentum' factors a matrix; got a tensor of shape {tuple(shape)}")
+    return {"exp_avg": tuple(shape), "row": (shape[0],), "col": (shape[1],)}
+
+
+def _one_sided_rule(residual: Tensor, state: dict, ctx: FreeContext) -> Tensor:
+    """AdaMeM's residual rule: ``residual / (sqrt(s_hat) + eps)``, ``s`` the running mean of the
+    residual's squares over the reduced dimension (one value per index of the other one, so the
+    update stays orthogonal to the state-full subspace), Adam's correction counted since the start."""
+    state["free_step"] += 1
+    beta2 = ctx.group["betas"][1]
+    return one_sided_direction(residual, state["free_stat"], state["free_step"].double(),
+                               beta2=beta2, eps=ctx.group["eps"], dim=ctx.reduced_dim)
+
+
+def _one_sided_state(state: dict, like: Tensor, reduced_dim: int) -> None:
+    if "free_stat" not in state:  # never reset, like Fira's norm; an integer counter: exact on reload
+        state["free_stat"] = torch.zeros(like.shape[1 - reduced_dim], dtype=like.dtype, device=like.device)
+        state["free_step"] = torch.zeros((), dtype=torch.int64, device=like.device)
+
+
+register_state_full("adafactor_momentum", StateFullRule(_momentum_foreach, _momentum_direction,
+                                                        ("exp_avg", "row", "col"), True, _factored_shapes, True))
+# its one-sided statistic (a value per index of the side not reduced) and its int64 counter
+register_state_free("one_sided_adafactor", StateFreeRule(contextual=_one_sided_rule, init_state=_one_sided_state,
+                                                         state_bytes=lambda other_side, elem: other_side * elem + 8))

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from .checks import HyperparameterError
+from .rules import SplitContext, StateFreeRule, StateFullRule, register_state_free, register_state_full
 
 DEFAULT_GAMMA = 1.01  # Fira's paper, Section 4.3 (norm-growth limiter)
 _NORM_EPS = 1e-8  # guards an all-zero slice of the projected gradient
@@ -150,5 +151,60 @@ def _step_size(state: dict, rule, betas):
     """Adam's step-size factor for rules with Adam's two moments (None for the others)."""
     if not (rule.counts_steps and "exp_avg_sq" in rule.state_names):
         return None
-    step = state["step"].double()
-    return ((1.0 - betas[1] ** step).sqrt() / (1.0 - betas[0] ** step)).to(state["exp_avg"].dtype)
+    return adam_step_size(state["step"], betas).to(state["exp_avg"].dtype)
+
+
+# ---- the rules, registered: Hugging Face's AdamW (state-full) and Fira's step of a split tensor --------
+def adam_step_size(step, betas):
+    """``sqrt(1 - beta2^t) / (1 - beta1^t)``, Adam's two bias corrections as one step-size factor
+    (a 0-d float64 tensor from the tensor count ``step``: no host sync)."""
+    step = step.double()
+    return (1.0 - betas[1] ** step).sqrt() / (1.0 - betas[0] ** step)
+
+
+def _adamw_hf_math(g, m, v, step, beta1, beta2, eps):
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    return (m / (v.sqrt().add_(eps))).mul_(adam_step_size(step, (beta1, beta2)))
+
+
+def adamw_hf_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
+    """AdamW as Hugging Face's ``transformers.AdamW`` has it (and the ``fira`` package, which
+    copies it): ``t -= lr * sqrt(bc2)/bc1 * m / (sqrt(v) + eps)``, eps added to the *uncorrected*
+    ``sqrt(v)``; then ``t *= 1 - lr*wd``, the decay *after* the update. One tensor at a time."""
+    if not targets:
+        return
+    exp_avgs, exp_avg_sqs = states
+    torch._foreach_add_(steps, 1.0)
+    for t, g, m, v, s in zip(targets, grads, exp_avgs, exp_avg_sqs, steps):
+        t.sub_(_adamw_hf_math(g, m, v, s, betas[0], betas[1], eps).mul_(lr))
+        if weight_decay:
+            t.mul_(1.0 - lr * weight_decay)
+
+
+def adamw_hf_direction(grad, state, *, betas, eps, momentum=0.0):
+    state["step"] += 1
+    return _adamw_hf_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
+
+
+def fira_split_step(p: Tensor, state: dict, ctx: SplitContext) -> None:
+    """Fira's whole step of one split tensor, as the ``fira`` package computes it (``frugal.fira``)."""
+    g = ctx.group
+    fira_step_(p, state, ctx.grad, ctx.full_grad, ctx.lift, ctx.rule, lr=g["lr"],
+               alpha=g["projectable_lr_scale"], free_scale=g["state_free_lr_scale"],
+               weight_decay=g["weight_decay"], gamma=g["fira_gamma"], reduced_dim=ctx.reduced_dim,
+               transposed=ctx.transposed, rule_kwargs={"betas": tuple(g["betas"]), "eps": g["eps"],
+                                                       "momentum": g["momentum"]})
+
+
+def _fira_state(state: dict, like: Tensor, reduced_dim: int) -> None:
+    if "fira_norm" not in state:  # never reset: it measures the residual update, whatever the basis
+        state["fira_norm"] = new_limiter_state(like)
+
+
+register_state_full("adamw_hf", StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True,
+                                              decays_after=True, elementwise=True, nonnegative=("exp_avg_sq",)))
+# Fira's previous norm: one value per matrix
+register_state_free("fira", StateFreeRule(init_state=_fira_state, split_step=fira_split_step,
+                                          state_bytes=lambda other_side, elem: elem, options={"fira_gamma": 1.01},
+                                          validate_options=check_options))

@@ -191,7 +191,7 @@ def check_group(group: dict) -> None:
     if full_rule.check is not None:  # the rule's own refusals (Muon: frugal/muon.py)
         full_rule.check(group)
     split = group["projectable"] and not group["always_state_free"]
-    state_precision.check(group, full_rule, split, any(is_dtensor(p) for p in group["params"]))
+    state_precision.check(group, full_rule, split, any(is_dtensor(p) for p in group["params"]), STATE_FULL)
     projection = group["projection"]
     for p in group["params"]:
         if full_rule.matrix_only and not group["always_state_free"] and (
@@ -211,7 +211,7 @@ def check_group(group: dict) -> None:
             raise HyperparameterError(
                 f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
                 f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
-                "shard; valid choices for sharded parameters: signsgd, sgd, none")
+                f"shard; valid choices for sharded parameters: {', '.join(_plain(STATE_FREE))}")
         if projection in proj.MATRIX and is_dtensor(p):
             raise HyperparameterError(
                 f"projection {projection!r} needs each whole weight matrix (for its basis), "

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from .checks import HyperparameterError, check_integer
+from .rules import StateFullRule, register_state_full
 
 # Keller Jordan's quintic coefficients and step count, as torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -216,3 +217,10 @@ def check_options(hparams: dict) -> dict:
             raise HyperparameterError(f"Invalid ns_coefficients: {c!r} (expected three finite numbers (a, b, c))")
         out["ns_coefficients"] = tuple(float(x) for x in c)
     return out
+
+
+# One momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz; AdamW on what is not a matrix
+# (grouping.REST_RULES) where the groups are built from a model.
+register_state_full("muon", StateFullRule(muon_, muon_direction, ("momentum_buffer",), False, options=OPTIONS,
+                                          group_keys=("transposed",), gathers=True, check=check_group,
+                                          default_momentum=0.95, validate_options=check_options))

@@ -49,6 +49,7 @@ forward them uniformly (`seed` is ignored where nothing is random).
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ GROUPING_DEFAULTS = {"state_free_modules": (), "target_modules": None, "tensor_o
 # How FRUGAL runs and stores its state (not which algorithm): every FRUGAL-based entry takes these.
 IMPLEMENTATION_KEYS = ("stochastic_rounding", "state_precision", "foreach")
 _ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
+# Modules imported before the keys are checked (`load_plugins`): every entry takes `plugins`.
+PLUGINS = "plugins"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,20 @@ def frugal_based() -> list[str]:
     return sorted(name for name, entry in _ENTRIES.items() if entry.kind == "frugal")
 
 
+def load_plugins(modules) -> None:
+    """Import each module named in ``modules`` (a name or a list: an entry's ``plugins``, the configs'
+    ``optimizer.plugins``), so that the rules it registers, with their options, are known to the checks
+    that follow. A module that does not import is a HyperparameterError (one line)."""
+    for module in [modules] if isinstance(modules, str) else list(modules or ()):
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # whatever the module raises, the run cannot start
+            why = (str(err).strip().splitlines() or [""])[0]
+            raise HyperparameterError(f"Invalid plugins: module {module!r} does not import ({type(err).__name__}: "
+                                      f"{why}); valid choices: modules Python can import "
+                                      "(on PYTHONPATH)") from None
+
+
 def defaults(name: str) -> dict:
     """Every key entry `name` accepts, with its default: the one source of optimizer defaults
     (the training configs are generated from it). FRUGAL-based entries: FRUGAL's constructor
@@ -157,14 +174,14 @@ def defaults(name: str) -> dict:
     torch's 1e-2); apollo, adam_mini: see frugal/external.py."""
     entry = _entry(name)
     if entry.kind == "adamw":
-        return dict(_ADAMW_DEFAULTS)
+        return {**_ADAMW_DEFAULTS, PLUGINS: ()}
     if entry.kind == "external":
-        return dict(external.DEFAULTS[name])
-    base = {**frugal_defaults(), **GROUPING_DEFAULTS, **entry.preset}
+        return {**external.DEFAULTS[name], PLUGINS: ()}
+    base = {**frugal_defaults(), **GROUPING_DEFAULTS, **entry.preset, PLUGINS: ()}
     # an entry that lists its keys also takes the options of the rules its preset names
     rules = [STATE_FULL.get(entry.preset.get("state_full")), STATE_FREE.get(entry.preset.get("state_free"))]
     own = {k for rule in rules if rule is not None for k in rule.options}
-    keys = set(base) if entry.keys is None else set(entry.keys) | set(COMMON_KEYS) | own
+    keys = set(base) if entry.keys is None else set(entry.keys) | set(COMMON_KEYS) | own | {PLUGINS}
     if entry.layout != "blocks":
         keys -= set(GROUPING_DEFAULTS)
     return {k: base[k] for k in sorted(keys)}
@@ -194,9 +211,12 @@ def resolve(name: str, values: Mapping) -> tuple[str, dict]:
 
     The merged dict is the preset overlaid with the caller's values; for FRUGAL-based entries it
     may contain `state_free_modules` / `target_modules` (for `param_groups`) besides FRUGAL
-    constructor keywords. Shared by `build_optimizer` and `frugal.memory.estimate_state_bytes`.
+    constructor keywords. The modules in `plugins` are imported first (`load_plugins`), and the key
+    is consumed. Shared by `build_optimizer` and `frugal.memory.estimate_state_bytes`.
     """
     entry = _entry(name)
+    values = dict(values)
+    load_plugins(values.pop(PLUGINS, ()))
     keys = accepted_keys(name)
     unknown = sorted(set(values) - set(keys))
     if unknown:

@@ -1,5 +1,5 @@
-"""Update rules: state-full (``adamw``, ``lion``, ``sgdm``, ``muon``: frugal/muon.py) and state-free
-(``signsgd``, ``sgd``, ``none``).
+"""The paper's update rules: state-full ``adamw``, ``lion``, ``sgdm`` and state-free ``signsgd``, ``sgd``,
+``none``; what a rule declares (``StateFullRule``, ``StateFreeRule``) and how it registers.
 
 Every rule has two forms over the same math:
 
@@ -7,38 +7,21 @@ Every rule has two forms over the same math:
   ``targets`` (the parameter itself for block projection and non-projectable tensors, or a reduced
   tensor the optimizer writes back afterwards) with decoupled weight decay
   ``t <- t * (1 - lr * weight_decay)``. State-free rules update whole parameters,
-  ``p <- p * decay - lr * d(g)``, with the decay factor given by the optimizer.
+  ``p <- p * decay - lr * d(g)``, with the decay factor given by the optimizer (optional: without
+  it, the direction runs one tensor at a time).
 - ``direction``: one tensor, returns the update direction ``d`` (``p <- p - lr * d``) and advances
   the state in place. This is the readable single-tensor reference (``FRUGAL(foreach=False)``) the
   fast path is tested against, and the path of bf16 weights with stochastic rounding.
 
 The AdamW rule runs torch's fused multi-tensor kernel where it exists (about 5x faster than the
 foreach path on CPU, at memory speed): the step is memory-bound, so passes over memory count.
-
 State-free rules own no state by construction. signSGD is the state-free rule of choice because
 its update has Adam's magnitude (Section 4 of the paper).
 
-Rules of the concurrent methods the FRUGAL paper reads as FRUGAL instances (its Appendix
-"Comparison with Concurrent Methods"; docs/concurrent_methods.md):
-
-- ``adafactor_momentum`` (AdaMeM's state-full rule): momentum preconditioned by Adafactor's factored
-  second moment, state ``exp_avg`` plus a row and a column vector (``StateFullRule.shapes``), for
-  2-D tensors only; per tensor (outer products), not foreach.
-- ``fira`` (Fira's state-free rule): the residual scaled per row/column by the norm ratio of the
-  state-full update and the reduced gradient, then the norm-growth limiter (``frugal.fira``); it
-  takes the split tensor's whole step, as the ``fira`` package does (``StateFreeRule.split_step``).
-- ``adamw_hf``: AdamW in Hugging Face's form (the ``fira`` package's): eps on the uncorrected
-  ``sqrt(v)``, weight decay after the update.
-- ``one_sided_adafactor`` (AdaMeM's state-free rule): the residual divided by the root of a running
-  mean of its squares along the side the projection did not reduce (``frugal.factored``).
-
-The two state-free rules read the split (the reduced gradient, and for Fira the state-full
-update) and keep a little state of their own (Fira's previous norm, one scalar per matrix;
-AdaMeM's statistic, one vector per matrix), so they run per tensor on split tensors only:
-AdaMeM's through ``StateFreeRule.contextual(residual, state, ctx)`` (a direction for the
-residual), Fira's through ``StateFreeRule.split_step(param, state, ctx)`` (the whole step: its
-limiter acts before Adam's step-size factor and its decay after the update, which no split into
-phases can express).
+Every other rule lives in a module of its own that registers itself at import (``register_state_full``,
+``register_state_free``), as a researcher's would (docs/library.md, "Writing a rule"): Muon
+(``frugal.muon``), Fira's residual rule and Hugging Face's AdamW (``frugal.fira``), AdaMeM's Adafactor
+with momentum and one-sided Adafactor (``frugal.factored``). ``frugal/__init__.py`` imports them.
 """
 from __future__ import annotations
 
@@ -48,10 +31,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import factored, kernels, state_precision
+from . import kernels, state_precision
 from .checks import HyperparameterError
-from . import fira as _fira
-from . import muon as _muon
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -97,38 +78,6 @@ def adamw_direction(grad, state, *, betas, eps, momentum=0.0):
     return _adamw_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
 
 
-def adam_step_size(step, betas):
-    """``sqrt(1 - beta2^t) / (1 - beta1^t)``, Adam's two bias corrections as one step-size factor
-    (a 0-d float64 tensor from the tensor count ``step``: no host sync)."""
-    step = step.double()
-    return (1.0 - betas[1] ** step).sqrt() / (1.0 - betas[0] ** step)
-
-
-def _adamw_hf_math(g, m, v, step, beta1, beta2, eps):
-    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    return (m / (v.sqrt().add_(eps))).mul_(adam_step_size(step, (beta1, beta2)))
-
-
-def adamw_hf_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
-    """AdamW as Hugging Face's ``transformers.AdamW`` has it (and the ``fira`` package, which
-    copies it): ``t -= lr * sqrt(bc2)/bc1 * m / (sqrt(v) + eps)``, eps added to the *uncorrected*
-    ``sqrt(v)``; then ``t *= 1 - lr*wd``, the decay *after* the update. One tensor at a time."""
-    if not targets:
-        return
-    exp_avgs, exp_avg_sqs = states
-    torch._foreach_add_(steps, 1.0)
-    for t, g, m, v, s in zip(targets, grads, exp_avgs, exp_avg_sqs, steps):
-        t.sub_(_adamw_hf_math(g, m, v, s, betas[0], betas[1], eps).mul_(lr))
-        if weight_decay:
-            t.mul_(1.0 - lr * weight_decay)
-
-
-def adamw_hf_direction(grad, state, *, betas, eps, momentum=0.0):
-    state["step"] += 1
-    return _adamw_hf_math(grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *betas, eps)
-
-
 def lion_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
     """Lion (Chen et al., 2023): t *= 1 - lr*wd;  t -= lr * sign(b1 m + (1-b1) g);
     m = b2 m + (1-b2) g. One state tensor."""
@@ -165,37 +114,6 @@ def sgdm_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, moment
 
 def sgdm_direction(grad, state, *, betas, eps, momentum=0.9):
     return state["momentum_buffer"].lerp_(grad, 1.0 - momentum).clone()
-
-
-def adafactor_momentum_(targets, grads, states, steps, *, lr, betas, eps, weight_decay, momentum=0.0):
-    """AdaMeM's state-full rule (``frugal.factored.adafactor_momentum_direction``): t *= 1 - lr*wd;
-    t -= lr * (m_hat / (sqrt(V_hat) + eps)), V_hat the factored second moment of the (reduced)
-    gradient, with Adam's bias corrections counted per tensor. One tensor at a time."""
-    if not targets:
-        return
-    exp_avgs, rows, cols = states
-    torch._foreach_add_(steps, 1.0)
-    for t, g, m, r, c, step in zip(targets, grads, exp_avgs, rows, cols, steps):
-        if weight_decay:
-            t.mul_(1.0 - lr * weight_decay)
-        t.sub_(_adafactor_math(g, m, r, c, step, betas, eps), alpha=lr)
-
-
-def _adafactor_math(g, m, row, col, step, betas, eps):
-    # bias corrections in float64 from the float32 counter, as the AdamW rule computes them
-    return factored.adafactor_momentum_direction(g, m, row, col, step.double(), beta1=betas[0],
-                                                 beta2=betas[1], eps=eps)
-
-
-def adafactor_momentum_direction(grad, state, *, betas, eps, momentum=0.0):
-    state["step"] += 1
-    return _adafactor_math(grad, state["exp_avg"], state["row"], state["col"], state["step"], betas, eps)
-
-
-def _factored_shapes(shape) -> dict:
-    if len(shape) != 2:
-        raise ValueError(f"state_full 'adafactor_momentum' factors a matrix; got a tensor of shape {tuple(shape)}")
-    return {"exp_avg": tuple(shape), "row": (shape[0],), "col": (shape[1],)}
 
 
 @dataclass(frozen=True)
@@ -252,16 +170,8 @@ class StateFullRule:
 STATE_FULL = {
     "adamw": StateFullRule(adamw_, adamw_direction, ("exp_avg", "exp_avg_sq"), True, elementwise=True,
                            nonnegative=("exp_avg_sq",), adam_moments=True),
-    "adamw_hf": StateFullRule(adamw_hf_, adamw_hf_direction, ("exp_avg", "exp_avg_sq"), True, decays_after=True,
-                              elementwise=True, nonnegative=("exp_avg_sq",)),
     "lion": StateFullRule(lion_, lion_direction, ("exp_avg",), False, elementwise=True, bucket_temporaries=1),
     "sgdm": StateFullRule(sgdm_, sgdm_direction, ("momentum_buffer",), False, elementwise=True),
-    "adafactor_momentum": StateFullRule(adafactor_momentum_, adafactor_momentum_direction,
-                                        ("exp_avg", "row", "col"), True, _factored_shapes, True),
-    # Muon (frugal/muon.py): one momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz.
-    "muon": StateFullRule(_muon.muon_, _muon.muon_direction, ("momentum_buffer",), False,
-                          options=_muon.OPTIONS, group_keys=("transposed",), gathers=True, check=_muon.check_group,
-                          default_momentum=0.95, validate_options=_muon.check_options),
 }
 
 
@@ -315,37 +225,6 @@ class SplitContext(NamedTuple):
     transposed: bool  # R is in the orientation of the stored tensor's transpose
     rule: "StateFullRule"  # the group's state-full rule (its moments are in ``state``)
     group: dict
-
-
-def fira_split_step(p: Tensor, state: dict, ctx: SplitContext) -> None:
-    """Fira's whole step of one split tensor, as the ``fira`` package computes it (``frugal.fira``)."""
-    g = ctx.group
-    _fira.fira_step_(p, state, ctx.grad, ctx.full_grad, ctx.lift, ctx.rule, lr=g["lr"],
-                     alpha=g["projectable_lr_scale"], free_scale=g["state_free_lr_scale"],
-                     weight_decay=g["weight_decay"], gamma=g["fira_gamma"], reduced_dim=ctx.reduced_dim,
-                     transposed=ctx.transposed, rule_kwargs={"betas": tuple(g["betas"]), "eps": g["eps"],
-                                                             "momentum": g["momentum"]})
-
-
-def _fira_state(state: dict, like: Tensor, reduced_dim: int) -> None:
-    if "fira_norm" not in state:  # never reset: it measures the residual update, whatever the basis
-        state["fira_norm"] = _fira.new_limiter_state(like)
-
-
-def one_sided_adafactor_direction(residual: Tensor, state: dict, ctx: FreeContext) -> Tensor:
-    """AdaMeM's residual rule: ``residual / (sqrt(s_hat) + eps)``, ``s`` the running mean of the
-    residual's squares over the reduced dimension (one value per index of the other one, so the
-    update stays orthogonal to the state-full subspace), Adam's correction counted since the start."""
-    state["free_step"] += 1
-    beta2 = ctx.group["betas"][1]
-    return factored.one_sided_direction(residual, state["free_stat"], state["free_step"].double(),
-                                        beta2=beta2, eps=ctx.group["eps"], dim=ctx.reduced_dim)
-
-
-def _one_sided_state(state: dict, like: Tensor, reduced_dim: int) -> None:
-    if "free_stat" not in state:  # never reset, like Fira's norm; an integer counter: exact on reload
-        state["free_stat"] = torch.zeros(like.shape[1 - reduced_dim], dtype=like.dtype, device=like.device)
-        state["free_step"] = torch.zeros((), dtype=torch.int64, device=like.device)
 
 
 @dataclass(frozen=True)
@@ -418,13 +297,6 @@ STATE_FREE = {
                              options={"sign_update": "auto"}, validate_options=_check_sign_update),
     "sgd": StateFreeRule(sgd_, lambda g: g, elementwise=True),
     "none": StateFreeRule(none_, None, scale_invariant=True, elementwise=True),  # weight decay only
-    # Fira's previous norm: one value per matrix
-    "fira": StateFreeRule(None, None, init_state=_fira_state, split_step=fira_split_step,
-                          state_bytes=lambda other_side, elem: elem, options={"fira_gamma": 1.01},
-                          validate_options=_fira.check_options),
-    # AdaMeM's one-sided statistic (a value per index of the side not reduced) and its int64 counter
-    "one_sided_adafactor": StateFreeRule(None, None, one_sided_adafactor_direction, _one_sided_state,
-                                         state_bytes=lambda other_side, elem: other_side * elem + 8),
 }
 
 

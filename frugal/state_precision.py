@@ -187,15 +187,22 @@ def restore_dtypes(state: dict, group: dict, rule) -> None:
                 s[name] = s[name].to(torch.bfloat16)
 
 
-def check(group: dict, rule, projectable: bool, sharded: bool) -> None:
-    """Raise HyperparameterError for a group whose moments cannot be stored as asked."""
+def _fits(rule) -> bool:
+    """Its state may be updated a slice at a time: elementwise, the target's shape, no gather."""
+    return rule.shapes is None and not rule.gathers and rule.elementwise
+
+
+def check(group: dict, rule, projectable: bool, sharded: bool, rules: dict | None = None) -> None:
+    """Raise HyperparameterError for a group whose moments cannot be stored as asked (``rules``: the
+    state-full rules registered, for the message)."""
+    fitting = ", ".join(sorted(name for name, other in (rules or {}).items() if _fits(other)))
     precision = group.get("state_precision", "param")
     if group.get("master_weights"):
-        if rule.shapes is not None or rule.gathers or not rule.elementwise:
+        if not _fits(rule):
             raise HyperparameterError(
                 "master_weights=True updates a float32 copy of each whole state-full tensor, which needs an "
-                f"elementwise state-full rule; got state_full {group['state_full']!r}; valid choices: adamw, "
-                "adamw_hf, lion, sgdm (or master_weights=False)")
+                f"elementwise state-full rule; got state_full {group['state_full']!r}; valid choices: "
+                f"{fitting} (or master_weights=False)")
         if projectable and group["projection"] != "block":
             raise HyperparameterError(
                 f"master_weights=True keeps a float32 copy of whole state-full tensors, but projection "
@@ -208,11 +215,11 @@ def check(group: dict, rule, projectable: bool, sharded: bool) -> None:
                 "with master_weights=True, or master_weights=False")
     if precision == "param":
         return
-    if rule.shapes is not None or rule.gathers or not rule.elementwise:
+    if not _fits(rule):
         raise HyperparameterError(
             f"state_precision {precision!r} decodes the moments a chunk at a time, which needs an "
             f"elementwise state-full rule; got state_full {group['state_full']!r}; valid choices: "
-            "adamw, adamw_hf, lion, sgdm (or state_precision 'param')")
+            f"{fitting} (or state_precision 'param')")
     if projectable and group["projection"] != "block":
         raise HyperparameterError(
             f"state_precision {precision!r} stores whole tensors' moments, but projection "

@@ -220,7 +220,7 @@ def test_a_key_of_another_option_is_refused_for_the_chosen_one():
     """With Hydra's runtime choices, a group's valid keys are its chosen option's: adamw takes no density."""
     cfg = _compose("optimizer=adamw", "++optimizer.density=0.3", hydra_cfg=True)
     with pytest.raises(ConfigError, match=r"optimizer\.density is not a config key; valid keys of optimizer: "
-                                          r"name, lr, betas, eps, weight_decay, seed\."):
+                                          r"name, lr, betas, eps, weight_decay, seed, plugins\."):
         validate_config(cfg, world_size=1)
 
 

@@ -5,6 +5,7 @@ resumes bit for bit from a state_dict, and the memory estimate and the planner c
 the byte."""
 import copy
 import importlib
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -217,6 +218,32 @@ def test_a_rules_own_option_is_a_keyword_everywhere(my_rules):
         frugal.build_optimizer(model, "frugal", state_full="rmsprop", rms_betta=0.5)
     opt = frugal.build_optimizer(model, "frugal", state_full="rmsprop", rms_beta=0.5)
     assert {g["rms_beta"] for g in opt.param_groups} == {0.5}
+
+
+def test_a_plugin_rule_with_its_own_option_trains_through_train_py(tmp_path):
+    """optimizer.plugins imports a researcher's module before the config is checked: its state-full rule and
+    that rule's own hyperparameter are set on train.py's command line like any other (no file edited); a
+    module that does not import is one line and exit code 2."""
+    from _train_helpers import run_python, subprocess_env, train_cmd
+
+    (tmp_path / "my_rules.py").write_text(textwrap.dedent(MY_RULES))
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    run = tmp_path / "run"
+    cmd = train_cmd(run, "train.steps=2", "optimizer.plugins=[my_rules]", "optimizer.state_full=rmsprop",
+                    "optimizer.state_free=soft_sign", "optimizer.rms_beta=0.9")
+    proc = run_python(cmd, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = torch.load(run / "checkpoints" / "step_00000002" / "optimizer.pt", weights_only=True)
+    assert {(g["state_full"], g["state_free"], g["rms_beta"]) for g in saved["param_groups"]} == {
+        ("rmsprop", "soft_sign", 0.9)}
+    assert any("exp_avg_sq" in s for s in saved["state"].values())
+
+    bad = run_python(train_cmd(tmp_path / "bad", "optimizer.plugins=[no_such_rules]"), cwd=ROOT, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: Invalid plugins: module 'no_such_rules' does not import (ModuleNotFoundError: No module named "
+        "'no_such_rules'); valid choices: modules Python can import (on PYTHONPATH)")
 
 
 ROWS, COLS = 1030, 1024  # 1,054,720 elements: above the 2^20 of the single-tensor path's chunks

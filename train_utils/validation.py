@@ -93,8 +93,14 @@ def resolve_precision(precision, device, debug: str | None = None) -> str:
 
 def check_known_keys(cfg: DictConfig) -> None:
     """Raise ConfigError naming every key no YAML file declares, the valid keys of its node and the
-    closest one (one line)."""
-    unknown = unknown_keys(cfg)
+    closest one (one line). The optimizer also takes the options of the rules that the modules in
+    `optimizer.plugins` register (imported here: one that does not import is a HyperparameterError)."""
+    from frugal import registry
+
+    registry.load_plugins(OmegaConf.select(cfg, "optimizer.plugins", default=None))
+    name = OmegaConf.select(cfg, "optimizer.name", default=None)
+    taken = {f"optimizer.{k}" for k in registry.accepted_keys(name)} if name in registry.OPTIMIZERS else set()
+    unknown = [(key, valid) for key, valid in unknown_keys(cfg) if key not in taken]
     if not unknown:
         return
     lines = [unknown_key_line(key, valid) for key, valid in unknown]
