@@ -12,16 +12,16 @@ back (Algorithm 1 of the paper).
 2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
    chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
    reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
-   zeros that collect the update), and the gradient its state-free rule sees (matrix projections:
-   the residual ``g - P^{-1}(P(g))``; coordinate projections: the whole gradient, see 5).
+   zeros that collect the update), and the gradient its state-free rule sees: the residual
+   ``g - P^{-1}(P(g))``, or for an elementwise rule on a coordinate projection the whole gradient (see 5).
 3. state-full update: ``rules.STATE_FULL`` over buckets of equal settings (``FullKey``): torch's
    fused AdamW kernel for AdamW.
 4. state-free update: ``rules.STATE_FREE`` over buckets (``FreeKey``): signSGD as one compiled pass
    per tensor (``frugal.kernels``). Decoupled weight decay of state-free and split tensors is fused
    into this pass.
 5. write back (``_write_back``): coordinate projections scatter the updated reduced weights over
-   the state-free result (which is why the state-free rule may run on the whole tensor); matrix
-   projections add ``P^{-1}(target)``.
+   the state-free result (which is why an elementwise state-free rule may run on the whole tensor);
+   matrix projections, and coordinate projections of a non-elementwise rule, add ``P^{-1}(target)``.
 
 Split tensors go through 2-5 a batch at a time (about one layer), so their temporaries stay far
 below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` runs
