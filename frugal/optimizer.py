@@ -388,15 +388,15 @@ class FRUGAL(Optimizer):
         ``frugal.in_backward`` runs for one tensor."""
         fast, single = [], []
         for w in works:
-            reference = not w.group["foreach"] or self._rounds_stochastically(w)
+            reference = not w.group["foreach"] or _rounds_stochastically(w)
             (single if reference else fast).append(w)
-        for batch in self._batches(fast):
+        for batch in _batches(fast):
             for w in batch:
                 self._split(w)                                            # 2. split
             self._update_state_full(batch)                                # 3. state-full update
             self._update_state_free(batch)                                # 4. state-free update
             for w in batch:
-                self._write_back(w)                                       # 5. write back
+                _write_back(w)                                       # 5. write back
         for w in single:
             update_tensor(w.param, w.grad, w.group, w.state, w.role, w.ident, step, w.window)
 
@@ -424,27 +424,6 @@ class FRUGAL(Optimizer):
         """The step's work for slot ``t`` (a tensor with a gradient)."""
         return Work(t.param, local(t.param), local(t.param.grad), t.group,
                     self.state[t.param] if t.role != FREE else {}, t.role, t.ident, t.window)
-
-    @staticmethod
-    def _rounds_stochastically(w: Work) -> bool:
-        return w.group["stochastic_rounding"] and w.param.dtype == torch.bfloat16
-
-    @staticmethod
-    def _batches(works: list[Work]):
-        """Whole-tensor work in one batch (no temporaries); split tensors a layer at a time."""
-        whole = [w for w in works if w.role != SPLIT]
-        if whole:
-            yield whole
-        batch: list[Work] = []
-        for w in works:
-            if w.role != SPLIT:
-                continue
-            if batch and (w.group is not batch[0].group or len(batch) == _BATCH_TENSORS):
-                yield batch
-                batch = []
-            batch.append(w)
-        if batch:
-            yield batch
 
     def _split(self, w: Work) -> None:
         """Phase 2: state-full subspace, ``full_grad``/``target`` and ``free_grad`` of one tensor."""
@@ -531,10 +510,10 @@ class FRUGAL(Optimizer):
             p = w.local
             rule = STATE_FREE[group["state_free"]]
             if rule.split_step is not None:
-                self._split_step(w, rule)
+                _split_step(w, rule)
                 continue
             if rule.contextual is not None:
-                self._contextual_update(w, rule)
+                _contextual_update(w, rule)
                 continue
             key = FreeKey(group["state_free"], group["lr"] * group["state_free_lr_scale"],
                           1.0 - group["lr"] * group["weight_decay"], tuple(keywords(rule, group).items()), p.device,
@@ -545,36 +524,57 @@ class FRUGAL(Optimizer):
         for key, (params, grads) in buckets.items():
             STATE_FREE[key.rule].step_(params, grads, lr=key.lr, decay=key.decay, **dict(key.options))
 
-    @staticmethod
-    def _contextual_update(w: Work, rule) -> None:
-        """p <- p * (1 - lr wd) - lr * state_free_lr_scale * d, d = rule(residual, its state, the split)."""
-        group, p = w.group, w.local
-        dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
-        residual = w.free_grad.t() if transposed else w.free_grad
-        d = rule.contextual(residual, w.state, FreeContext(w.full_grad, dim, group))
-        if group["weight_decay"]:
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.sub_(d.t() if transposed else d, alpha=group["lr"] * group["state_free_lr_scale"])
 
-    @staticmethod
-    def _split_step(w: Work, rule) -> None:
-        """A rule that takes a split tensor's whole step (Fira): state-full part, residual, decay."""
-        group, p = w.group, w.local
-        projection, transposed = group["projection"], group["transposed"]
-        dim, flip = proj.reduced_dim(projection, p.shape, transposed)
-        lift = lambda x: proj.project_back(x, p.shape, projection, transposed, w.subspace)  # noqa: E731
-        rule.split_step(p, w.state, SplitContext(w.grad, w.full_grad, lift, dim, flip,
-                                                 STATE_FULL[group["state_full"]], group))
+def _rounds_stochastically(w: Work) -> bool:
+    return w.group["stochastic_rounding"] and w.param.dtype == torch.bfloat16
 
-    @staticmethod
-    def _write_back(w: Work) -> None:
-        """Phase 5, and the end of the batch's temporaries."""
-        if w.role == FULL and w.target is not None and w.target is not w.local:  # a master copy: round it in
-            w.local.copy_(w.target)
-        if w.role == SPLIT and w.target is not None:
-            group, p = w.group, w.local
-            if w.additive:
-                p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace))
-            else:
-                proj.write_coordinates_(p, group["projection"], group["transposed"], w.subspace, w.target)
-        w.target = w.full_grad = w.free_grad = w.subspace = None
+
+def _batches(works: list[Work]):
+    """Whole-tensor work in one batch (no temporaries); split tensors a layer at a time."""
+    whole = [w for w in works if w.role != SPLIT]
+    if whole:
+        yield whole
+    batch: list[Work] = []
+    for w in works:
+        if w.role != SPLIT:
+            continue
+        if batch and (w.group is not batch[0].group or len(batch) == _BATCH_TENSORS):
+            yield batch
+            batch = []
+        batch.append(w)
+    if batch:
+        yield batch
+
+
+def _contextual_update(w: Work, rule) -> None:
+    """p <- p * (1 - lr wd) - lr * state_free_lr_scale * d, d = rule(residual, its state, the split)."""
+    group, p = w.group, w.local
+    dim, transposed = proj.reduced_dim(group["projection"], p.shape, group["transposed"])
+    residual = w.free_grad.t() if transposed else w.free_grad
+    d = rule.contextual(residual, w.state, FreeContext(w.full_grad, dim, group))
+    if group["weight_decay"]:
+        p.mul_(1.0 - group["lr"] * group["weight_decay"])
+    p.sub_(d.t() if transposed else d, alpha=group["lr"] * group["state_free_lr_scale"])
+
+
+def _split_step(w: Work, rule) -> None:
+    """A rule that takes a split tensor's whole step (Fira): state-full part, residual, decay."""
+    group, p = w.group, w.local
+    projection, transposed = group["projection"], group["transposed"]
+    dim, flip = proj.reduced_dim(projection, p.shape, transposed)
+    lift = lambda x: proj.project_back(x, p.shape, projection, transposed, w.subspace)  # noqa: E731
+    rule.split_step(p, w.state, SplitContext(w.grad, w.full_grad, lift, dim, flip,
+                                             STATE_FULL[group["state_full"]], group))
+
+
+def _write_back(w: Work) -> None:
+    """Phase 5, and the end of the batch's temporaries."""
+    if w.role == FULL and w.target is not None and w.target is not w.local:  # a master copy: round it in
+        w.local.copy_(w.target)
+    if w.role == SPLIT and w.target is not None:
+        group, p = w.group, w.local
+        if w.additive:
+            p.add_(proj.project_back(w.target, p.shape, group["projection"], group["transposed"], w.subspace))
+        else:
+            proj.write_coordinates_(p, group["projection"], group["transposed"], w.subspace, w.target)
+    w.target = w.full_grad = w.free_grad = w.subspace = None
