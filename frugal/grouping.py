@@ -5,7 +5,7 @@ inside transformer blocks ("Linear layers"). Embeddings, norms and the output he
 with the state-full rule and are never reset: the paper found them to be the parameters that suffer
 most from a state-free update (Table 4: moving the output layer to signSGD costs 14 perplexity
 points). Biases are tiny and stay state-full too. A state-full rule defined only for weight matrices
-(Muon) gives them AdamW instead, wherever the groups are built from a model (REST_RULES).
+(Muon) gives them AdamW instead, wherever the groups are built from a model (`StateFullRule.rest`).
 
 Blocks are found from the module structure, so no model family needs its own names
 (`transformer_blocks(model)` returns them; the training side uses it for FSDP2 units, compiled and
@@ -45,20 +45,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .rules import STATE_FULL
+
 # The kinds a caller may move wholly to the state-free rule (Table 4 of the paper).
 STATE_FREE_MODULE_CHOICES = ("embeddings", "norms", "output")
 # Param-group keys that FRUGAL reads; a group carrying any of them was split by its author.
 FRUGAL_GROUP_KEYS = ("projectable", "block", "transposed", "always_state_free")
 
-# State-full rules defined only for the weight matrices of the layers: when FRUGAL builds the groups
-# from a model (`param_groups(model, state_full=...)`, `FRUGAL(model, state_full=...)`, the registry
-# entries), the non-projectable state-full tensors take the rule given here instead, for the reason
-# given here (which `frugal.describe` prints). Groups given explicitly are left as they are.
-REST_RULES: dict[str, tuple[str, str]] = {
-    "muon": ("adamw", "Muon orthogonalises the weight matrices of the transformer blocks: norms and biases are "
-                      "not matrices, and embeddings and the output head take AdamW as Muon's authors and "
-                      "torch.optim.Muon's docs prescribe"),
-}
 
 # Name rules for the kinds of non-projectable tensors, a fallback where the module class does not
 # tell (first match wins). The optional prefix lets wrapped models (`_orig_mod.`) keep working.
@@ -265,9 +258,10 @@ def _in_authors_order(roles: list[TensorRole]) -> list[TensorRole]:
 
 def rest_rule(state_full) -> str | None:
     """The state-full rule of the non-projectable tensors when `state_full` is given to a model
-    (REST_RULES), or None where they take `state_full` itself."""
-    entry = REST_RULES.get(state_full) if isinstance(state_full, str) else None
-    return entry[0] if entry else None
+    (`StateFullRule.rest`: a rule defined only for the weight matrices of the layers, Muon), or None where
+    they take `state_full` itself. Groups given explicitly are left as they are."""
+    rule = STATE_FULL.get(state_full) if isinstance(state_full, str) else None
+    return rule.rest[0] if rule is not None and rule.rest else None
 
 
 def _groups(roles: list[TensorRole], state_free_modules: Iterable[str] = (),
@@ -323,7 +317,7 @@ def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
     "tensor"`` follows: "module" (the model's registration order) or "authors" (LLaMA's MLP as the
     FRUGAL authors' model registers it, gate, down, up: AUTHORS_TENSOR_ORDER).
     `state_full`: the state-full rule the optimizer will be given. A rule of weight matrices only
-    (REST_RULES: "muon") gives the non-projectable group `state_full="adamw"` (embeddings, norms,
+    (`StateFullRule.rest`: Muon) gives the non-projectable group `state_full="adamw"` (embeddings, norms,
     biases, output head): what `FRUGAL(model, state_full="muon")` and the registry entries do. None
     (or any other rule): the group takes the optimizer's rule.
     Tied parameters (GPT-2's wte = lm_head) are listed once; a tied tensor has every kind of the
@@ -458,14 +452,14 @@ def resolve_params(params, state_full: str | None = None) -> list[dict] | object
     """Param groups for `FRUGAL(params, state_full=..., ...)` from whatever a user passes as `params`.
 
     - an nn.Module: `param_groups(model, state_full=state_full)` (the structure above; with
-      state_full "muon" the non-projectable tensors take AdamW, REST_RULES); no warning.
+      state_full "muon" the non-projectable tensors take AdamW, `StateFullRule.rest`); no warning.
     - groups carrying any FRUGAL key (projectable, block, transposed, always_state_free): as given.
     - `model.named_parameters()`, `model.parameters()` or groups without FRUGAL keys (HF Trainer's
       `[{'params': [...], 'weight_decay': wd}, {'params': [...], 'weight_decay': 0.0}]`): the
       projectable tensors are guessed from names (numbered layers) or, for plain tensors, from the
       shape pattern the layers repeat; each group keeps its own settings on its parts, and a
       warning says what was picked and how to be exact (pass the model). These groups are not
-      routed by REST_RULES: every tensor takes `state_full` (Muon refuses a 1-D one, naming the model call).
+      routed by `StateFullRule.rest`: every tensor takes `state_full` (Muon refuses a 1-D one, naming the model call).
 
     Whenever the result has no projectable tensor (and the groups do not all say so themselves),
     a UserWarning says that FRUGAL will behave as the state-full rule alone, and how to fix it.

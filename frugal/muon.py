@@ -23,7 +23,7 @@ Inside FRUGAL the rule runs on
 
 - whole matrices: the active blocks of block projection (``projection="block"``) and the 2-D
   tensors of groups given explicitly with ``state_full="muon"`` (groups built from a model give the
-  non-projectable tensors AdamW: ``grouping.REST_RULES``): at density 1 FRUGAL with this rule on the
+  non-projectable tensors AdamW: ``REST`` below): at density 1 FRUGAL with this rule on the
   blocks and AdamW on the rest is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py);
 - reduced matrices of ``column`` / ``row`` projection: the selected columns (rows) form a matrix of
   shape ``A x k`` (``k x B``), which is orthogonalised as a matrix of its own (``adjust`` from its
@@ -219,8 +219,11 @@ def check_options(hparams: dict) -> dict:
     return out
 
 
-# One momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz; AdamW on what is not a matrix
-# (grouping.REST_RULES) where the groups are built from a model.
+# One momentum buffer, its Nesterov mix orthogonalised by Newton-Schulz; AdamW on what is not a matrix where
+# the groups are built from a model.
+REST = ("adamw", "Muon orthogonalises the weight matrices of the transformer blocks: norms and biases are not "
+                 "matrices, and embeddings and the output head take AdamW as Muon's authors and "
+                 "torch.optim.Muon's docs prescribe")
 register_state_full("muon", StateFullRule(muon_, muon_direction, ("momentum_buffer",), False, options=OPTIONS,
                                           group_keys=("transposed",), gathers=True, check=check_group,
-                                          default_momentum=0.95, validate_options=check_options))
+                                          default_momentum=0.95, validate_options=check_options, rest=REST))

@@ -140,7 +140,7 @@ class FRUGAL(Optimizer):
             ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free``
             (the whole tensor takes the state-free rule). Other tensors are state-full, never reset;
             given a model, a rule of weight matrices (``state_full="muon"``) gives them AdamW
-            (``grouping.REST_RULES``, as the registry's ``frugal_muon``; ``frugal.describe`` lists them).
+            (``StateFullRule.rest``, as the registry's ``frugal_muon``; ``frugal.describe`` lists them).
         lr, betas, eps, weight_decay: as torch's AdamW (decoupled decay on every tensor).
         density: :math:`\rho`, the state-full share of projectable elements: ``block`` keeps
             k of the L blocks (``projections.block_count``); ``column``, ``row``, ``randk`` that

@@ -122,7 +122,7 @@ _ENTRIES: dict[str, _Entry] = {
                      rest={"state_full": "adamw"}),
     # Muon as the state-full rule (frugal/muon.py). The non-projectable tensors (embeddings, norms,
     # output layer) keep AdamW, as Muon's authors and torch's docs prescribe: param_groups decides it
-    # (grouping.REST_RULES), as for FRUGAL(model, state_full="muon").
+    # (StateFullRule.rest), as for FRUGAL(model, state_full="muon").
     "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
                    {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
                    ("betas", "eps", "momentum", "state_free_modules", "target_modules", "tensor_order")
@@ -262,7 +262,7 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
     entry = _ENTRIES[name]
     if entry.layout == "blocks":
         full = settings.get("state_full", frugal_defaults()["state_full"])
-        groups = param_groups(model, **grouping, state_full=full)  # muon: AdamW on the rest (REST_RULES)
+        groups = param_groups(model, **grouping, state_full=full)  # muon: AdamW on the rest (StateFullRule.rest)
         free = settings.get("state_free", frugal_defaults()["state_free"])
         for group in groups:
             if group.get("always_state_free"):

@@ -141,6 +141,9 @@ class StateFullRule:
     # Adam's two moments, which LDAdam's moment transport and error feedback are written for.
     adam_moments: bool = False
     validate_options: Callable | None = None  # hparams -> hparams: checks and normalises its own options
+    # (rule, why): what the non-projectable tensors take instead where the groups are built from a model
+    # (`frugal.describe` prints why): Muon's AdamW
+    rest: tuple[str, str] | None = None
 
     def init_state(self, state: dict, like: Tensor, shape=None, group: dict | None = None) -> None:
         """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.

@@ -56,7 +56,7 @@ def _size(n: float) -> str:
 
 def _other_rule_line(rule: str, default: str, tensors: list[tuple[str, int]]) -> str:
     """The summary line of the state-full tensors that take `rule` instead of the optimizer's `default`
-    (Muon's AdamW tensors: grouping.REST_RULES): which, and why. Names that differ only in layer
+    (Muon's AdamW tensors: StateFullRule.rest): which, and why. Names that differ only in layer
     numbers are shown once, with a star and a count."""
     seen: dict[str, int] = {}
     for name, _ in tensors:
@@ -64,7 +64,7 @@ def _other_rule_line(rule: str, default: str, tensors: list[tuple[str, int]]) ->
         seen[key] = seen.get(key, 0) + 1
     names = ", ".join(key if n == 1 else f"{key} (x{n})" for key, n in seen.items())
     not_matrices = sum(dim != 2 for _, dim in tensors)
-    why = grouping.REST_RULES.get(default)
+    why = STATE_FULL[default].rest if default in STATE_FULL else None
     reason = why[1] if why and why[0] == rule else "as their param group sets"
     return (f"{rule} instead of {default} for {len(tensors)} state-full tensors ({not_matrices} not matrices, "
             f"{len(tensors) - not_matrices} matrices FRUGAL does not split): {names}; {reason}")
