@@ -10,7 +10,8 @@ this path too, since the new weights must exist in float32 before they are round
 computed in float32 (at least) and rounded once into the weights. A tensor's role
 (``frugal.windows``) decides P: ``FULL`` (the identity: non-projectable tensors, active blocks),
 ``FREE`` (zero: inactive blocks, ``always_state_free`` groups) or ``SPLIT`` (a coordinate or matrix
-projection, ``frugal.state_management``).
+projection, ``frugal.state_management``). How bf16 weights are executed (a float32 master copy, whole
+tensors of elementwise rules a chunk at a time, stochastic rounding) is ``frugal.state_precision``'s.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from torch import Tensor
 
 from . import projections as proj
 from . import sharding, state_management, state_precision
-from .kernels import stochastic_round_
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext, keywords
 from .windows import FREE, FULL, SPLIT
 
@@ -44,15 +44,10 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
         return
     if role == FULL:
         full_rule.init_state(state, param, group=group)
-    if role != SPLIT and (full_rule if role == FULL else free_rule).elementwise:
-        # elementwise: a chunk at a time, so the float32 copies stay small (a 7B embedding: 0.5 GiB each)
-        generator = _rounding(param, group, step, ident)
-        local_state = {k: sharding.local(v) for k, v in state.items()}  # views: updated in place
-        for start, stop in state_precision.chunks(p.numel()):
-            _whole_chunk(p, grad, start, stop, local_state, group, role, rule_kwargs, lr_full, lr_free, decay,
-                         generator)
-        if role == FULL:
-            state_precision.advance(state, full_rule)
+    generator = state_precision.rounding(param, group, step, ident)
+    if role != SPLIT and (full_rule if role == FULL else free_rule).elementwise:  # a chunk at a time
+        state_precision.whole_in_chunks(p, grad, state, group, full_rule if role == FULL else None, free_rule,
+                                        rule_kwargs, free_kwargs, lr_full, lr_free, decay, generator)
         return
     new = p.to(torch.promote_types(p.dtype, torch.float32))
     if role == FULL:
@@ -87,46 +82,4 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
                 new -= lr_free * (d.t() if flip else d)
             elif free_rule.direction is not None:
                 new -= lr_free * free_rule.direction(a - lift(g_full), **free_kwargs)
-    _write(p, new, _rounding(param, group, step, ident))
-
-
-def _rounding(param: Tensor, group: dict, step: int, ident: int) -> torch.Generator | None:
-    """The generator of the stochastic rounding of bf16 weights (None: round to nearest): a pure
-    function of (seed, step, tensor[, shard]), so reruns and resumed runs round alike."""
-    if not (group["stochastic_rounding"] and param.dtype == torch.bfloat16):
-        return None
-    seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))
-    return torch.Generator(device=sharding.local(param).device).manual_seed(seed)
-
-
-def _write(p: Tensor, new: Tensor, generator: torch.Generator | None) -> None:
-    if generator is not None:
-        stochastic_round_(p, new, generator)
-    else:
-        p.copy_(new)
-
-
-def _whole_chunk(p: Tensor, grad: Tensor, start: int, stop: int, state: dict, group: dict, role: str,
-                 rule_kwargs: dict, lr_full: float, lr_free: float, decay: float,
-                 generator: torch.Generator | None) -> None:
-    """Elements ``start:stop`` of a wholly state-full (``FULL``) or state-free (``FREE``) tensor, with
-    the update above; state-full moments stored in low precision are decoded to float32 and coded back
-    (``frugal.state_precision``), the others are updated in place in their own dtype. The rule's step
-    count is a copy here: the caller advances it once for the whole tensor."""
-    dtype = state_precision.compute_dtype(p)
-    flat_p, g = p.view(-1)[start:stop], grad.reshape(-1)[start:stop]
-    new = flat_p.to(dtype)
-    if role == FULL:
-        rule = STATE_FULL[group["state_full"]]
-        low = state_precision.storage(group, p.numel()) != "param"
-        moments = state_precision.decode_chunk(state, rule, start, stop, dtype if low else None)
-        d = rule.direction(g.to(dtype) if low else g, moments, **rule_kwargs)
-        new = (new - lr_full * d) * decay if rule.decays_after else new * decay - lr_full * d
-        if low:
-            state_precision.encode_chunk(state, rule, start, stop, moments)
-    else:
-        new *= decay
-        free_rule = STATE_FREE[group["state_free"]]
-        if free_rule.direction is not None:
-            new -= lr_free * free_rule.direction(g, **keywords(free_rule, group))
-    _write(flat_p, new, generator)
+    state_precision.write(p, new, generator)

@@ -30,7 +30,10 @@ import math
 import torch
 from torch import Tensor
 
+from . import projections as proj
+from . import sharding
 from .checks import HyperparameterError
+from .kernels import stochastic_round_
 
 PRECISIONS = ("param", "bf16", "8bit")
 BLOCK = 256  # elements per 8-bit block: bitsandbytes' blockwise optimizer kernels
@@ -157,6 +160,52 @@ def encode_chunk(state: dict, rule, start: int, stop: int, moments: dict) -> Non
 def advance(state: dict, rule) -> None:
     if rule.counts_steps:
         state["step"] += 1
+
+
+def rounding(param: Tensor, group: dict, step: int, ident: int) -> torch.Generator | None:
+    """The generator of the stochastic rounding of bf16 weights (None: round to nearest): a pure
+    function of (seed, step, tensor[, shard]), so reruns and resumed runs round alike."""
+    if not (group["stochastic_rounding"] and param.dtype == torch.bfloat16):
+        return None
+    seed = proj.mix_seed(group["seed"], step, ident, *sharding.mesh_coordinate(param))
+    return torch.Generator(device=sharding.local(param).device).manual_seed(seed)
+
+
+def write(p: Tensor, new: Tensor, generator: torch.Generator | None) -> None:
+    """The new weights into ``p``: rounded stochastically with ``generator``, else to nearest."""
+    if generator is not None:
+        stochastic_round_(p, new, generator)
+    else:
+        p.copy_(new)
+
+
+def whole_in_chunks(p: Tensor, grad: Tensor, state: dict, group: dict, rule, free_rule, rule_kwargs: dict,
+                    free_kwargs: dict, lr_full: float, lr_free: float, decay: float,
+                    generator: torch.Generator | None) -> None:
+    """The single-tensor step (``frugal.reference``) of a wholly state-full tensor (``rule``, elementwise) or
+    state-free one (``rule`` None: ``free_rule``, elementwise), a chunk at a time, so the float32 copies
+    stay small (a 7B embedding: 0.5 GiB each). State-full moments stored in low precision are decoded to
+    float32 and coded back, the others are updated in place in their own dtype; the rule's step count is
+    a copy per chunk, advanced once for the whole tensor."""
+    local_state = {k: sharding.local(v) for k, v in state.items()}  # views: updated in place
+    dtype = compute_dtype(p)
+    low = rule is not None and storage(group, p.numel()) != "param"
+    for start, stop in chunks(p.numel()):
+        flat_p, g = p.view(-1)[start:stop], grad.reshape(-1)[start:stop]
+        new = flat_p.to(dtype)
+        if rule is not None:
+            moments = decode_chunk(local_state, rule, start, stop, dtype if low else None)
+            d = rule.direction(g.to(dtype) if low else g, moments, **rule_kwargs)
+            new = (new - lr_full * d) * decay if rule.decays_after else new * decay - lr_full * d
+            if low:
+                encode_chunk(local_state, rule, start, stop, moments)
+        else:
+            new *= decay
+            if free_rule.direction is not None:
+                new -= lr_free * free_rule.direction(g, **free_kwargs)
+        write(flat_p, new, generator)
+    if rule is not None:
+        advance(state, rule)
 
 
 def update_(rule, target: Tensor, grad: Tensor, state: dict, **kwargs) -> None:
