@@ -87,13 +87,31 @@ def pack_bits(bits: Tensor) -> Tensor:
     """Booleans (length a multiple of 8) packed 8 to a byte, the first in the highest bit."""
     if bits.numel() % 8:
         raise ValueError(f"pack_bits needs a multiple of 8 booleans, got {bits.numel()}")
-    return (bits.reshape(-1, 8).to(torch.uint8) << _shifts(bits.device)).sum(1, dtype=torch.uint8)
+    as_bytes = bits.reshape(-1, 8).view(torch.uint8) if bits.dtype == torch.bool else bits.reshape(-1, 8)
+    return (as_bytes << _shifts(bits.device)).sum(1, dtype=torch.uint8)
+
+
+_TABLES: dict = {}
+
+
+def _table(device, dtype) -> Tensor:
+    """(256, 8): the 8 elements a byte packs, as 0/1 (uint8) or -1/+1 (a float dtype)."""
+    key = (str(device), dtype)
+    if key not in _TABLES:
+        bits = (torch.arange(256, dtype=torch.int32).reshape(-1, 1) >> torch.tensor(_SHIFTS, dtype=torch.int32)) & 1
+        _TABLES[key] = (bits.to(torch.uint8) if dtype == torch.uint8 else (bits * 2 - 1).to(dtype)).to(device)
+    return _TABLES[key]
 
 
 def unpack_bits(packed: Tensor, n: int | None = None) -> Tensor:
     """The booleans of ``pack_bits`` (the first ``n``; all without ``n``)."""
-    bits = ((packed.reshape(-1, 1) >> _shifts(packed.device)) & 1).bool().reshape(-1)
+    bits = unpack_table(packed, torch.uint8).view(torch.bool)
     return bits if n is None else bits[:n]
+
+
+def unpack_table(packed: Tensor, dtype) -> Tensor:
+    """Every element ``packed`` holds, looked up a byte at a time: 0/1 for uint8, -1/+1 for a float dtype."""
+    return _table(packed.device, dtype).index_select(0, packed.reshape(-1).int()).reshape(-1)
 
 
 def sign_bits(x: Tensor) -> Tensor:
@@ -109,11 +127,39 @@ def chunk_layout(n: int, world: int) -> tuple[int, int]:
 
 
 def vote_chunk(bits: Tensor, tie: Tensor) -> Tensor:
-    """The vote on one chunk: ``bits`` (W, e) are the ranks' signs, ``tie`` (e,) the rank whose sign
-    breaks each element's tie. True: +1."""
+    """The vote on one chunk: ``bits`` (W, e) are the ranks' signs (bool or 0/1), ``tie`` (e,) the rank
+    whose sign breaks each element's tie. True: +1."""
+    return _vote(bits, bits.gather(0, tie.reshape(1, -1)).reshape(-1))
+
+
+def _vote(bits: Tensor, tie_bits: Tensor) -> Tensor:
     world = bits.shape[0]
-    margin = 2 * bits.sum(0, dtype=torch.int32) - world
-    return torch.where(margin == 0, bits.gather(0, tie.reshape(1, -1)).reshape(-1), margin > 0)
+    margin = 2 * bits.sum(0, dtype=torch.int16) - world
+    return torch.where(margin == 0, tie_bits.bool(), margin > 0)
+
+
+def tie_bits(bits: Tensor, numels: list[int], idents: list[int], world: int, start: int) -> Tensor:
+    """What ``vote_chunk`` reads with ``tie_ranks``, without an index per element: the tie-breaking
+    rank's bit of each element of the chunk ``bits`` (W, e) that starts at element ``start`` of
+    parameters laid end to end; W strided copies per parameter in the chunk."""
+    e = bits.shape[1]
+    out = bits[0].clone()  # padding: any bit
+    offset = 0
+    for k, ident in zip(numels, idents):
+        lo, hi = max(start, offset), min(start + e, offset + k)
+        if lo < hi:
+            first = (lo - offset + ident) % world  # the rank of the segment's first element
+            for m in range(min(world, hi - lo)):
+                out[lo - start + m:hi - start:world] = bits[(first + m) % world, lo - start + m:hi - start:world]
+        offset += k
+    return out
+
+
+def vote_own_chunk(received: Tensor, world: int, numels: list[int], idents: list[int], rank: int) -> Tensor:
+    """The hook's vote on this rank's chunk, from the all-to-all's packed bits of every rank; packed."""
+    bits = unpack_table(received, torch.uint8).reshape(world, -1)
+    e = bits.shape[1]
+    return pack_bits(_vote(bits, tie_bits(bits, numels, idents, world, rank * e)))
 
 
 def tie_ranks(numels: list[int], idents: list[int], world: int, start: int = 0, stop: int | None = None,
@@ -302,16 +348,14 @@ class VoteHook:
             if "free" in entry:
                 free, n, e, c, idents, received, work = entry["free"]
                 work.wait()
-                tie = tie_ranks([g.numel() for g in free], idents, self.world, self.rank * e, (self.rank + 1) * e,
-                                device=received.device)
-                votes = pack_bits(vote_chunk(unpack_bits(received).reshape(self.world, e), tie))
+                votes = vote_own_chunk(received, self.world, [g.numel() for g in free], idents, self.rank)
                 gathered = torch.empty(c * self.world, dtype=torch.uint8, device=votes.device)
                 _all_gather(gathered, votes, self.group)
-                signs = unpack_bits(gathered, n)
+                signs = unpack_table(gathered, free[0].dtype)  # +-1 in the gradients' dtype
                 offset = 0
                 for g in free:
                     k = g.numel()
-                    g.copy_(signs[offset:offset + k].reshape(g.shape).to(g.dtype) * 2 - 1)
+                    g.copy_(signs[offset:offset + k].reshape(g.shape))
                     offset += k
         if record.free_sq is not None:  # B: the ranks' mean local norm of the voted gradients
             bound = record.free_sq.sqrt().reshape(1)

@@ -4,6 +4,7 @@
     python scripts/bench_comm.py time                  # step time with the loopback rate-limited (root)
     python scripts/bench_comm.py agreement             # one-process simulator: vote vs sign of the mean
     python scripts/bench_comm.py compute               # the pack / vote / unpack compute, no communication
+    python scripts/bench_comm.py payload               # arithmetic: what the vote sends per model size
 
 Each case runs `torchrun --standalone` inside a private network namespace (`unshare -n`, root): the
 ranks talk over that namespace's own loopback, whose byte counters (/proc/net/dev) then hold this
@@ -168,7 +169,7 @@ def compute_table(args) -> None:
     elements (a stand-in for what a ring all-reduce adds on one rank)."""
     import torch
 
-    from frugal.comm import chunk_layout, pack_bits, tie_ranks, unpack_bits, vote_chunk
+    from frugal.comm import chunk_layout, pack_bits, unpack_table, vote_own_chunk
 
     torch.set_num_threads(1)
     print("| voted elements | ranks W | pack signs ms | vote on own chunk ms | unpack to +-1 ms | "
@@ -181,17 +182,16 @@ def compute_table(args) -> None:
             bits = torch.zeros(e * world, dtype=torch.bool)
             received = torch.randint(0, 256, (world * c,), dtype=torch.uint8)
             out = torch.empty(n)
-            tie = tie_ranks([n], [0], world, 0, e)
 
             def pack():
                 torch.gt(grad, 0, out=bits[:n])
                 return pack_bits(bits)
 
             def vote():
-                return pack_bits(vote_chunk(unpack_bits(received).reshape(world, e), tie))
+                return vote_own_chunk(received, world, [n], [0], 0)
 
             def unpack():
-                out.copy_(unpack_bits(received, n).to(out.dtype) * 2 - 1)
+                out.copy_(unpack_table(received, out.dtype)[:n])
 
             parts = [torch.randn(-(-n // world)) for _ in range(world)]
 
@@ -210,9 +210,36 @@ def compute_table(args) -> None:
             print(f"| {n:,} | {world} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[3]:.1f} |", flush=True)
 
 
+def payload_table(args) -> None:
+    """Arithmetic, not a measurement: each model's voted and exact elements in the first window (FRUGAL
+    block projection, the model built on the meta device) and the ratio of what the vote sends to what
+    the exact all-reduce sends (fp32 gradients, padding ignored; the same factor 2 (W-1)/W in both)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, REPO)
+    import models
+    from frugal import FRUGAL
+    from frugal.comm import VOTED_RULES, payload_ratio
+    from frugal.windows import FREE
+
+    print("| model | parameters | density | voted elements | exact elements | vote bytes / exact bytes | cut |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.payload_models:
+        with torch.device("meta"):
+            model = models.build_model(OmegaConf.load(os.path.join(REPO, "configs", "model", f"{name}.yaml")))
+        total = sum(p.numel() for p in model.parameters())
+        for density in args.payload_densities:
+            roles = FRUGAL(model, lr=1e-3, density=density).next_roles()
+            voted = sum(t.param.numel() for t in roles if t.role == FREE and t.group["state_free"] in VOTED_RULES)
+            ratio = payload_ratio(total - voted, voted)
+            print(f"| {name} | {total / 1e6:,.1f}M | {density:g} | {voted / 1e6:,.1f}M | "
+                  f"{(total - voted) / 1e6:,.1f}M | {ratio:.3f} | {1 / ratio:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["bytes", "time", "agreement", "compute"])
+    parser.add_argument("what", nargs="?", choices=["bytes", "time", "agreement", "compute", "payload"])
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default="exact", choices=["exact", "vote"])
     parser.add_argument("--model", default="llama_60m")
@@ -229,13 +256,15 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=1_000_000)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.5, 2.0, 8.0])
     parser.add_argument("--compute_elements", type=int, nargs="+", default=[1_000_000, 19_000_000])
+    parser.add_argument("--payload_models", nargs="+", default=["llama_60m", "llama_130m", "llama_1b", "llama_7b"])
+    parser.add_argument("--payload_densities", type=float, nargs="+", default=[0.25, 0.0])
     parser.add_argument("--sim_worlds", type=int, nargs="+", default=[2, 3, 8, 16, 32])
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     if args.what in ("bytes", "time"):
         return wire_table(args, ["unshaped"] if args.what == "bytes" else args.rates)
-    {"agreement": agreement_table, "compute": compute_table}[args.what](args)
+    {"agreement": agreement_table, "compute": compute_table, "payload": payload_table}[args.what](args)
 
 
 if __name__ == "__main__":

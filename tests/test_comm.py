@@ -72,6 +72,27 @@ def test_ties_go_to_a_rank_named_by_the_element_and_padding_is_ignored():
     assert comm.chunk_layout(65, 4) == (24, 3)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_the_hooks_chunk_vote_equals_the_reference(world):
+    """What each rank computes on its chunk (a byte table, strided tie bits) against majority_vote with
+    tie_ranks, for parameters of odd sizes laid end to end, with zeros."""
+    numels, idents = [37, 5, 130, 1, 64], [3, 0, 11, 2, 7]
+    n = sum(numels)
+    e, c = comm.chunk_layout(n, world)
+    grads = torch.randn(world, n, generator=torch.Generator().manual_seed(world))
+    grads[:, :10] = 0.0
+    half = world // 2
+    grads[:half, 20:40], grads[half:2 * half, 20:40] = 1.0, -1.0  # ties at even W
+    bits = torch.zeros(world, e * world, dtype=torch.bool)
+    bits[:, :n] = comm.sign_bits(grads)
+    packed = torch.stack([comm.pack_bits(bits[r]) for r in range(world)])  # each rank's packed signs
+    votes = [comm.vote_own_chunk(packed[:, r * c:(r + 1) * c].reshape(-1), world, numels, idents, r)
+             for r in range(world)]  # what rank r receives in the all-to-all, and its vote
+    got = comm.unpack_table(torch.cat(votes), torch.float32)[:n]
+    assert torch.equal(got, comm.majority_vote(grads, comm.tie_ranks(numels, idents, world)))
+    assert torch.equal(comm.unpack_table(torch.cat(votes), torch.bfloat16)[:n], got.bfloat16())
+
+
 def test_bytes_of_the_two_phases_stay_under_two_bits_per_element():
     for world in (2, 3, 4, 8, 32):
         for n in (1000, 12345, 10**6):
