@@ -201,17 +201,17 @@ def check_group(group: dict) -> None:
                 f"update the {'FSDP2 shard' if is_dtensor(p) else 'tensor'} of shape {tuple(p.shape)} "
                 "in this group; give the group state_full='adamw' (as the 'adamem' registry entry "
                 "does for embeddings, norms and the output layer)")
+        if is_dtensor(p) and (group["projectable"] or group["always_state_free"]) and not free_rule.elementwise:
+            raise HyperparameterError(
+                f"state_free {group['state_free']!r} is not elementwise (it reads the whole tensor: a norm, a "
+                f"statistic), but the parameter of shape {tuple(p.shape)} is an FSDP2 shard; valid choices for "
+                f"sharded parameters: {', '.join(n for n, r in STATE_FREE.items() if r.elementwise)}")
         if not split:
             continue
         if projection not in ("block", "randk") and p.dim() != 2:
             raise HyperparameterError(
                 f"projection {projection!r} needs 2-D tensors, got shape {tuple(p.shape)}; "
                 "valid choices for other shapes: block, randk")
-        if is_dtensor(p) and free_rule.reads_split:
-            raise HyperparameterError(
-                f"state_free {group['state_free']!r} reads norms and statistics of the whole matrix "
-                f"(Fira's limiter: its norm), but the parameter of shape {tuple(p.shape)} is an FSDP2 "
-                f"shard; valid choices for sharded parameters: {', '.join(_plain(STATE_FREE))}")
         if projection in proj.MATRIX and is_dtensor(p):
             raise HyperparameterError(
                 f"projection {projection!r} needs each whole weight matrix (for its basis), "

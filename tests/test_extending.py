@@ -309,6 +309,21 @@ def test_a_non_elementwise_state_free_rule_steps_the_same_on_every_path(rms_sign
         assert sum("exp_avg" in opt.state.get(w, {}) for w in after) == 1  # one block each way
 
 
+def test_a_non_elementwise_state_free_rule_refuses_fsdp2_shards(rms_sign, monkeypatch):
+    """Its direction would read a shard's part of the tensor (a shard's RMS): a sharded parameter is refused,
+    naming the elementwise rules that work on shards."""
+    from frugal import hparams
+
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = frugal.FRUGAL([{"params": [w], "projectable": True, "block": 0}], state_free="rms_sign")
+    monkeypatch.setattr(hparams, "is_dtensor", lambda p: True)  # as if w were an FSDP2 shard
+    with pytest.raises(frugal.HyperparameterError, match=r"^state_free 'rms_sign' is not elementwise .* FSDP2 shard; "
+                                                         r"valid choices for sharded parameters: signsgd, sgd, none$"):
+        hparams.check_group(opt.param_groups[0])
+    opt.param_groups[0]["state_free"] = "signsgd"
+    hparams.check_group(opt.param_groups[0])  # elementwise: accepted
+
+
 def test_a_taken_name_or_a_wrong_kind_is_refused(my_rules):
     with pytest.raises(ValueError, match="state_full 'rmsprop' is taken"):
         rules.register_state_full("rmsprop", rules.StateFullRule(None, None, ("m",), False))
