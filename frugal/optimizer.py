@@ -249,7 +249,7 @@ class FRUGAL(Optimizer):
         if unknown:
             raise HyperparameterError(f"FRUGAL does not take {unknown}; valid keys: "
                                       f"{sorted({*defaults, *rule_options})}")
-        defaults = validate({**defaults, **rule_options, **options})
+        defaults = validate({**rule_options, **defaults, **options})  # the signature's keywords win
         self._layout = None
         self._events: list[dict] = []
         self._in_backward = None  # a frugal.in_backward.StepInBackward while one is attached

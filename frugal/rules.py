@@ -333,7 +333,14 @@ def _register(table: dict, key: str, name: str, rule, kind: type) -> None:
         raise TypeError(f"register a {kind.__name__} as {key} {name!r}, got {type(rule).__name__}")
     if name in table and table[name] is not rule:
         raise ValueError(f"{key} {name!r} is taken (by {table[name]!r}); registered: {', '.join(table)}")
+    taken = option_defaults()
+    clash = sorted(k for k, v in rule.options.items() if k in taken and taken[k] != v)
+    if clash:
+        raise ValueError(f"{key} {name!r} declares options {clash} that another rule declares with another "
+                         f"default; registered options: {', '.join(sorted(taken))}")
     table[name] = rule
+
+
 # Projections a contextual rule can run on: a reduced gradient with a reduced dimension, so that a
 # norm or a statistic along the other dimension exists (not block, not randk).
 CONTEXTUAL_PROJECTIONS = ("svd", "random", "power", "column", "row", "randperm")

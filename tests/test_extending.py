@@ -329,6 +329,9 @@ def test_a_taken_name_or_a_wrong_kind_is_refused(my_rules):
         rules.register_state_full("rmsprop", rules.StateFullRule(None, None, ("m",), False))
     with pytest.raises(TypeError, match="register a StateFreeRule"):
         rules.register_state_free("x", rules.STATE_FULL["adamw"])
+    with pytest.raises(ValueError, match=r"'x' declares options \['rms_beta'\] that another rule declares"):
+        rules.register_state_free("x", rules.StateFreeRule(direction=torch.sign, options={"rms_beta": 0.5}))
+    assert "x" not in rules.STATE_FREE
     with pytest.raises(frugal.HyperparameterError, match="valid choices: .*rmsprop"):
         frugal.FRUGAL(torch.nn.Linear(2, 2).parameters(), state_full="rmsprop2")
 
