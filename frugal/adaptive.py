@@ -21,8 +21,11 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+from . import projections as proj
 from .checks import HyperparameterError, check_integer
+from .windows import BLOCK_SHARED, Layout, Window
 
 DENSITY_KINDS = ("constant", "linear", "cosine", "step")
 
@@ -174,9 +177,6 @@ def observe_clock(holder: dict, settings: Mapping, loss: float) -> None:
 
 # Settings one window clock serves every projected group with (FRUGAL keeps them equal across groups).
 CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
-# Settings every block-projected group shares (one walk over all blocks), the clock reads them too.
-BLOCK_SHARED = ("density", "update_gap", "window_offset", "block_order", "block_granularity", "seed",
-                "density_schedule", "density_end", "density_steps")
 
 
 def clocked(group: Mapping) -> bool:
@@ -252,3 +252,45 @@ def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callabl
             event["state_full_blocks"] = blocks(clock.start)
         events.append(event)
     return clock, events
+
+
+@dataclass
+class ClockedLayout(Layout):
+    """``windows.Layout`` whose windows a clock moves (a density schedule, a growing update gap)."""
+    clock: dict | None = None  # the clock's settings (``clock_settings``)
+
+    @classmethod
+    def of(cls, groups: list[dict]) -> ClockedLayout:
+        layout = super().of(groups)
+        layout.clock = clock_settings(groups)
+        return layout
+
+    def window(self, holder: dict, step: int, commit: bool) -> tuple[Window, list[dict]]:
+        """The window holding ``step`` and the schedules' events of reaching it. The clock lives in
+        ``holder`` (FRUGAL: its first param group). ``commit`` (only a step) stores the clock and
+        lets the plateau controller decide; a query never decides anything, so asking (e.g.
+        ``active_blocks()``) cannot change a run."""
+        blocks = None
+        if self.blocks is not None:
+            n, shared = len(self.blocks), self.block_settings
+            blocks = lambda start: proj.block_count(n, density_at(shared, start), shared["block_granularity"])  # noqa: E731
+        clock, events = advance_clock(holder, self.clock, step, blocks=blocks, commit=commit)
+        return Window(step, clock, self._active(step, clock)), events
+
+    def observe_loss(self, holder: dict, loss: float) -> None:
+        if self.clock["update_gap_growth"] > 1.0:
+            observe_clock(holder, self.clock, loss)
+
+    def _index(self, group: dict, step: int, clock) -> int:
+        return window_of(group, step, clock)
+
+    def _group(self, group: dict, clock) -> dict:
+        return effective(group, clock)
+
+    def _density(self, clock) -> float:
+        return density_at(self.block_settings, clock.start)
+
+
+def layout_of(groups: list[dict]) -> Layout:
+    """The layout of ``groups``: a clocked one where a group needs a clock, else ``windows.Layout``."""
+    return ClockedLayout.of(groups) if clock_settings(groups) is not None else Layout.of(groups)

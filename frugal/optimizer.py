@@ -61,7 +61,7 @@ from torch.optim import Optimizer
 
 from . import projections as proj
 from . import density, grouping, state_management, state_precision
-from .adaptive import check_shared
+from .adaptive import check_shared, layout_of
 from .hparams import HyperparameterError, check_group, resolve_momentum, validate
 from .reference import update_tensor
 from .rules import STATE_FREE, STATE_FULL, FreeContext, SplitContext, keywords, option_defaults
@@ -325,7 +325,7 @@ class FRUGAL(Optimizer):
     # ---- what is state-full ------------------------------------------------------------------
     def _get_layout(self) -> Layout:
         if self._layout is None:
-            self._layout = Layout.of(self.param_groups)
+            self._layout = layout_of(self.param_groups)
         return self._layout
 
     def _window(self, step: int, commit: bool) -> Window:

@@ -4,11 +4,12 @@ A tensor's role in a step is ``FULL`` (the state-full rule on the whole tensor: 
 tensors, the active blocks of a block projection), ``FREE`` (the state-free rule on the whole
 tensor: inactive blocks, ``always_state_free`` groups) or ``SPLIT`` (the other projections).
 ``Layout`` holds what decides it and changes only with the param groups: each parameter's position
-(the key of its random subspace), its block, the settings every block-projected group shares and
-those of the window clock (``frugal.adaptive``). ``Layout.window`` gives a step's window (the
-clock, if any, and the state-full blocks); ``Layout.tensors`` walks every parameter with its role
-in it. The step, the density report and ``materialize_state`` all read roles from here, so they
-cannot disagree about a window.
+(the key of its random subspace), its block and the settings every block-projected group shares.
+``Layout.window`` gives a step's window (``(step + window_offset) // update_gap`` and its state-full
+blocks); ``Layout.tensors`` walks every parameter with its role in it. The opt-in schedules (a density
+schedule, a growing update gap) move windows by a clock instead: ``frugal.adaptive.ClockedLayout``
+overrides the three places a window's index, density and group are read. The step, the density
+report and ``materialize_state`` all read roles from here, so they cannot disagree about a window.
 """
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ from typing import NamedTuple
 from torch import Tensor
 
 from . import projections as proj
-from .adaptive import (BLOCK_SHARED, WindowClock, advance_clock, clock_settings, density_at, effective, observe_clock,
-                       window_of)
 
 FULL, FREE, SPLIT = "state-full", "state-free", "split"
+# Settings every block-projected group shares (one walk over all blocks); the opt-in clock reads them too.
+BLOCK_SHARED = ("density", "update_gap", "window_offset", "block_order", "block_granularity", "seed",
+                "density_schedule", "density_end", "density_steps")
 
 
 class Window(NamedTuple):
     """One step's window: its clock (None: windows are ``step // update_gap``) and its state-full
     blocks (empty without block projection)."""
     step: int
-    clock: WindowClock | None
+    clock: object | None  # frugal.adaptive.WindowClock
     active: frozenset
 
 
@@ -61,8 +63,8 @@ class Layout:
     block_of: list[list]  # per group, per parameter: its block, or None
     blocks: list | None  # sorted block ids; None without block projection
     block_settings: dict | None  # the settings every block-projected group shares
-    clock: dict | None = None  # the settings of the window clock; None: windows are step // update_gap
     active: tuple | None = None  # (window, frozenset of active blocks), memoised
+    clock = None  # the settings of a window clock (frugal.adaptive.ClockedLayout); None: step // update_gap
 
     @classmethod
     def of(cls, groups: list[dict]) -> Layout:
@@ -73,7 +75,7 @@ class Layout:
             n += len(group["params"])
         blocked = [(gi, group) for gi, group in enumerate(groups)
                    if group["projectable"] and not group["always_state_free"] and group["projection"] == "block"]
-        layout = cls(idents, block_of, None, None, clock_settings(groups))
+        layout = cls(idents, block_of, None, None)
         if blocked:
             shared = {k: blocked[0][1][k] for k in BLOCK_SHARED}  # equal in every block group (add_param_group)
             count = 0
@@ -86,34 +88,34 @@ class Layout:
         return layout
 
     def window(self, holder: dict, step: int, commit: bool) -> tuple[Window, list[dict]]:
-        """The window holding ``step`` and the schedules' events of reaching it. The clock lives in
-        ``holder`` (FRUGAL: its first param group). ``commit`` (only a step) stores the clock and
-        lets the plateau controller decide; a query never decides anything, so asking (e.g.
-        ``active_blocks()``) cannot change a run."""
-        clock, events = None, []
-        if self.clock is not None:
-            blocks = None
-            if self.blocks is not None:
-                n, shared = len(self.blocks), self.block_settings
-                blocks = lambda start: proj.block_count(n, density_at(shared, start), shared["block_granularity"])  # noqa: E731
-            clock, events = advance_clock(holder, self.clock, step, blocks=blocks, commit=commit)
-        return Window(step, clock, self._active(step, clock)), events
+        """The window holding ``step`` (and the schedules' events of reaching it: none here)."""
+        return Window(step, None, self._active(step, None)), []
 
     def observe_loss(self, holder: dict, loss: float) -> None:
         """One training loss for the plateau-growing update gap (nothing without one)."""
-        if self.clock is not None and self.clock["update_gap_growth"] > 1.0:
-            observe_clock(holder, self.clock, loss)
 
-    def _active(self, step: int, clock: WindowClock | None) -> frozenset:
+    def _index(self, group: dict, step: int, clock) -> int:
+        """The subspace window of ``step``: ``(step + window_offset) // update_gap`` (the offset at most
+        ``update_gap - 1``: a first window shorter by it)."""
+        gap = group["update_gap"]
+        return (step + min(group.get("window_offset", 0), gap - 1)) // gap
+
+    def _group(self, group: dict, clock) -> dict:
+        """``group`` as the window sees it (a density schedule's density)."""
+        return group
+
+    def _density(self, clock) -> float:
+        return self.block_settings["density"]
+
+    def _active(self, step: int, clock) -> frozenset:
         """State-full blocks of the window holding ``step``."""
         if self.blocks is None:
             return frozenset()
-        window = window_of(self.block_settings, step, clock)
+        window = self._index(self.block_settings, step, clock)
         if self.active is None or self.active[0] != window:
             shared = self.block_settings
-            density = shared["density"] if clock is None else density_at(shared, clock.start)
-            chosen = proj.select_blocks(shared["block_order"], len(self.blocks), density, window, shared["seed"],
-                                        offset=None if clock is None else clock.offset,
+            chosen = proj.select_blocks(shared["block_order"], len(self.blocks), self._density(clock), window,
+                                        shared["seed"], offset=None if clock is None else clock.offset,
                                         granularity=shared["block_granularity"])
             self.active = (window, frozenset(self.blocks[i] for i in chosen))
         return self.active[1]
@@ -121,8 +123,8 @@ class Layout:
     def tensors(self, groups: list[dict], window: Window) -> Iterator[Slot]:
         """Every parameter of ``groups`` (in order) with its role in ``window``."""
         for gi, group in enumerate(groups):
-            group = effective(group, window.clock)
-            index = window_of(group, window.step, window.clock)
+            group = self._group(group, window.clock)
+            index = self._index(group, window.step, window.clock)
             for pi, p in enumerate(group["params"]):
                 block = self.block_of[gi][pi]
                 yield Slot(group, p, role(group, block, window.active), self.idents[gi][pi], block, index)
