@@ -60,7 +60,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import projections as proj
-from . import density, grouping, state_management, state_precision
+from . import grouping, state_management, state_precision
 from .adaptive import check_shared, layout_of
 from .hparams import HyperparameterError, check_group, resolve_momentum, validate
 from .reference import update_tensor
@@ -353,12 +353,14 @@ class FRUGAL(Optimizer):
 
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window."""
-        return density.density_report(self)["state_full_share"]
+        return self.density_report()["state_full_share"]
 
     def density_report(self) -> dict:
         """The density requested and the one realised in the next step's window (keys
         ``requested``, ``realised``, ``unit``, ``state_full_share``, ``blocks``: ``frugal.density.density_report``)."""
-        return density.density_report(self)
+        from .density import density_report  # the census, not the step
+
+        return density_report(self)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from . import projections as proj
-from . import state_precision, subspace
+from . import state_precision
 from .checks import HyperparameterError
 from .hparams import resolve_momentum
 from .rules import STATE_FREE, STATE_FULL, StateFullRule
@@ -195,6 +195,8 @@ def _updates_so_far(state: dict) -> Tensor:
 
 
 def _power_step(state: dict, a: Tensor, q_old: Tensor, side: str, group: dict) -> Tensor:
+    from . import subspace  # LDAdam's, imported where its projection runs
+
     rho = group["subspace_momentum"]
     if "exp_avg" in state and "step" in state and rho:
         b = subspace.subspace_target(a, state["exp_avg"], q_old, side, rho=rho, beta1=group["betas"][0],
@@ -206,6 +208,8 @@ def _power_step(state: dict, a: Tensor, q_old: Tensor, side: str, group: dict) -
 
 def _transport(state: dict, q_old: Tensor, q_new: Tensor, side: str, betas) -> None:
     """LDAdam's projection-aware move of AdamW's moments into the new basis; the count goes on."""
+    from . import subspace
+
     r = subspace.change_of_basis(q_old, q_new, side)
     state["exp_avg"], state["exp_avg_sq"] = subspace.reproject_moments(
         state["exp_avg"], state["exp_avg_sq"], r, side, beta1=betas[0], beta2=betas[1],
