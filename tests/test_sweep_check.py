@@ -16,7 +16,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
-from train_utils import memory_check, schema, sweep_check
+from train_utils import memory_check, schema, startup, sweep_check
 from train_utils.memory_plan import GIB
 from train_utils.schema import force_add_key_overrides
 
@@ -45,7 +45,7 @@ def _single_run_error(run_dir: Path, *overrides: str) -> str:
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = compose("config", overrides=force_add_key_overrides(list(overrides)), return_hydra_config=True)
-    with pytest.raises(train.CONFIG_ERRORS) as err:
+    with pytest.raises(startup.CONFIG_ERRORS) as err:
         train.train(cfg, str(run_dir))
     assert not (run_dir / "metrics.jsonl").exists()
     return str(err.value)
@@ -54,9 +54,7 @@ def _single_run_error(run_dir: Path, *overrides: str) -> str:
 def test_a_bad_job_is_named_with_its_overrides_and_its_runs_own_line(tmp_path):
     """The first bad job, whatever its place, with its overrides as typed (without the `++` train.py
     adds) and the exact line its own run stops with: a value, a key, the model's, the schedule's."""
-    import train
-
-    assert set(sweep_check.config_errors()) == set(train.CONFIG_ERRORS)
+    assert set(sweep_check.config_errors()) == set(startup.CONFIG_ERRORS)
     assert _check("optimizer.density=0.25,0.5", "optimizer.update_gap=100,200") is None
     for i, (argv, job, bad) in enumerate([
         (["optimizer.density=0.25,1.5", "debug=toy"], "#1 (optimizer.density=1.5 debug=toy)",

@@ -11,6 +11,7 @@ import train
 from _train_helpers import (assert_same_weights, compose_cfg, failure, losses, rows, run_cli, run_inprocess,
                             torchrun_cmd, weights, TINY)
 from train_utils import checkpoint as ckpt
+from train_utils import startup
 from train_utils.loop import NonFiniteError
 from train_utils.validation import ConfigError, check_in_backward
 
@@ -84,7 +85,7 @@ def test_a_late_non_finite_gradient_stops_the_run_says_what_moved_and_the_remedy
     """Step 3's last backward gives layer 0 (the last tensors of backward) a NaN gradient: the
     tensors before it in backward have taken step 3. The run stops, says so, writes nothing from
     those weights, and the remedy it prints, followed literally, trains to the end."""
-    real_build = train.build_model
+    real_build = startup.build_model
     calls = {"n": 0}
 
     def build_model(run):
@@ -97,7 +98,7 @@ def test_a_late_non_finite_gradient_stops_the_run_says_what_moved_and_the_remedy
         out[0].model.layers[0].mlp.down_proj.weight.register_hook(poison)
         return out
 
-    monkeypatch.setattr(train, "build_model", build_model)
+    monkeypatch.setattr(startup, "build_model", build_model)
     job = [*RUN, IN_BACKWARD, "checkpoint.every=1", "checkpoint.keep=5"]
     with pytest.raises(NonFiniteError) as err:
         run_inprocess(tmp_path, *job)

@@ -134,7 +134,8 @@ class Session:
 
 @contextlib.contextmanager
 def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
-    """Everything around the training story in `train()`: on the way in, the stop-signal handler
+    """Everything around the training story in `train()`: on the way in, the loop's own settings checked
+    (train_utils.validation.check_loop_settings), the stop-signal handler
     (`stop`: train_utils.signals.STOP; from here on a signal ends the run cleanly), the processes
     (accelerate, NCCL or gloo, SLURM tasks without torchrun), TF32, `train.precision=auto` resolved for
     this device, the collective-timeout monitor; on the way out, whatever happened: a collective
@@ -146,15 +147,21 @@ def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
     from train_utils.loop import allow_tf32
     from train_utils.naming import debug_option
     from train_utils.slurm import export_distributed_env
-    from train_utils.validation import resolve_precision
+    from train_utils.validation import check_loop_settings, resolve_precision
 
     tc = cfg.train
+    check_loop_settings(tc)  # the loop's own keys, the collective timeout among them: before the processes
     installed = stop.install()
-    export_distributed_env()  # SLURM tasks without torchrun (srun, submitit): rank/world from the job
-    accelerator = distributed.make_accelerator(tc.collective_timeout_s)
-    tf32 = allow_tf32(tc.tf32, accelerator.device)
-    tc.precision = resolve_precision(tc.precision, accelerator.device, debug_option())  # auto: bf16-mixed if native
-    monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
+    try:
+        export_distributed_env()  # SLURM tasks without torchrun (srun, submitit): rank/world from the job
+        accelerator = distributed.make_accelerator(tc.collective_timeout_s)
+        tf32 = allow_tf32(tc.tf32, accelerator.device)
+        tc.precision = resolve_precision(tc.precision, accelerator.device, debug_option())  # auto: bf16-mixed
+        monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
+    except BaseException:  # a refused precision, no process group: the handler goes with the run
+        if installed:
+            stop.restore()
+        raise
     s = Session(accelerator, tf32)
     try:
         yield s
