@@ -434,7 +434,7 @@ class FRUGAL(Optimizer):
             w.free_grad = w.grad
             return
         if w.role == FULL:
-            master = state_precision.master(w.state, w.param, group)  # master_weights: a float32 copy
+            master = state_precision.master(w.state, w.param, group) if group["master_weights"] else None
             rule.init_state(w.state, w.param if master is None else master, group=group)
             w.target, w.full_grad = (w.local, w.grad) if master is None else (local(master), w.grad.float())
             return
@@ -480,7 +480,8 @@ class FRUGAL(Optimizer):
                 w.target.mul_(1.0 - lr * wd)
             rule = STATE_FULL[group["state_full"]]
             options = tuple(keywords(rule, group).items())
-            if w.role == FULL and state_precision.storage(group, w.target.numel()) != "param":
+            low = group["state_precision"] != "param" and w.role == FULL  # moments in bf16 or 8 bits
+            if low and state_precision.storage(group, w.target.numel()) != "param":
                 state_precision.update_(rule, w.target, w.full_grad, w.state, lr=lr_full, betas=tuple(group["betas"]),
                                         eps=group["eps"], weight_decay=wd_full, momentum=group["momentum"],
                                         **dict(options))

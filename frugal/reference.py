@@ -37,7 +37,7 @@ def update_tensor(param: Tensor, grad: Tensor, group: dict, state: dict, role: s
     lr_full = lr * group["projectable_lr_scale"] if group["projectable"] else lr
     lr_free = lr * group["state_free_lr_scale"]
     decay = 1.0 - lr * group["weight_decay"]
-    master = state_precision.master(state, param, group) if role == FULL else None
+    master = state_precision.master(state, param, group) if role == FULL and group["master_weights"] else None
     if master is not None:  # master_weights: this step on the float32 copy, which is then rounded in
         update_tensor(master, grad.float(), group, state, role, ident, step, window)
         p.copy_(sharding.local(master))
