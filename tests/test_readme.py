@@ -68,6 +68,12 @@ SCRIPT_ARGS = {
     "scripts/bench_train.py": ["--model", "llama_tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
                                "--methods", "FRUGAL 0.25"],
     "scripts/bench_data.py": ["--docs", "300"],
+    # the vote's byte and time tables: one case (the vote, 2 ranks, unshaped, 1 step of llama_tiny); its simulator,
+    # compute and payload tables: one small case each
+    "scripts/bench_comm.py": ["--model", "llama_tiny", "--vocab", "512", "--worlds", "2", "--modes", "vote", "--rates",
+                              "unshaped", "--steps", "1", "--warmup", "1", "--elements", "2000", "--sim_worlds", "3",
+                              "--noise", "1", "--compute_elements", "1000",
+                              "--payload_models", "llama_tiny", "--payload_densities", "0.25"],
     "scripts/figure3_reprojection.py": ["--runs", "2", "--steps", "30"],
     # one trial (a damaged file) after the reference run, instead of 25 trials in ~13 minutes
     "scripts/fault_inject.py": [*(a for kind in FAULT_KINDS for a in (f"--{kind}", "0")), "--damage", "1",
