@@ -1,6 +1,8 @@
 """Helpers of train.py / eval.py, one concern per module (tests/test_extending.py keeps this list whole):
 
 - run: the run record train.py passes whole, and `session` (processes, signals, clean-up)
+- startup: a run's start-up before its first step (config checks, run dir, resume plan, building the parts)
+  and train.py's command line (errors as one line, exit codes)
 - loop: the step's parts (forward/backward, gradient norm, the one host sync) and evaluation
 - report: what the start, each step (`training_row`), a stop and the end log and say
 - measure: what a training row measures besides the loss (time, throughput, MFU, peak memory)
