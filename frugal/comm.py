@@ -6,12 +6,14 @@ vote, each rank sends only the signs of its state-free gradient, packed 8 to a b
 is the majority vote ``sign(sum_i sign(g_i))`` (signSGD with majority vote, Bernstein et al., 2019);
 the state-full and split tensors keep the exact all-reduce.
 
-    model = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    optimizer = frugal.FRUGAL(model.module, lr=1e-3, density=0.25)
-    vote = frugal.comm.attach_vote(model, optimizer)        # DDP's communication hook
+    from frugal.comm import attach_vote
+
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = frugal.FRUGAL(model, lr=1e-3, density=0.25)
+    vote = attach_vote(ddp, optimizer)                      # DDP's communication hook (None on one process)
     ...
     loss.backward()                                          # the hook votes, bucket by bucket
-    norm = vote.clip_grad_norm_(max_norm=1.0)                # never reads the votes (see below)
+    norm = vote.clip_grad_norm_(model.parameters(), 1.0)     # never reads the votes (see below)
     optimizer.step()                                         # refused if the roles changed since
 
 Definitions (``majority_vote`` is the one-process reference of all of them):
@@ -50,10 +52,10 @@ Definitions (``majority_vote`` is the one-process reference of all of them):
 - Roles: the hook asks the optimizer for the roles of the step it will take; the optimizer's
   step pre-hook compares them with the roles at ``step()`` and refuses (``RoleMismatchError``)
   when they differ, or when the voted tensors' gradients did not pass the hook.
-- Bytes: ``stats`` counts what this rank sends per step, by the collectives' algorithms (a ring
-  all-reduce of B bytes sends 2 (W-1)/W B per rank; an all-to-all or ring all-gather of W chunks of
-  c bytes, (W-1) c). docs/communication.md compares the counts with the bytes a network namespace's
-  loopback moved.
+- Bytes: ``VoteHook.last`` (``CommStats``) counts what this rank sent in the last step, by the
+  collectives' algorithms (a ring all-reduce of B bytes sends 2 (W-1)/W B per rank; an all-to-all
+  or ring all-gather of W chunks of c bytes, (W-1) c). docs/communication.md compares the counts
+  with the bytes a network namespace's loopback moved.
 
 Not here: FSDP2 (its reduce-scatter has no hook of this kind), the step inside backward (it steps
 each tensor before DDP reduces it), optimizers that are not FRUGAL, error feedback (a full-size
