@@ -87,10 +87,12 @@ def test_fsdp_matches_ddp(runs, precision, loss_tol, norm_tol):
             diff = (fsdp_w[k] - ddp_w[k]).abs()
             assert diff.max() <= 2 * 1e-3 * 2 * N, f"{k}: {diff.max():.3g} is more than sign flips can explain"
             flips, total = flips + int((diff > 1e-5).sum()), total + diff.numel()
-        assert flips <= 1e-4 * total, f"{flips} of {total} weights differ by more than 1e-5"
-    else:  # a few signSGD steps of lr 1e-3 may flip on ~0 gradients
+        # How many gradients sit near 0 depends on the trajectory: 688 of 935,040 weights (7.4e-4) with the
+        # float64-drawn initial weights (models.build_model), under 1e-4 with the earlier fp32 draw.
+        assert flips <= 2e-3 * total, f"{flips} of {total} weights differ by more than 1e-5"
+    else:  # signSGD steps of lr 1e-3 may flip on ~0 gradients: at most 2 lr a step, as above
         assert_same_weights(model_weights(runs["fsdp", precision]), model_weights(runs["ddp", precision]),
-                            exact=False, atol=5e-3)
+                            exact=False, atol=2 * 1e-3 * 2 * N)
 
 
 def test_optimizer_state_per_rank_is_half_of_ddps(runs):
