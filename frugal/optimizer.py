@@ -352,8 +352,11 @@ class FRUGAL(Optimizer):
         return None if layout.blocks is None else sorted(self._window(self.step_count, commit=False).active)
 
     def state_full_fraction(self) -> float:
-        """Share of projectable elements that are state-full in the next step's window."""
-        return self.density_report()["state_full_share"]
+        """Share of projectable elements that are state-full in the next step's window (the census itself:
+        a subclass that reports the density otherwise keeps this share)."""
+        from .density import density_report
+
+        return density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:
         """The density requested and the one realised in the next step's window (keys
