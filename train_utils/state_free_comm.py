@@ -5,11 +5,11 @@ algorithm). `vote`: frugal.comm's DDP communication hook: the state-free tensors
 one bit each, and their majority vote; the state-full and split tensors keep the exact all-reduce;
 the clipping norm never reads the votes (frugal/comm.py, docs/communication.md).
 
-Refused in one line (at start-up, with the valid choices): FSDP2, the step inside backward and
-optimizers not built on FRUGAL. On one process there is nothing to communicate: the run is said to be
-exact's and is, bit for bit. A vote run says so in its run name, its first lines, its summary and in
-metrics.jsonl (the start and end rows' `state_free_comm`; every training row's bytes sent per rank
-by the hook, `comm_bytes_per_rank` and its parts).
+Refused in one line (at start-up, with the valid choices: validation.check_state_free_comm): FSDP2,
+the step inside backward and optimizers not built on FRUGAL. On one process there is nothing to
+communicate: the run is said to be exact's and is, bit for bit. A vote run says so in its run name,
+its first lines, its summary and in metrics.jsonl (the start and end rows' `state_free_comm`; every
+training row's bytes sent per rank by the hook, `comm_bytes_per_rank` and its parts).
 """
 from __future__ import annotations
 
@@ -27,32 +27,6 @@ def mode(cfg: DictConfig) -> str:
 def voting(cfg: DictConfig, world_size: int) -> bool:
     """Whether this run votes: `vote` on more than one process."""
     return mode(cfg) == "vote" and world_size > 1
-
-
-def check(cfg: DictConfig) -> None:
-    """train.state_free_comm's value, and the setups the vote cannot run in (one line each)."""
-    from .validation import ConfigError
-
-    value = mode(cfg)
-    if value not in MODES:
-        raise ConfigError(f"train.state_free_comm={value!r} is invalid; choose one of {', '.join(MODES)}")
-    if value == "exact":
-        return
-    if OmegaConf.select(cfg, "train.parallelism") == "fsdp":
-        raise ConfigError("train.state_free_comm=vote is a DDP communication hook, and FSDP2 (train.parallelism=fsdp) "
-                          "reduce-scatters gradients without one; valid choices: train.parallelism=ddp or "
-                          "train.state_free_comm=exact")
-    if OmegaConf.select(cfg, "train.optimizer_in_backward", default=False):
-        raise ConfigError("train.state_free_comm=vote cannot run with train.optimizer_in_backward=true: the step "
-                          "inside backward updates each tensor before its gradient is communicated; valid choices: "
-                          "train.optimizer_in_backward=false or train.state_free_comm=exact")
-    from frugal.registry import frugal_based
-
-    name = OmegaConf.select(cfg, "optimizer.name")
-    if name not in frugal_based():
-        raise ConfigError(f"train.state_free_comm=vote votes on FRUGAL's state-free tensors, but optimizer.name="
-                          f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
-                          f"(or train.state_free_comm=exact)")
 
 
 def attach(run):

@@ -182,7 +182,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
                           f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
                           f"train.parallelism=ddp")
     check_in_backward(cfg, world_size)
-    state_free_comm.check(cfg)
+    check_state_free_comm(cfg)
     check_optimizer_values(cfg)
     resume = cfg.train.resume
     if not isinstance(resume, str) or not resume:
@@ -222,6 +222,30 @@ def check_in_backward(cfg: DictConfig, world_size: int) -> None:
                           f"tensor's update would run on its gradient before DDP all-reduces it; use "
                           f"train.parallelism=fsdp (FSDP2 reduces each gradient before the update) or "
                           f"train.optimizer_in_backward=false")
+
+
+def check_state_free_comm(cfg: DictConfig) -> None:
+    """train.state_free_comm's value, and the setups the vote cannot run in (one line each)."""
+    value, modes = state_free_comm.mode(cfg), state_free_comm.MODES
+    if value not in modes:
+        raise ConfigError(f"train.state_free_comm={value!r} is invalid; choose one of {', '.join(modes)}")
+    if value == "exact":
+        return
+    if OmegaConf.select(cfg, "train.parallelism") == "fsdp":
+        raise ConfigError("train.state_free_comm=vote is a DDP communication hook, and FSDP2 (train.parallelism=fsdp) "
+                          "reduce-scatters gradients without one; valid choices: train.parallelism=ddp or "
+                          "train.state_free_comm=exact")
+    if OmegaConf.select(cfg, "train.optimizer_in_backward", default=False):
+        raise ConfigError("train.state_free_comm=vote cannot run with train.optimizer_in_backward=true: the step "
+                          "inside backward updates each tensor before its gradient is communicated; valid choices: "
+                          "train.optimizer_in_backward=false or train.state_free_comm=exact")
+    from frugal.registry import frugal_based
+
+    name = OmegaConf.select(cfg, "optimizer.name")
+    if name not in frugal_based():
+        raise ConfigError(f"train.state_free_comm=vote votes on FRUGAL's state-free tensors, but optimizer.name="
+                          f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
+                          f"(or train.state_free_comm=exact)")
 
 
 def stop_with_error(err: BaseException, exit_code: int, in_job: bool | None = None) -> None:
