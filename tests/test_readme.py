@@ -204,7 +204,8 @@ def toy_command(command: str, paths: dict) -> list[str]:
         assert names_data or not names_path, \
             f"{command!r}: name the data option with its path (data=c4 data.path=...): debug=toy would replace it"
         args += ([] if DEBUG in args else [DEBUG]) + TOY
-    args += SCRIPT_ARGS.get(script, [])
+    cut = args.index("--") if "--" in args[script_at:] else len(args)  # the script's own options end at --
+    args[cut:cut] = SCRIPT_ARGS.get(script, [])
     return [program, *args]
 
 
