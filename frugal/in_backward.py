@@ -317,10 +317,10 @@ class StepInBackward:
             raise RuntimeError(f"gradients were written after the step inside backward had applied them ({written[0]}"
                                f" and {len(written) - 1} more): something reduces or accumulates gradients after the "
                                f"hooks (DDP?); valid choices: FSDP2, one process, or the ordinary step")
-        if self._bad is None and not bool(torch.isfinite(norm)):  # the step's one host sync here
+        bad = self._bad
+        if bad is None and not bool(torch.isfinite(norm)):  # the step's one host sync here
             self._check()  # the tensors taken since the last block's check: which one
-        bad = self._bad or (None if bool(torch.isfinite(norm)) else
-                            "the global gradient norm (every gradient is finite: their norm overflows)")
+            bad = self._bad or "the global gradient norm (every gradient is finite: their norm overflows)"
         self.grad_norm = norm
         if bad is not None:
             moved = self._moved()

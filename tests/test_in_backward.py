@@ -537,3 +537,23 @@ def test_tied_embeddings_and_non_reentrant_checkpointing_equal_the_ordinary_step
         runs.append(model)
     for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
         assert torch.equal(p, q), name
+
+
+def test_host_syncs_are_one_per_block_and_one_in_step(monkeypatch):
+    """What a GPU waits for: one host sync per applied block (its finiteness check, the waiting tensors'
+    included) and one in optimizer.step() (the global norm's), counted on the tensor methods that sync."""
+    model, opt, _ = make(density=0.0)
+    step_in_backward(opt, max_norm=1.0)
+    applies, syncs = [], []
+    real_apply = opt._apply
+    opt._apply = lambda works, step: (applies.append(len(works)), real_apply(works, step))[1]
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name: (syncs.append(_name),
+                                                                                       _real(t, *a))[1])
+    loss_of(model, batches(1)[0]).backward()
+    in_backward, blocks = len(syncs), len(applies)
+    opt.step()
+    monkeypatch.undo()
+    assert blocks >= LAYERS and in_backward == blocks, (syncs, applies)
+    assert len(syncs) - in_backward == 1, syncs[in_backward:]  # the norm's finiteness, once
