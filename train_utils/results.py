@@ -149,13 +149,8 @@ def effective_value(run: dict, key: str) -> str:
     """What `key` was in the run: the group option chosen, else the config value, else the override."""
     if key in run["choices"]:
         return str(run["choices"][key])
-    try:
-        value = OmegaConf.select(run["conf"], key, default=None)
-    except Exception:  # an interpolation that only resolves inside a live run
-        value = None
-    if value is None:
-        return run["overrides"].get(key, "")
-    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value).replace("'", "")
+    value = _config_value(run, key)
+    return run["overrides"].get(key, "") if value is _ABSENT or value is None else _text(value)
 
 
 def swept_keys(runs: list[dict]) -> list[str]:
@@ -167,18 +162,28 @@ def swept_keys(runs: list[dict]) -> list[str]:
 _ABSENT = object()
 
 
+def _config_value(run: dict, key: str):
+    """The run's resolved config value of `key`, or _ABSENT (no such key, or an interpolation that only
+    resolves inside a live run)."""
+    try:
+        return OmegaConf.select(run["conf"], key, default=_ABSENT)
+    except Exception:
+        return _ABSENT
+
+
+def _text(value) -> str:
+    return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value).replace("'", "")
+
+
 def lookup(run: dict, key: str) -> str | None:
     """The run's value of `key` as text (the group option chosen, else the config value, "null" for a
     null), None when the run has no such key at all."""
     if key in run["choices"]:
         return str(run["choices"][key])
-    try:
-        value = OmegaConf.select(run["conf"], key, default=_ABSENT)
-    except Exception:  # an interpolation that only resolves inside a live run
-        value = _ABSENT
+    value = _config_value(run, key)
     if value is _ABSENT:
         return run["overrides"].get(key)
-    return "null" if value is None else effective_value(run, key)
+    return "null" if value is None else _text(value)
 
 
 def number(text) -> float | None:
