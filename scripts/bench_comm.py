@@ -52,6 +52,7 @@ def worker(args) -> None:
     import models
     from frugal import FRUGAL
     from frugal.comm import attach_vote, count_allreduce_hook
+    from train_utils.distributed import leave, park
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -105,7 +106,8 @@ def worker(args) -> None:
             "loopback_bytes": after - before, "step_time_median_s": times_all[len(times_all) // 2],
             "step_times_s": times_all}), flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    park(ddp)  # freeing DDP's reducer and gloo's group at exit can abort (train_utils.distributed.leave)
+    leave(0)
 
 
 # ---- the driver -----------------------------------------------------------------------------------

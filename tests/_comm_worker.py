@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from frugal import FRUGAL
 from frugal.comm import RoleMismatchError, attach_vote, majority_vote, ring_bytes, tie_ranks
+from train_utils.distributed import leave, park
 
 D, LAYERS, STEPS = 13, 4, 5
 
@@ -164,6 +165,8 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+    park(ddp, ref_ddp)  # leave without freeing gloo's group (train_utils.distributed.leave)
+    leave(0)
 
 
 def _zeros(g, rank):
