@@ -41,7 +41,6 @@ from .schedules import build_scheduler
 from .summary import describe
 
 
-
 def unwrap(optimizer):
     """The optimizer inside wrappers that keep it as `.optimizer` (accelerate's AcceleratedOptimizer,
     which HF Trainer's `trainer.optimizer` is after `train()`); the optimizer itself otherwise."""

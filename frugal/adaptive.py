@@ -168,13 +168,6 @@ def _load(holder: dict, settings: Mapping) -> WindowClock:
     return clock
 
 
-def observe_clock(holder: dict, settings: Mapping, loss: float) -> None:
-    """Add one training loss to the current window of the clock kept in ``holder``."""
-    clock = _load(holder, settings)
-    clock.observe(loss)
-    holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
-
-
 # Settings one window clock serves every projected group with (FRUGAL keeps them equal across groups).
 CLOCK_SHARED = ("update_gap", "update_gap_growth", "plateau_patience", "plateau_threshold", "max_update_gap")
 
@@ -204,22 +197,6 @@ def clock_settings(groups: list[Mapping]) -> dict | None:
     """The window clock's settings (None: no group needs one, windows are ``step // update_gap``)."""
     split = [g for g in groups if g["projectable"] and not g["always_state_free"] and clocked(g)]
     return {k: split[0][k] for k in CLOCK_SHARED + BLOCK_SHARED} if split else None
-
-
-def effective(group: dict, clock: "WindowClock | None") -> dict:
-    """``group`` with the density of the clock's window (itself without a density schedule)."""
-    if clock is None or group["density_schedule"] == "constant":
-        return group
-    return {**group, "density": density_at(group, clock.start)}
-
-
-def window_of(group: Mapping, step: int, clock: "WindowClock | None") -> int:
-    """The subspace window of ``step``: ``(step + window_offset) // update_gap`` (the offset at most
-    ``update_gap - 1``: a first window shorter by it), or the clock's."""
-    if clock is not None:
-        return clock.window
-    gap = group["update_gap"]
-    return (step + min(group.get("window_offset", 0), gap - 1)) // gap
 
 
 def advance_clock(holder: dict, settings: Mapping, step: int, *, blocks: Callable[[int], int] | None,
@@ -278,14 +255,18 @@ class ClockedLayout(Layout):
         return Window(step, clock, self._active(step, clock)), events
 
     def observe_loss(self, holder: dict, loss: float) -> None:
-        if self.clock["update_gap_growth"] > 1.0:
-            observe_clock(holder, self.clock, loss)
+        if self.clock["update_gap_growth"] > 1.0:  # the loss goes to the current window of the kept clock
+            clock = _load(holder, self.clock)
+            clock.observe(loss)
+            holder["clock"] = {"plateau": None, **(holder.get("clock") or {}), **clock.state_dict()}
 
     def _index(self, group: dict, step: int, clock) -> int:
-        return window_of(group, step, clock)
+        return super()._index(group, step, clock) if clock is None else clock.window
 
     def _group(self, group: dict, clock) -> dict:
-        return effective(group, clock)
+        if clock is None or group["density_schedule"] == "constant":
+            return group
+        return {**group, "density": density_at(group, clock.start)}
 
     def _density(self, clock) -> float:
         return density_at(self.block_settings, clock.start)

@@ -16,11 +16,9 @@ from typing import Any
 from . import projections as proj
 from . import state_precision
 from .checks import HyperparameterError, check_integer
-from .adaptive import DENSITY_KINDS
+from .adaptive import DENSITY_KINDS, clocked
 from .rules import CONTEXTUAL_PROJECTIONS, STATE_FREE, STATE_FULL
 from .sharding import is_dtensor
-
-
 
 
 RESET_MODES = ("reset", "reset_all", "reset_everything", "reproject", "keep", "transport")
@@ -164,7 +162,7 @@ def check_combination(group: Mapping[str, Any]) -> None:
             f"reset_state {group['reset_state']!r} with projection {projection!r} and state_full "
             f"{full!r}: LDAdam's moment transport and power-iteration basis need a matrix projection "
             f"({', '.join(proj.MATRIX)}) and a state_full rule with Adam's two moments ({adam})")
-    if group.get("window_offset", 0) and (group["density_schedule"] != "constant" or group["update_gap_growth"] > 1.0):
+    if group.get("window_offset", 0) and clocked(group):
         raise HyperparameterError(
             f"window_offset={group['window_offset']} shifts windows of a fixed update gap; with density_schedule "
             f"{group['density_schedule']!r} or update_gap_growth={group['update_gap_growth']:g} the windows follow a "

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from .checks import HyperparameterError, check_integer
 from .rules import StateFullRule, register_state_full
+from .sharding import is_dtensor, local
 
 # Keller Jordan's quintic coefficients and step count, as torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -103,18 +104,10 @@ def lr_ratio(shape, adjust_lr_fn: str, transposed: bool = False) -> float:
     raise HyperparameterError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r}; valid choices: {', '.join(ADJUST_LR_FNS)}")
 
 
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
 def _orthogonalise(u_local: Tensor, like: Tensor, coefficients, steps, eps) -> Tensor:
     """NS of the whole matrix whose local part is ``u_local``; ``like`` (the parameter) tells
     whether it is an FSDP2 shard. Returns the local part of the result (bfloat16)."""
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return newton_schulz(u_local, coefficients, steps, eps)
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -131,7 +124,7 @@ def _orthogonalise(u_local: Tensor, like: Tensor, coefficients, steps, eps) -> T
 def _step(t: Tensor, g: Tensor, buf: Tensor, *, lr, weight_decay, momentum, eps, nesterov, ns_steps,
           ns_coefficients, adjust_lr_fn, transposed) -> None:
     """One Muon step of one target (``t``, ``g``, ``buf`` may be FSDP2 DTensors)."""
-    lt, lg, lb = _local(t), _local(g), _local(buf)
+    lt, lg, lb = local(t), local(g), local(buf)
     lb.lerp_(lg, 1.0 - momentum)
     u = lg.lerp(lb, momentum) if nesterov else lb
     update = _orthogonalise(u, t, ns_coefficients, ns_steps, eps)
@@ -160,7 +153,7 @@ def muon_direction(grad, state, *, betas, eps, momentum=0.95, nesterov=True, ns_
     ``like``: the parameter when ``grad``/the buffer are its FSDP2 shards' local parts."""
     if grad.numel() == 0:
         return torch.zeros_like(grad)
-    buf = _local(state["momentum_buffer"])
+    buf = local(state["momentum_buffer"])
     buf.lerp_(grad, 1.0 - momentum)
     u = grad.lerp(buf, momentum) if nesterov else buf
     like = grad if like is None else like
@@ -189,7 +182,7 @@ def check_group(group: dict) -> None:
                 "in a group of their own, or pass the model, FRUGAL(model, state_full='muon'), or use "
                 "frugal.build_optimizer(model, 'frugal_muon'), which give embeddings, norms, biases and the "
                 "output layer AdamW")
-        if not whole and _is_dtensor(p):
+        if not whole and is_dtensor(p):
             raise HyperparameterError(
                 f"state_full 'muon' with projection {projection!r} would orthogonalise columns/rows spread over "
                 f"the FSDP2 shards of a tensor of shape {tuple(p.shape)}; valid projection for sharded "

@@ -113,7 +113,6 @@ class FreeKey(NamedTuple):
     dtype: torch.dtype
 
 
-
 class FRUGAL(Optimizer):
     r"""FRUGAL (Full-Rank Updates with GrAdient spLitting), Algorithm 1 of the paper.
 

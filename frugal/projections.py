@@ -47,14 +47,18 @@ PROJECTIONS = ("block",) + COORDINATE + MATRIX
 _MASK64 = (1 << 64) - 1
 
 
-def _precision_flags():
-    """The settings that may lower fp32 matmul precision: (object, attribute) pairs. torch >= 2.9
-    has per-backend ``fp32_precision`` ("ieee" = full fp32; reading it works whichever API set it);
-    older torch only the global precision and cuBLAS's allow_tf32."""
+def _switches() -> list[tuple]:
+    """(read, write, full precision) of each setting that may lower fp32 matmul precision, in the API the
+    caller's settings are readable with (``full_fp32``). Restored in reverse: the global precision, first
+    here, is restored last, since it sets every backend's switch consistently."""
     matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        return ((matmul, "fp32_precision", "ieee"), (torch.backends.mkldnn.matmul, "fp32_precision", "ieee"))
-    return None
+    try:
+        torch.get_float32_matmul_precision(), matmul.allow_tf32
+    except RuntimeError:  # the caller set the per-backend switches
+        return [(lambda o=o: o.fp32_precision, lambda v, o=o: setattr(o, "fp32_precision", v), "ieee")
+                for o in (matmul, torch.backends.mkldnn.matmul)]
+    return [(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"),
+            (lambda: matmul.allow_tf32, lambda v: setattr(matmul, "allow_tf32", v), False)]
 
 
 @contextlib.contextmanager
@@ -67,36 +71,18 @@ def full_fp32():
     with ``allow_tf32`` / ``set_float32_matmul_precision`` is changed through the per-backend
     ``fp32_precision``, and cuBLAS reads them before an fp32 matmul: a loop that sets
     ``allow_tf32 = True`` (train.tf32 does) would stop at the first projection on a GPU (tested)."""
-    flags = _precision_flags()
-    try:
-        torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-        legacy = True
-    except RuntimeError:  # the caller set the per-backend switches
-        legacy = False
-    if flags is not None and not legacy:
-        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in flags]
-        if all(value == full for (_, _, value), (_, _, full) in zip(saved, flags)):
-            yield
-            return
-        for obj, name, full in flags:
-            setattr(obj, name, full)
-        try:
-            yield
-        finally:
-            for obj, name, value in saved:
-                setattr(obj, name, value)
-        return
-    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    if precision == "highest" and not tf32:
+    switches = _switches()
+    saved = [read() for read, _, _ in switches]
+    if all(value == full for value, (_, _, full) in zip(saved, switches)):
         yield
         return
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    for _, write, full in switches:
+        write(full)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.set_float32_matmul_precision(precision)  # last: it sets every backend's switch consistently
+        for (_, write, _), value in reversed(list(zip(switches, saved))):
+            write(value)
 
 
 def round_half_up(x: float) -> int:
