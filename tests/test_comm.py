@@ -263,3 +263,28 @@ def test_two_processes_vote_resume_is_exact(vote_run, tmp_path):
     assert losses(tmp_path) == losses(full)
     assert_same_weights(weights(ckpt.latest(str(tmp_path / "checkpoints"))),
                         weights(ckpt.latest(str(full / "checkpoints"))))
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """The last rank's voted tensor gets a NaN gradient in step 3's second micro-batch (its sign would vote -1 like any
+    negative number): the norm's all-reduced bound carries it to every rank, and each one stops at step
+    3 before applying it, with steps 1 and 2 checkpointed and finite."""
+    import re
+
+    from _forkserver import run_python
+    from _train_helpers import REPO, TINY, rows, subprocess_env
+    from train_utils import checkpoint as ckpt
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/_nan_one_rank.py", *TINY, *VOTE, "train.steps=5", "train.state_free_comm=vote",
+           "checkpoint.every=1", f"hydra.run.dir={tmp_path}"]
+    proc = run_python(cmd, cwd=REPO, env=dict(subprocess_env(), NAN_BACKWARD="6"), timeout=240)
+    assert proc.returncode == 1, failure(proc)
+    stopped = re.findall(r"rank\s+: (\d) .*?\n.*?\n.*?\n.*?traceback : error: non-finite training loss or "
+                         r"gradient norm \(loss [0-9.]+, gradient norm nan\) at step (\d+)", proc.stderr)
+    assert sorted(stopped) == [("0", "3"), ("1", "3")], failure(proc)
+    assert max(r["step"] for r in rows(tmp_path) if "loss" in r) == 2
+    written = ckpt.list_checkpoints(str(tmp_path / ckpt.CHECKPOINT_DIR))
+    assert [c.rsplit("/", 1)[-1] for c in written] == [ckpt.step_dir_name(1), ckpt.step_dir_name(2)]
+    assert all(t.isfinite().all() for c in written for t in ckpt.load(c, "model").values())
