@@ -353,12 +353,7 @@ class VoteHook:
                 votes = vote_own_chunk(received, self.world, [g.numel() for g in free], idents, self.rank)
                 gathered = torch.empty(c * self.world, dtype=torch.uint8, device=votes.device)
                 _all_gather(gathered, votes, self.group)
-                signs = unpack_table(gathered, free[0].dtype)  # +-1 in the gradients' dtype
-                offset = 0
-                for g in free:
-                    k = g.numel()
-                    g.copy_(signs[offset:offset + k].reshape(g.shape))
-                    offset += k
+                _unflatten_into(free, unpack_table(gathered, free[0].dtype))  # +-1 in the gradients' dtype
         if record.free_sq is not None:  # B: the ranks' mean local norm of the voted gradients
             bound = record.free_sq.sqrt().reshape(1)
             dist.all_reduce(bound, group=self.group)
@@ -369,10 +364,7 @@ class VoteHook:
                 exact, flat, work = entry["exact"]
                 work.wait()
                 if flat is not entry["buffer"]:
-                    offset = 0
-                    for g in exact:
-                        g.copy_(flat[offset:offset + g.numel()].reshape(g.shape))
-                        offset += g.numel()
+                    _unflatten_into(exact, flat)
             fut.set_result(entry["buffer"])
         self._pending = []
         self.last, self.last_layout = record.stats, record.layout
@@ -401,6 +393,12 @@ class VoteHook:
             exact = [p for p in params if p.grad is not None and id(p) not in voted]
             torch.nn.utils.clip_grads_with_norm_(exact, max_norm, norm, foreach=True)
         return norm
+
+
+def _unflatten_into(grads: list[Tensor], flat: Tensor) -> None:
+    """Copy consecutive slices of ``flat`` into ``grads``."""
+    for g, part in zip(grads, flat[:sum(g.numel() for g in grads)].split([g.numel() for g in grads])):
+        g.copy_(part.reshape(g.shape))
 
 
 def _all_gather(out: Tensor, chunk: Tensor, group) -> None:

@@ -44,12 +44,6 @@ from torch import Tensor
 from .rules import FreeContext, StateFreeRule, StateFullRule, register_state_free, register_state_full
 
 
-def factored_shapes(shape: tuple[int, int]) -> tuple[tuple[int], tuple[int]]:
-    """Shapes of the row and column factors of an ``m x n`` tensor: ``(m,)`` and ``(n,)``."""
-    m, n = shape
-    return (m,), (n,)
-
-
 def decay_weight(step, beta2: float, beta2_decay: float | None):
     r"""Weight of the new sample in the running mean at ``step`` (1-based; an int or a 0-d tensor,
     as the optimizer keeps it, so no value is read back to the host): :math:`1 - \beta_2` for a

@@ -41,9 +41,9 @@ from . import external, state_precision
 from .hparams import HyperparameterError
 from . import projections as proj
 from .registry import frugal_defaults, optimizer_groups, resolve
+from .rules import STATE_FREE, STATE_FULL
 
 _STEP_BYTES = 4  # a float32 scalar step counter, as torch.optim keeps it
-_COUNTER_BYTES = 8  # an int64 step counter (AdaMeM's residual rule: exact after a reload in any dtype)
 
 
 def _tensor_bytes(obj) -> int:
@@ -100,8 +100,6 @@ def _whole_bytes(settings: dict, p: torch.Tensor) -> int:
 def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> int:
     """The state-full rule's state for a target of ``shape``: its tensors (stored as ``precision``,
     ``frugal.state_precision``) and a step counter."""
-    from .rules import STATE_FULL
-
     rule = STATE_FULL[rule_name]
     shape = tuple(shape)
     if rule.shapes is not None:
@@ -114,8 +112,6 @@ def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> i
 def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:
     """A contextual state-free rule's state for one split tensor, as the rule declares it
     (``StateFreeRule.state_bytes``: Fira's previous norm, AdaMeM's one-sided statistic)."""
-    from .rules import STATE_FREE
-
     state_bytes = STATE_FREE[free].state_bytes
     return state_bytes(other_side, elem) if state_bytes is not None else 0
 

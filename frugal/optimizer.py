@@ -353,9 +353,7 @@ class FRUGAL(Optimizer):
     def state_full_fraction(self) -> float:
         """Share of projectable elements that are state-full in the next step's window (the census itself:
         a subclass that reports the density otherwise keeps this share)."""
-        from .density import density_report
-
-        return density_report(self)["state_full_share"]
+        return FRUGAL.density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:
         """The density requested and the one realised in the next step's window (keys

@@ -280,11 +280,6 @@ def optimizer_groups(model: nn.Module, name: str, settings: dict) -> tuple[list[
     return [{"params": params, "projectable": False, "always_state_free": layout == "all_state_free"}], settings
 
 
-def _build_frugal(model: nn.Module, name: str, settings: dict) -> torch.optim.Optimizer:
-    groups, kwargs = optimizer_groups(model, name, settings)
-    return FRUGAL(groups, **kwargs)
-
-
 def _builder(name: str) -> Callable[..., torch.optim.Optimizer]:
     kind = _ENTRIES[name].kind
 
@@ -294,7 +289,8 @@ def _builder(name: str) -> Callable[..., torch.optim.Optimizer]:
             return _build_adamw(model, settings)
         if kind == "external":
             return external.build(model, name, settings)
-        return _build_frugal(model, name, settings)
+        groups, kwargs = optimizer_groups(model, name, settings)
+        return FRUGAL(groups, **kwargs)
 
     build.__name__ = f"build_{name}"
     build.__doc__ = f"{_ENTRIES[name].doc}. Keys: {', '.join(accepted_keys(name))}."

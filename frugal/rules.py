@@ -195,19 +195,18 @@ def _check_sign_update(hparams: dict) -> dict:
     return hparams
 
 
-def sgd_(params, grads, *, lr, decay=1.0):
-    """p <- p * decay - lr * g."""
-    if params and decay != 1.0:
-        torch._foreach_mul_(params, decay)
-    if params:
-        torch._foreach_add_(params, grads, alpha=-lr)
-
-
 def none_(params, grads, *, lr, decay=1.0):
     """No gradient step on the complement: it is frozen (BAdam) or dropped (GaLore); decoupled
     weight decay still applies to every weight."""
     if params and decay != 1.0:
         torch._foreach_mul_(params, decay)
+
+
+def sgd_(params, grads, *, lr, decay=1.0):
+    """p <- p * decay - lr * g."""
+    none_(params, grads, lr=lr, decay=decay)
+    if params:
+        torch._foreach_add_(params, grads, alpha=-lr)
 
 
 class FreeContext(NamedTuple):
