@@ -16,51 +16,34 @@ the state-full and split tensors keep the exact all-reduce.
     norm = vote.clip_grad_norm_(model.parameters(), 1.0)     # never reads the votes (see below)
     optimizer.step()                                         # refused if the roles changed since
 
-Definitions (``majority_vote`` is the one-process reference of all of them):
+Definitions (``majority_vote`` is the one-process reference of all of them; docs/communication.md,
+"What is voted, and how", gives the reasons and the measurements):
 
-- A rank's sign of an element is +1 where its gradient is > 0 and -1 elsewhere (a zero, and a NaN,
-  send -1: one bit has no room for sign(0) = 0). The vote is +1 where more ranks sent +1 than -1,
-  -1 where fewer did. A tie (an even number of ranks) takes the sign sent by rank (i + k) mod W for
-  element i (flat index) of the parameter at position k among the optimizer's (``tie_ranks``): as if
-  that rank's vote weighed 1.5. The rule depends on the element alone, not on DDP's buckets (which
-  DDP rebuilds after a run's first iteration: a resumed run votes as the uninterrupted one), and no
-  rank breaks every tie. The vote is never 0: a coordinate whose gradient is exactly 0 on most ranks
-  moves by the learning rate where ``exact`` would leave it (with ``exact``, sign(0) = 0).
-- Which tensors are voted: those wholly state-free in this step's window (``FRUGAL.next_roles()``:
-  inactive blocks, ``always_state_free`` groups) whose state-free rule is ``signsgd``. Every other
-  tensor (state-full, split, other rules) takes the exact all-reduce: in a bucket with no voted
-  tensor, the bucket itself exactly as DDP's built-in reduction does it (scaled by 1/W, summed);
-  in a bucket with voted tensors, the others are copied into one buffer that is reduced the same
-  way (same values, same additions; at 2 ranks bit for bit DDP's, since a + b = b + a; at 3+ ranks
-  the order in which a backend adds the ranks' values may depend on an element's position in the
-  buffer, so the last bit can differ from DDP's own reduction of the whole bucket).
-- The exchange, per bucket: its n voted elements are padded to W chunks of e elements (e a
-  multiple of 8); an all-to-all of the packed signs gives every rank the W ranks' bits of its
-  own chunk, it counts them, and an all-gather of the packed votes gives everyone every chunk.
-  Each rank sends (W-1) e/8 bytes in each phase: at most 2 bits per voted element in all, at any W.
-- Accumulation: DDP calls the hook once per optimizer step (``no_sync`` micro-batches accumulate
-  locally), so there is one vote per step over each rank's accumulated gradient. Every rank's
-  vote weighs the same, whatever its number of tokens (a sign has no magnitude to weigh by).
-- The written gradient of a voted tensor is the vote (entries +-1); signSGD's update of it is the
-  vote itself. The votes must never enter a clipping norm (at LLaMA-130M they would read ~8,000):
-  ``grad_norm`` is sqrt(exact part's norm^2 + B^2), with B = mean over ranks of each rank's local
-  norm of its voted gradients (one scalar all-reduce per step). B bounds the norm of the mean
-  gradient (triangle inequality), so the norm is at least the exact norm; it equals it on one
-  process and when every rank has the same gradient. A NaN or inf on any rank makes B, and so
-  every rank's norm, non-finite at the same step. Clipping scales the exact tensors only (a
-  positive factor does not change a sign).
-- Roles: the hook asks the optimizer for the roles of the step it will take; the optimizer's
-  step pre-hook compares them with the roles at ``step()`` and refuses (``RoleMismatchError``)
-  when they differ, or when the voted tensors' gradients did not pass the hook.
+- A rank's sign of an element is +1 where its gradient is > 0 and -1 elsewhere (a zero or a NaN sends
+  -1: one bit has no room for sign(0) = 0), so the vote is never 0. A tie (an even number of ranks)
+  takes the sign sent by rank (i + k) mod W for element i (flat index) of the parameter at position k
+  among the optimizer's (``tie_ranks``): it depends on the element alone, not on DDP's buckets (which
+  DDP rebuilds after the first iteration), so a resumed run votes as the uninterrupted one.
+- Voted: the tensors wholly state-free in this step's window (``FRUGAL.next_roles()``) whose rule is
+  ``signsgd``. The others are reduced as DDP's built-in reduction does it (x 1/W, summed), copied into
+  one buffer where a bucket mixes both (bit for bit DDP's at 2 ranks; the last bit may differ at 3+).
+- The exchange, per bucket: the n voted elements padded to W chunks of e elements (e a multiple of 8);
+  an all-to-all of the packed signs gives each rank every rank's bits of its own chunk, which it counts,
+  and an all-gather of the packed votes gives everyone every chunk: (W-1) e/8 bytes per rank and phase.
+  DDP calls the hook once per optimizer step (``no_sync`` micro-batches accumulate locally).
+- The written gradient of a voted tensor is the vote (+-1), which must never enter a clipping norm:
+  ``grad_norm`` is sqrt(exact part's norm^2 + B^2), B the mean over ranks of each rank's local norm of
+  its voted gradients (one scalar all-reduce); B bounds the norm of the mean gradient, and a NaN on any
+  rank makes every rank's norm non-finite at the same step. Clipping scales the exact tensors only.
+- Roles: the optimizer's step pre-hook refuses (``RoleMismatchError``) a step whose roles differ from
+  those the hook voted with, or whose voted gradients did not pass the hook.
 - Bytes: ``VoteHook.last`` (``CommStats``) counts what this rank sent in the last step, by the
-  collectives' algorithms (a ring all-reduce of B bytes sends 2 (W-1)/W B per rank; an all-to-all
-  or ring all-gather of W chunks of c bytes, (W-1) c). docs/communication.md compares the counts
-  with the bytes a network namespace's loopback moved.
+  collectives' algorithms (``ring_bytes``; an all-to-all or ring all-gather of W chunks of c bytes
+  sends (W-1) c).
 
 Not here: FSDP2 (its reduce-scatter has no hook of this kind), the step inside backward (it steps
 each tensor before DDP reduces it), optimizers that are not FRUGAL, error feedback (a full-size
-buffer per rank is not state-free). On one process there is nothing to communicate:
-``attach_vote`` returns None and nothing changes.
+buffer per rank is not state-free). On one process ``attach_vote`` returns None and nothing changes.
 """
 from __future__ import annotations
 

@@ -13,34 +13,19 @@ gradient ``g`` and buffer ``b`` (torch's formulation, ``torch/optim/_muon.py``):
 
 with ``adjust`` from ``adjust_lr_fn``: ``"original"`` (Keller Jordan's ``sqrt(max(1, A/B))``) or
 ``"match_rms_adamw"`` (Moonshot's "Muon is Scalable for LLM Training", arXiv:2502.16982:
-``0.2 * sqrt(max(A, B))``, which gives the update the RMS of a typical AdamW update, so that one
-learning rate and weight decay serve the AdamW parts, the Muon parts and FRUGAL's sign parts).
-``A x B`` is the logical shape of the matrix the rule sees (``nn.Linear``'s ``(out, in)``; a GPT-2
-``Conv1D`` weight, stored ``(in, out)``, is read as its transpose), as torch computes it from the
-parameter's shape.
+``0.2 * sqrt(max(A, B))``, the RMS of a typical AdamW update, so that one learning rate serves the
+AdamW, Muon and sign parts). ``A x B`` is the logical shape (a GPT-2 ``Conv1D`` weight, stored
+``(in, out)``, is read as its transpose). State: ``momentum_buffer`` (torch's name), no step counter.
 
-Inside FRUGAL the rule runs on
+Inside FRUGAL (docs/muon.md) the rule runs on whole matrices (the active blocks of
+``projection="block"``, and the 2-D tensors of groups given explicitly; groups built from a model give
+the other tensors AdamW: ``REST``) and on the ``A x k`` (``k x B``) matrix of the columns (rows) a
+``column`` (``row``) projection selects; every other projection is refused (``check_group``). At
+density 1 it is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py).
 
-- whole matrices: the active blocks of block projection (``projection="block"``) and the 2-D
-  tensors of groups given explicitly with ``state_full="muon"`` (groups built from a model give the
-  non-projectable tensors AdamW: ``REST`` below): at density 1 FRUGAL with this rule on the
-  blocks and AdamW on the rest is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py);
-- reduced matrices of ``column`` / ``row`` projection: the selected columns (rows) form a matrix of
-  shape ``A x k`` (``k x B``), which is orthogonalised as a matrix of its own (``adjust`` from its
-  shape).
-
-Other projections have no reduced matrix Muon is defined on (``randk``: a flat set of entries;
-``svd``/``random``/``power``/``randperm``: a rotated or permuted coordinate system) and are refused.
-
-State: ``momentum_buffer`` (torch's name), one value per state-full element, no step counter.
-
-FSDP2: a parameter that is a DTensor shard keeps its buffer sharded (a DTensor: torch.distributed.
-checkpoint saves and reshards it). The buffer and the Nesterov mix are element-wise, on the local
-shard; only the matrix that is orthogonalised is all-gathered (in bfloat16, the dtype the iteration
-runs in, so the bytes are half those of the fp32 update), every rank runs the iteration on the whole
-matrix, and applies its own shard of the result. Only active (state-full) blocks are gathered:
-inactive blocks keep their local sign update. ``gathered_bytes()`` counts the gathered matrices'
-bytes (docs/muon.md).
+FSDP2: the buffer and the Nesterov mix are element-wise, on the local shard; only the matrix that is
+orthogonalised is all-gathered (in bfloat16, the iteration's dtype), every rank runs the iteration on
+the whole matrix and applies its own shard. Only active blocks are gathered (``gathered_bytes()``).
 """
 from __future__ import annotations
 

@@ -29,25 +29,17 @@ below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` r
 fused kernels and no gather/scatter shortcuts; it is the reference the fast path is tested
 against, and the path of bfloat16 weights with ``stochastic_rounding=True``.
 
-The concurrent methods the paper reads as FRUGAL instances (its Appendix "Comparison with
-Concurrent Methods"; registry entries ``fira``, ``ldadam``, ``adamem``) plug into these phases:
+The concurrent methods the paper reads as FRUGAL instances (registry entries ``fira``, ``ldadam``,
+``adamem``) plug into these phases (docs/concurrent_methods.md, "How each method maps onto the phased
+step"): AdaMeM as a state-full rule with its own state layout (``rules.StateFullRule.shapes``) and a
+*contextual* state-free rule that keeps a statistic per tensor (phase 4); Fira as a rule that takes a
+split tensor's whole step in phase 4 (``rules.StateFreeRule.split_step``; phases 3 and 5 skip the
+tensor, its ``target`` is None); LDAdam as ``projection="power"``, ``reset_state="transport"`` and
+``error_feedback=True`` in phase 2 (``frugal.state_management``: ``p.grad`` is never written).
 
-- AdaMeM: a state-full rule with its own state layout (``adafactor_momentum``: Adafactor's factors,
-  ``rules.StateFullRule.shapes``) in phase 3, and a *contextual* state-free rule
-  (``one_sided_adafactor``) in phase 4 that keeps a statistic per tensor.
-- Fira: the rule ``fira`` takes a split tensor's whole step in phase 4
-  (``rules.StateFreeRule.split_step``: the ``fira`` package's step, ``frugal.fira``); phases 3 and 5
-  skip the tensor (its ``target`` is None).
-- LDAdam: ``projection="power"`` (a basis tracked by block power iteration), ``reset_state=
-  "transport"`` (the moments moved into the new basis) and ``error_feedback=True``: in phase 2 the
-  gradient is added to the error buffer (``p.grad`` is never written), the split reads that sum,
-  and the buffer is left holding what the low-rank step did not apply (``frugal.state_management``).
-
-Opt-in beyond the paper (off by default): ``density_schedule`` (the density decays over training,
-evaluated at the first step of each window) and ``update_gap_growth`` (the update gap grows when
-the training loss, given by ``observe_loss``, stops improving: AdaFRUGAL's proposal). Both keep
-their clock in the first param group, so ``state_dict()`` resumes them exactly, and report their
-changes through ``pop_events()``.
+The opt-in schedules (``density_schedule``, ``update_gap_growth``: AdaFRUGAL's proposal) keep their
+clock in the first param group, so ``state_dict()`` resumes them exactly, and report their changes
+through ``pop_events()``.
 """
 from __future__ import annotations
 

@@ -1,37 +1,13 @@
 """The optimizer registry: `build_optimizer(model, name, **hparams)` for every optimizer of the paper.
 
-Most entries are presets of FRUGAL, because the paper's baselines are points of its design space:
-
-    frugal     Algorithm 1 as configured (defaults: blockwise, density 0.25, AdamW + signSGD).
-    galore     SVD projection of rank round(density * min(m, n)), no state-free update, state kept
-               across projection changes, update scale 0.25 (the GaLore reference recipe).
-    badam      blockwise, inactive blocks frozen (state_free="none"), order "descending"; as the
-               authors ran it (the badam package, configs/setup/algorithm_optimizer/authors_badam.yaml):
-               with reset_state="reset_everything", window_offset=1, master_weights=True.
-    signsgd    every parameter state-free with signSGD (Table 16, "signSGD only"): no state.
-    sgd        every parameter state-free with plain SGD: no state.
-    lion       pure Lion (betas (0.9, 0.99), lr 1e-4): every parameter state-full, never reset (Table 12).
-    sgdm       pure SGD with momentum (the paper's EMA form): every parameter state-full.
-    adamw      torch.optim.AdamW, fused where the device has the fused kernel (CPU and CUDA do),
-               otherwise foreach.
-    fira       Fira (Chen et al. 2024): SVD projection with AdamW, the residual updated with Fira's
-               norm-based scaling and norm-growth limiter (fira_gamma), moments kept across
-               projection changes, update scale 0.25, lr 1e-2 (Fira's scripts); the `fira` package's
-               step (its AdamW, state_full "adamw_hf", eps 1e-6; frugal/fira.py lists what that means).
-    ldadam     LDAdam (Robert et al. 2025): a basis refreshed every step by one block power
-               iteration (projection "power", update_gap 1), AdamW's moments transported into it,
-               the rest of the gradient carried to the next step in an error-feedback buffer (kept in
-               the optimizer state: one value per weight entry); betas (0.908, 0.99).
-    adamem     AdaMeM (Vyas et al. 2024) as the FRUGAL paper reads it: SVD projection, Adafactor
-               with momentum on the projected part, one-sided Adafactor on the residual;
-               embeddings, norms and the output layer AdamW (as in every FRUGAL entry).
-    muon       Muon (torch.optim.Muon's rule, frugal/muon.py) on every Linear weight of the transformer
-               blocks (block projection at density 1), AdamW on embeddings, norms and output layer:
-               the usual Muon setup; momentum 0.95, Nesterov, adjust_lr_fn "match_rms_adamw".
-    frugal_muon  FRUGAL with Muon as the state-full rule: density 0.25 of the blocks Muon, the rest
-               signSGD, embeddings, norms and output layer AdamW (one buffer per Muon element).
-    apollo     APOLLO, from the apollo-torch package (frugal/external.py).
-    adam_mini  Adam-mini, from the adam-mini package (frugal/external.py).
+Most entries are presets of FRUGAL, because the paper's baselines are points of its design space;
+`_ENTRIES` below lists each with its preset and a line of what it is. Beyond the presets: `badam` as
+the authors ran it (the badam package, configs/setup/algorithm_optimizer/authors_badam.yaml) adds
+reset_state="reset_everything", window_offset=1, master_weights=True; `adamw` is torch.optim.AdamW,
+fused where the device has the fused kernel (CPU and CUDA do), otherwise foreach; `fira` is the `fira`
+package's step (frugal/fira.py lists what that means); `ldadam` keeps its error-feedback buffer in the
+optimizer state (one value per weight entry); `apollo` and `adam_mini` wrap their packages
+(frugal/external.py).
 
 signsgd, sgd, lion and sgdm put all parameters in one group, so they work on any model, not only
 on models whose transformer blocks `param_groups` recognises.
