@@ -1,18 +1,22 @@
-"""Run `python script.py args` from the tests without paying Python's start-up each time.
+"""Run `python script.py args` and `python -m scripts.x args` from the tests without paying Python's start-up
+each time.
 
 Most of a toy `python train.py ...` run is importing: torch, transformers' LLaMA (whose lazy-import index
 reads every model file), Hydra and this repository take ~4.5 CPU-s, the two training steps a fraction of
 that. The suite starts some 80 such commands (the README's and docs' command blocks, the CLI tests).
 `run_python` starts them as children forked from a server that imported those modules once, so each
 child begins where a fresh interpreter would be after its imports, then runs the script as `__main__`
-with its own argv (argv[0] is the script's absolute path), working directory, environment, stdin
+(runpy.run_path), or the repository's module (`python -m` of scripts.*, ops.*, bench.*: runpy.run_module, with
+sys.path[0] the working directory as `python -m` sets it), with its own argv (argv[0] is the script's absolute
+path, or the module's file as `python -m` sets it), working directory, environment, stdin
 (/dev/null), stdout and stderr (files the client reads back), and reports its exit status the way
 `subprocess.run` does (the code of `sys.exit`, 1 for an uncaught exception with its traceback on stderr,
 -N for signal N).
 
 What it is not for: the process boundary itself. Signals, crashes, kills, torchrun's ranks and Slurm's
-jobs stay real processes (`subprocess`), as do `python -c` and `python -m` commands; `run_python` runs
-those through `subprocess.run` unchanged, as it does everything when `FRUGAL_TESTS_FORK=0`.
+jobs stay real processes (`subprocess`), as do `python -c` and `python -m` of any other module (torch.distributed.run,
+pytest); `run_python` runs those through `subprocess.run` unchanged, as it does everything when
+`FRUGAL_TESTS_FORK=0`.
 
 One server per pytest process and environment (the environment a library reads at import, such as
 OMP_NUM_THREADS or HF_HUB_OFFLINE, is the server's, so a request with another environment gets a server
@@ -22,8 +26,9 @@ checks that it has one thread after its imports, and the client falls back to `s
 otherwise.
 
 Protocol (the server's stdin and stdout, one JSON object per line): the client sends {"argv", "cwd",
-"env", "stdout", "stderr"} (argv[0] is the script, the rest its arguments; stdout and stderr are file
-paths); the server answers {"pid"} once the child is forked and {"returncode"} once it has ended.
+"env", "stdout", "stderr"} (argv[0] is the script, or "-m" and argv[1] the module; the rest its arguments;
+stdout and stderr are file paths); the server answers {"pid"} once the child is forked and {"returncode"}
+once it has ended.
 """
 from __future__ import annotations
 
@@ -39,11 +44,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# What a train.py, eval.py or scripts/ process imports before it does anything of its own.
+# What a train.py, eval.py, scripts/, ops/ or bench/ process imports before it does anything of its own.
 PRELOAD = ("torch", "hydra", "omegaconf", "train", "eval", "transformers.models.llama.modeling_llama",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.t5.tokenization_t5", "matplotlib.pyplot",
            "wandb")
 REPO_MODULES = {"train", "eval"}
+# The packages whose `python -m package.module` commands are forked (the repository's programs).
+REPO_PACKAGES = ("scripts", "ops", "bench")
 # Variables a child applies itself (pytest sets the first per test): requests that differ only in them share
 # a server.
 PER_CHILD = {"PYTEST_CURRENT_TEST", "PYTHONFAULTHANDLER"}
@@ -71,13 +78,18 @@ def _child(request: dict) -> None:
         else:
             faulthandler.disable()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        script, *args = request["argv"]
-        sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` sets it
         import runpy
 
+        script, *args = request["argv"]
+        module = args.pop(0) if script == "-m" else None
+        sys.argv = [module or script, *args]
+        # as `python -m module` (the working directory) and `python script` (the script's directory) set it
+        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
         try:
-            runpy.run_path(script, run_name="__main__")
+            if module:  # sets argv[0] to the module's file, as `python -m` does
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             if e.code is None:
@@ -214,9 +226,13 @@ atexit.register(_close_all)
 
 
 def forkable(argv: list[str]) -> bool:
-    """`[sys.executable, "some/script.py", ...]`: a script run as `__main__` (not -c, not -m)."""
-    return (len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py")
-            and os.environ.get("FRUGAL_TESTS_FORK", "1") != "0")
+    """`[sys.executable, "some/script.py", ...]`: a script run as `__main__` (not -c), or
+    `[sys.executable, "-m", "scripts.name", ...]`: a program of the repository's REPO_PACKAGES (not -m torch's or
+    pytest's)."""
+    if len(argv) < 2 or argv[0] != sys.executable or os.environ.get("FRUGAL_TESTS_FORK", "1") == "0":
+        return False
+    return argv[1].endswith(".py") or (argv[1] == "-m" and len(argv) >= 3
+                                       and argv[2].split(".")[0] in REPO_PACKAGES and "." in argv[2])
 
 
 def server_key(env: dict) -> tuple:
@@ -226,7 +242,8 @@ def server_key(env: dict) -> tuple:
 
 def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
-    `python script.py ...` command forked from a warm server (see the module docstring)."""
+    `python script.py ...` or `python -m scripts.name ...` command forked from a warm server (see the module
+    docstring)."""
     env = dict(os.environ if env is None else env)
     if not forkable(argv):
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -238,6 +255,8 @@ def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 3
         server = _SERVERS[key] = _Server(env)
     if not server.usable:
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if argv[1] == "-m":
+        return server.run(argv, cwd, env, timeout)
     script = argv[1] if os.path.isabs(argv[1]) else os.path.join(str(cwd), argv[1])
     return server.run([argv[0], script, *argv[2:]], cwd, env, timeout)
 

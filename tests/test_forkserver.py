@@ -1,6 +1,6 @@
-"""tests/_forkserver.py: a `python script.py` command forked from a warm server gives what
-`subprocess.run` gives for the same command in a fresh interpreter (exit code, stdout, stderr, argv, cwd,
-environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports."""
+"""tests/_forkserver.py: a `python script.py` or `python -m scripts.name` command forked from a warm server
+gives what `subprocess.run` gives for the same command in a fresh interpreter (exit code, stdout, stderr, argv,
+cwd, environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports."""
 from __future__ import annotations
 
 import json
@@ -141,7 +141,37 @@ def test_a_server_with_a_thread_after_its_imports_is_not_used(light_server, tmp_
     assert not _forkserver._SERVERS[_forkserver.server_key(env)].usable
 
 
+MODULE = textwrap.dedent("""
+    import json, os, sys
+    warm = "fractions" in sys.modules
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+                      "spec": __spec__.name, "warm": warm}))
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_a_forked_module_runs_as_python_m_runs_it(light_server, tmp_path, monkeypatch):
+    """`python -m package.module` of the repository's packages (scripts, ops, bench; here a stand-in) is forked
+    too, with what `python -m` sets: argv[0] the module's file, the working directory first on sys.path."""
+    cwd = tmp_path / "cwd"
+    (cwd / "forkpkg").mkdir(parents=True)
+    (cwd / "forkpkg" / "__init__.py").write_text("")
+    (cwd / "forkpkg" / "tool.py").write_text(MODULE)
+    monkeypatch.setattr(_forkserver, "REPO_PACKAGES", ("forkpkg",))
+    argv = [sys.executable, "-m", "forkpkg.tool", "3", "second arg"]
+    forked = _forkserver.run_python(argv, cwd=cwd)
+    fresh = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    assert forked.returncode == fresh.returncode == 3, (forked, fresh)
+    seen_forked, seen_fresh = (json.loads(p.stdout) for p in (forked, fresh))
+    assert seen_forked.pop("warm") and not seen_fresh.pop("warm")  # the fork did start from the server's imports
+    assert seen_forked == seen_fresh == {"argv": [str(cwd / "forkpkg" / "tool.py"), "3", "second arg"],
+                                         "cwd": str(cwd), "path0": str(cwd), "name": "__main__", "spec": "forkpkg.tool"}
+
+
 def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_path, monkeypatch):
+    assert _forkserver.forkable([sys.executable, "-m", "scripts.make_tables", "runs"])
+    for other in (["-m", "torch.distributed.run", "train.py"], ["-m", "pytest"], ["-m", "scripts"], ["-c", "0"]):
+        assert not _forkserver.forkable([sys.executable, *other]), other
     code = "import sys; print('fractions' in sys.modules)"
     assert _forkserver.run_python([sys.executable, "-c", code], cwd=tmp_path).stdout == "False\n"
     monkeypatch.setenv("FRUGAL_TESTS_FORK", "0")
