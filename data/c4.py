@@ -25,7 +25,7 @@ crawl, so file order plus window shuffling decorrelates as well as a buffer woul
 
 Memory per reader: one open stream (``datasets`` reads 1 MB JSON chunks here instead of its 10 MB
 default), one window of texts and the ids of CHUNK documents: 4.4 MB resident per open reader
-(scripts/bench_data.py --readers-memory). Readers open their file on their first turn.
+(bench/data.py --readers-memory). Readers open their file on their first turn.
 """
 from __future__ import annotations
 

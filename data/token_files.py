@@ -80,7 +80,7 @@ class TokenSource(IndexedSource):
         if not os.path.isfile(meta_file):
             raise DataFileNotFoundError(
                 f"data.path={path!r} has no meta.json: create token files with "
-                "`python scripts/pretokenize.py --data <source> --out <dir>`"
+                "`python -m scripts.pretokenize --data <source> --out <dir>`"
             )
         with open(meta_file) as f:
             self.meta = json.load(f)

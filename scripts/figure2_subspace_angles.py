@@ -6,9 +6,9 @@ of its own (the project's model, data and optimizer; nothing else is trained) or
 checkpoints of a train.py run (the gradient of a fixed validation batch at each checkpoint's
 weights); `plot` draws the histograms from that file.
 
-    python scripts/figure2_subspace_angles.py record --out grads.pt --steps 400 --every 100
-    python scripts/figure2_subspace_angles.py record --out grads.pt --checkpoints runs/x/checkpoints/step_*
-    python scripts/figure2_subspace_angles.py plot grads.pt --out docs/figure2_subspace_angles.png
+    python -m scripts.figure2_subspace_angles record --out grads.pt --steps 400 --every 100
+    python -m scripts.figure2_subspace_angles record --out grads.pt --checkpoints runs/x/checkpoints/step_*
+    python -m scripts.figure2_subspace_angles plot grads.pt --out docs/figure2_subspace_angles.png
 
 The gradient file is `torch.save`d dict {"name": weight name, "steps": [t0, t1, ...],
 "grads": float32 tensor (K, m, n), "source": "run" | "checkpoints"}.
@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from frugal import subspace as sub
 
-from frugal import subspace as sub  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_WEIGHT = "model.layers.1.self_attn.k_proj.weight"
 

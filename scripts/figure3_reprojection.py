@@ -1,7 +1,7 @@
 """Figure 3 of the paper (Appendix C, fig:reproj_toy): GaLore-like SGDM with and without re-projection
 of the momentum when the projection changes, on the toy problem min ||W||^2, W in R^{10x10}.
 
-    python scripts/figure3_reprojection.py --out docs/figure3_reprojection.png \\
+    python -m scripts.figure3_reprojection --out docs/figure3_reprojection.png \\
         --json docs/figure3_reprojection.json
 
 The toy (Appendix C): every `--update-gap` steps (T = 10) the projection P becomes the top-r right
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from frugal import subspace as sub
 
-from frugal import subspace as sub  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("keep", "reproject")
 LABELS = {"keep": "GaLore-like SGDM (state kept)", "reproject": "with momentum re-projection"}

@@ -1,9 +1,9 @@
 """Print finished runs as the paper's tables: our perplexity beside the paper's, and the difference.
 
-    python scripts/make_tables.py multirun/table15                     # every run below a folder
-    python scripts/make_tables.py runs/a runs/b --csv results.csv      # markdown on stdout + a CSV
-    python scripts/make_tables.py multirun/table15 --format csv        # CSV on stdout
-    python scripts/make_tables.py multirun/rho_T --pivot optimizer.density optimizer.update_gap --plot grid.png
+    python -m scripts.make_tables multirun/table15                     # every run below a folder
+    python -m scripts.make_tables runs/a runs/b --csv results.csv      # markdown on stdout + a CSV
+    python -m scripts.make_tables multirun/table15 --format csv        # CSV on stdout
+    python -m scripts.make_tables multirun/rho_T --pivot optimizer.density optimizer.update_gap --plot grid.png
 
 Runs are read by train_utils.results.load_runs. A run's table is its `paper.table` (the experiment presets
 set it), its row the optimizer config (a row label is never a density its run did not realise), its column
@@ -27,15 +27,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from omegaconf import OmegaConf
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from scripts.paper_tables import GIB, MODEL_OF_SIZE, SPECS, STEPS_BY_SIZE, method, size_label  # noqa: E402
-from scripts.sweep_view import (PivotKeyError, blocks_text, joined, pivot, pivot_csv,  # noqa: E402,F401
+from scripts.paper_tables import GIB, MODEL_OF_SIZE, SPECS, STEPS_BY_SIZE, method, size_label
+from scripts.sweep_view import (PivotKeyError, blocks_text, joined, pivot, pivot_csv,  # noqa: F401
                                 pivot_figure, pivot_markdown, plot_pivot)
-from train_utils.naming import short_labels  # noqa: E402
-from train_utils.results import (asked_value, debug_of, effective_value, find_runs, load_run,  # noqa: E402,F401
+from train_utils.naming import short_labels
+from train_utils.results import (asked_value, debug_of, effective_value, find_runs, load_run,  # noqa: F401
                                  load_runs, repeats, runs_argument_parser, swept_keys)
 
 def readout_lr(run: dict, step: int | None) -> float | None:

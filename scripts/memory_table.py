@@ -1,7 +1,7 @@
 """Table 2's memory column: optimizer-state memory per method and model size.
 
-    python scripts/memory_table.py                       # estimate for every size, measured up to 150M params
-    python scripts/memory_table.py --measure-max-params 4e8 --csv memory.csv
+    python -m scripts.memory_table                       # estimate for every size, measured up to 150M params
+    python -m scripts.memory_table --measure-max-params 4e8 --csv memory.csv
 
 Two numbers per cell:
 - `estimate`: `frugal.estimate_state_bytes` on the model built on the meta device (no memory, any size).
@@ -18,14 +18,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+
+import frugal
+from scripts.paper_tables import GIB, SIZE, TABLE2_MEMORY_GIB, TABLE2_OPTIMIZERS
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-import frugal  # noqa: E402
-from scripts.paper_tables import GIB, SIZE, TABLE2_MEMORY_GIB, TABLE2_OPTIMIZERS  # noqa: E402
 
 TABLE2_MODELS = ["llama_60m", "llama_130m", "llama_350m", "llama_1b"]
 

@@ -1,7 +1,7 @@
 """A CPU-sized reproduction of Table 2: AdamW, FRUGAL 0.25, FRUGAL 0.0, GaLore 0.25, BAdam 0.25, signSGD.
 
-    python scripts/mini_repro.py --corpus input.txt                # results in runs/mini_repro/
-    python scripts/mini_repro.py --corpus input.txt --extras all   # + the optional rows
+    python -m scripts.mini_repro --corpus input.txt                # results in runs/mini_repro/
+    python -m scripts.mini_repro --corpus input.txt --extras all   # + the optional rows
 
 The corpus: any text file or directory of them. The documented figures (docs/measurements.md, docs/mini_repro.md) use
 tinyshakespeare (1.1 MB, public domain), which the repository does not ship:
@@ -63,11 +63,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from scripts.paper_tables import TABLE2, TABLE9, TABLE17
+from train_utils.metrics import read_metrics
 
-from scripts.paper_tables import TABLE2, TABLE9, TABLE17  # noqa: E402
-from train_utils.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # key -> (configs/optimizer option, extra overrides, label, Table 2 row)
 METHODS = {
@@ -355,7 +354,7 @@ def main(argv=None) -> int:
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         # absolute paths (the corpus) are shown by file name only: machine paths do not belong in docs
-        cmd = "python scripts/mini_repro.py " + " ".join(
+        cmd = "python -m scripts.mini_repro " + " ".join(
             os.path.basename(a) if a.startswith("/") else a for a in (argv or sys.argv[1:]))
         args.md.write_text(
             f"# Mini reproduction of Table 2 (CPU)\n\nMade with:\n\n    {cmd}\n\n{table}\n\n"

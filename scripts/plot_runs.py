@@ -1,7 +1,7 @@
 """Validation perplexity and training loss of any set of runs, against steps and against tokens (PNG).
 
-    python scripts/plot_runs.py multirun/2025-01-01/12-00-00 --out table15.png
-    python scripts/plot_runs.py runs/a runs/b --out cmp.png --smooth 50 --logy
+    python -m scripts.plot_runs multirun/2025-01-01/12-00-00 --out table15.png
+    python -m scripts.plot_runs runs/a runs/b --out cmp.png --smooth 50 --logy
 
 Each curve is labelled by the values of the keys the runs differ in (what a sweep varied, from each run's
 `.hydra/overrides.yaml`), in short form: `density=0.25 update_gap=200 seed=1`. What every run shares (model,
@@ -15,12 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.paper_tables import method  # noqa: E402
-from train_utils.metrics import read_metrics  # noqa: E402
-from train_utils.naming import short_labels  # noqa: E402
-from train_utils.results import asked_value, find_runs, load_run, runs_argument_parser, swept_keys  # noqa: E402
+from scripts.paper_tables import method
+from train_utils.metrics import read_metrics
+from train_utils.naming import short_labels
+from train_utils.results import asked_value, find_runs, load_run, runs_argument_parser, swept_keys
 
 
 def label(run: dict, swept: list[str], with_model: bool) -> str:

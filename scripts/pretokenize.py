@@ -1,7 +1,7 @@
 """Tokenize a data source once into memory-mapped token files, so sweeps skip tokenization.
 
     # what one paper run of llama_130m reads: 200,000 steps x 512 rows, and 10M scored validation tokens
-    python scripts/pretokenize.py --data c4 --model llama_130m --out tokens/c4_t5_130m data.path=/datasets/c4
+    python -m scripts.pretokenize --data c4 --model llama_130m --out tokens/c4_t5_130m data.path=/datasets/c4
 
     # then train on them:
     python train.py experiment=table2 model=llama_130m data=tokens data.path=tokens/c4_t5_130m
@@ -27,11 +27,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from omegaconf import OmegaConf
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from data.token_files import LAYOUTS, pretokenize  # noqa: E402
+from data.token_files import LAYOUTS, pretokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = os.path.join(ROOT, "configs", "setup", "paper.yaml")

@@ -1,4 +1,4 @@
-"""scripts/bench_7b.py, the 7B-on-one-GPU proof, on a tiny model (the 7B run takes minutes and ~15 GiB:
+"""bench/llama7b.py, the 7B-on-one-GPU proof, on a tiny model (the 7B run takes minutes and ~15 GiB:
 docs/in_backward.md, "LLaMA-7B on one 24 GB card"), and its refusal of AdamW at 7B before anything is allocated."""
 import json
 import math
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # two script runs (a model and a 7B meta plan): t
 
 
 def bench(*args):
-    proc = run_python([sys.executable, "scripts/bench_7b.py", *args], cwd=ROOT, env=subprocess_env(), timeout=300)
+    proc = run_python([sys.executable, "-m", "bench.llama7b", *args], cwd=ROOT, env=subprocess_env(), timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -1,4 +1,4 @@
-"""scripts/budget_study.py: cells run cheapest budget first, are appended to the results file as they
+"""bench/budget_study.py: cells run cheapest budget first, are appended to the results file as they
 finish, and a rerun skips them (resumable); the report orders methods per budget with the seed spread.
 
 train.py is replaced by the stand-in of tests/conftest.py (`fake_train`): the script's logic is under
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import budget_study
+from bench import budget_study
 
 ASSET = Path(__file__).parent / "assets" / "tinyshakespeare_slice.txt"
 

@@ -237,14 +237,14 @@ def test_two_processes_vote_trains_labelled_with_its_bytes(vote_run):
 
 
 def test_bench_script_simulator_and_compute_tables():
-    """scripts/bench_comm.py's one-process parts (its byte and time tables need root and a network
+    """bench/comm.py's one-process parts (its byte and time tables need root and a network
     namespace: docs/communication.md has their commands and figures)."""
-    proc = run_cli([sys.executable, "scripts/bench_comm.py", "agreement", "--elements", "4000", "--noise", "0.5",
+    proc = run_cli([sys.executable, "-m", "bench.comm", "agreement", "--elements", "4000", "--noise", "0.5",
                     "--sim_worlds", "3", "8"])
     assert proc.returncode == 0, failure(proc)
     table = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| 3 ", "| 8 "))]
     assert len(table) == 2 and all(0.8 < float(row[3]) <= 1.0 for row in table)
-    proc = run_cli([sys.executable, "scripts/bench_comm.py", "compute", "--compute_elements", "1001", "--worlds", "3"])
+    proc = run_cli([sys.executable, "-m", "bench.comm", "compute", "--compute_elements", "1001", "--worlds", "3"])
     assert proc.returncode == 0, failure(proc)
     assert "| 1,001 | 3 |" in proc.stdout
 

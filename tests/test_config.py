@@ -87,8 +87,8 @@ def test_optimizer_option_files_are_the_registry_defaults(entry):
     from scripts import write_optimizer_configs as writer
 
     path = CONFIGS / "optimizer" / f"{entry}.yaml"
-    assert path.is_file(), f"no option file for registry entry {entry!r}: run python scripts/write_optimizer_configs.py"
-    assert path.read_text() == writer.render(entry, path), "run python scripts/write_optimizer_configs.py"
+    assert path.is_file(), f"no option file for registry entry {entry!r}: run python -m scripts.write_optimizer_configs"
+    assert path.read_text() == writer.render(entry, path), "run python -m scripts.write_optimizer_configs"
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     expected = {k: list(v) if isinstance(v, tuple) else v for k, v in registry.defaults(entry).items()}
     if "seed" in expected:
@@ -156,7 +156,7 @@ def test_a_wrong_group_value_is_one_line_with_the_choices_and_the_closest(tmp_pa
     """model=llama_70m, or one bad value of a sweep: one line, exit 2, in train.py, eval.py and the
     memory planner, before Hydra composes anything (a sweep starts no job: no sweep dir)."""
     import eval as eval_py
-    from scripts import memory_plan
+    from bench import memory_plan
     from train_utils.schema import bad_group_choice
     from train_utils.validation import ConfigError
 

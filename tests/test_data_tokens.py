@@ -1,7 +1,5 @@
 """Token files and scripts/pretokenize.py: counts after truncation, both layouts, exact resume."""
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
@@ -9,16 +7,8 @@ import pytest
 from data import DataConfigError, build_data
 from data.indexed import BlockShuffle
 from data.token_files import pretokenize
+from scripts import pretokenize as pretokenize_cli
 from test_data import VOCAB, c4_cfg, resume_check, rows_of, same, take
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretokenize.py")
-
-
-def script():
-    spec = importlib.util.spec_from_file_location("pretok", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def tokens_cfg(path, **kw):
@@ -63,7 +53,7 @@ def test_documents_layout_serves_any_rows(tmp_path, c4_dir, t5_tokenizer_dir, pa
 
 
 def test_pretokenize_script_counts_rows_from_steps(tmp_path):
-    mod = script()
+    mod = pretokenize_cli
     meta = mod.main(["--data", "synthetic", "--out", str(tmp_path / "syn"), "--steps", "10", "--batch-size", "4",
                      "--val-tokens", "1000", "data.seq_len=64"])
     assert meta["splits"]["train"]["rows"] == 40 and meta["splits"]["train"]["tokens"] == 40 * 64
@@ -97,7 +87,7 @@ def test_block_shuffle_is_a_seeded_permutation():
 
 
 def test_pretokenize_warns_when_the_validation_split_comes_out_short(tmp_path, c4_dir, t5_tokenizer_dir, capsys):
-    mod = script()
+    mod = pretokenize_cli
     meta = mod.main(["--data", "c4", "--out", str(tmp_path / "c4"), "--train-rows", "8", "--val-tokens", "1000000000",
                      f"data.path={c4_dir}", f"data.tokenizer={t5_tokenizer_dir}"])
     scored = meta["splits"]["validation"]["scored_tokens"]

@@ -14,7 +14,7 @@ import pytest
 from _train_helpers import (REPO, TINY, assert_same_weights, failure, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
-from scripts.fault_inject import catches_signal
+from ops.fault_inject import catches_signal
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -290,8 +290,8 @@ def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
 
 @pytest.fixture(scope="module")
 def fault_reference(tmp_path_factory):
-    """scripts/fault_inject.py's uninterrupted reference run."""
-    from scripts import fault_inject
+    """ops/fault_inject.py's uninterrupted reference run."""
+    from ops import fault_inject
 
     reference = str(tmp_path_factory.mktemp("fault_inject") / "reference")
     done = fault_inject.run(reference)
@@ -301,13 +301,13 @@ def fault_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["dcp", "diverge", "late", "garbage", "badline", "stale", "fullmeta"])
 def test_fault_inject_category(fault_reference, tmp_path, kind):
-    """One trial of each of scripts/fault_inject.py's categories that have no end-to-end test of their
+    """One trial of each of ops/fault_inject.py's categories that have no end-to-end test of their
     own here: a forged sharded `.metadata`, a divergence whose printed remedy is followed, SIGTERM after
     the end row, binary bytes in a text data file, a bad metrics.jsonl line, a stale `latest`, and a
     full disk reached by metrics.jsonl. Each checks the promised end (see the script's docstring)."""
     import random
 
-    from scripts import fault_inject
+    from ops import fault_inject
 
     trial = fault_inject.TRIALS[kind](fault_reference, str(tmp_path / "run"), random.Random(0), None)
     assert trial["ok"], trial

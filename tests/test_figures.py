@@ -3,17 +3,13 @@ re-projection toy): the properties the paper reads from them, and both input pat
 from __future__ import annotations
 
 import glob
-import os
-import sys
 
 import pytest
 import torch
 
 from _train_helpers import run_inprocess  # noqa: F401
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import figure2_subspace_angles as fig2  # noqa: E402
-import figure3_reprojection as fig3  # noqa: E402
+from scripts import figure2_subspace_angles as fig2
+from scripts import figure3_reprojection as fig3
 
 
 # ----------------------------------------------------------------------------------- Figure 3

@@ -68,6 +68,6 @@ def test_cuda_rng_state_of_this_device_round_trips():
 
 def test_preflight_passes_on_this_node(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "scripts/preflight.py", "--model", "llama_60m", "--workdir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "ops.preflight", "--model", "llama_60m", "--workdir", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -4,7 +4,7 @@
   (saved-tensor hooks, unique storages), for every precision regime: exact equality.
 - Whole training steps: the allocator's peak of real steps on CPU (models.build_model, bf16 autocast,
   train.py's token_loss_sum, backward, optimizer step, accumulation, DDP buckets, FSDP2), measured in
-  a fresh interpreter with the profiler's allocation events (scripts/memory_plan.py `measure_case`):
+  a fresh interpreter with the profiler's allocation events (bench/memory_plan.py `measure_case`):
   within 10% (most cases agree to 1%), the step inside backward included.
 - Table 2's optimizer-state column and the per-rank figures stated in issue 11.
 """
@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import frugal
+import models
+from bench.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case
+from train_utils import memory_plan as mp
+from train_utils.memory_plan import GIB, largest_micro_batch, plan_memory
 
-import frugal  # noqa: E402
-import models  # noqa: E402
-from train_utils import memory_plan as mp  # noqa: E402
-from scripts.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case  # noqa: E402
-from train_utils.memory_plan import GIB, largest_micro_batch, plan_memory  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_cfg(name: str, **changes) -> dict:
@@ -40,7 +39,7 @@ def optimizer_cfg(name: str) -> dict:
     """configs/optimizer/<name>.yaml resolved as train.py resolves it."""
     from omegaconf import OmegaConf
 
-    from scripts.memory_plan import compose
+    from bench.memory_plan import compose
 
     return OmegaConf.to_container(compose([f"optimizer={name}"]).optimizer, resolve=True)
 
@@ -133,11 +132,11 @@ def test_a_family_is_planned_from_its_entry_in_models(monkeypatch):
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
 @pytest.fixture(scope="module")
 def measured():
-    """scripts/memory_plan.py --validate in fresh interpreters: (peak, optimizer-step peak) per case.
+    """bench/memory_plan.py --validate in fresh interpreters: (peak, optimizer-step peak) per case.
     Two processes of one thread each take every other case (allocations are counted per process)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     n = 2
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "memory_plan.py"), "--validate", "--json",
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.memory_plan", "--validate", "--json",
                                "--cases", f"{k}/{n}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=ROOT) for k in range(n)]
     parts = []
@@ -361,7 +360,7 @@ def test_device_memory():
 
 
 def test_cli(capsys):
-    from scripts.memory_plan import main
+    from bench.memory_plan import main
 
     assert main(["model=llama_7b", "optimizer=frugal_rho0", "train.micro_batch_size=4"]) == 0
     assert "fits" in capsys.readouterr().out
@@ -374,7 +373,7 @@ def test_cli(capsys):
     assert "largest micro-batch that fits: 32" in out
     assert "train.batch_size=8 over 1 process(es) needs a micro-batch that divides 8: train.micro_batch_size=8, " \
            "or train.batch_size=32 (or a multiple of it) to use 32" in out
-    from scripts.memory_plan import usable_micro_batch
+    from bench.memory_plan import usable_micro_batch
 
     assert usable_micro_batch(32, 512, 8) is None  # 64 per process: 32 divides it
     assert usable_micro_batch(32, 48, 1).startswith("  train.batch_size=48 over 1 process(es) needs a micro-batch "
@@ -436,7 +435,7 @@ def _listed_changes(out: str) -> list[list[str]]:
 ])
 def test_a_run_that_does_not_fit_gets_the_changes_that_would(run, device, expected, capsys):
     """Each change listed, applied to the same command, plans a run that fits (exit 0)."""
-    from scripts.memory_plan import main
+    from bench.memory_plan import main
 
     assert main(run + ["--device", device]) == 1
     out = capsys.readouterr().out
@@ -452,7 +451,7 @@ def test_a_run_that_does_not_fit_gets_the_changes_that_would(run, device, expect
 def test_gpu_hours_from_the_run_s_flops(capsys):
     """--gpu-hours: 6 x (the weights a position passes through) + attention, per trained position, over
     the device's dense bf16 peak at the MFU; checked against the same count from the model's shape."""
-    from scripts.memory_plan import main
+    from bench.memory_plan import main
 
     run = ["model=llama_1b", "optimizer=frugal", "train.steps=1000", "train.batch_size=512", "data.seq_len=256",
            "train.micro_batch_size=16"]

@@ -1,4 +1,4 @@
-"""scripts/preflight.py on CPU with its fast options: the table, the checks a CPU can run passing
+"""ops/preflight.py on CPU with its fast options: the table, the checks a CPU can run passing
 (2-process gloo DDP and FSDP2 training, a bitwise resume in each, activation checkpointing measured
 alone, under DDP and under FSDP2), the
 GPU-only ones skipped with their reason, and the exit code gating on failures."""
@@ -13,7 +13,7 @@ from _train_helpers import REPO, subprocess_env
 
 @pytest.mark.slow
 def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
-    proc = run_python([sys.executable, "scripts/preflight.py", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
+    proc = run_python([sys.executable, "-m", "ops.preflight", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
                       env=subprocess_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     table = {line.split("|")[0].strip(): (line.split("|")[1].strip(), line.split("|")[2].strip())
@@ -34,8 +34,7 @@ def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
 
 def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
     """A check that fails (here: every training run, as if train.py crashed) makes the exit code 1."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import preflight
+    from ops import preflight
 
     monkeypatch.setattr(preflight, "run_train", lambda *args, **kwargs: (1, [], "RuntimeError: NCCL error"))
     monkeypatch.setattr(preflight, "check_activation_checkpointing", lambda table, *a, **k: None)
@@ -45,10 +44,9 @@ def test_preflight_exits_nonzero_on_a_failed_check(monkeypatch, capsys):
 
 
 def test_the_7b_single_gpu_check_needs_a_gpu_and_names_the_cpu_proof():
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import preflight
+    from ops import preflight
 
     table = preflight.Table()
     preflight.check_7b_single_gpu(table, 0, 60)
     assert table.rows == [("llama_7b on one 24 GB GPU (step in backward)",
-                           "needs a GPU (the CPU proof: python scripts/bench_7b.py)", "skip")]
+                           "needs a GPU (the CPU proof: python -m bench.llama7b)", "skip")]

@@ -12,8 +12,9 @@ The convention (README and docs authors: this is all there is to it):
   holds three jobs of the README's toy sweep (made up: docs/results.md's own table reads them); a sketch
   that cannot run on its own (it names a `cfg` it never builds) is fenced without a language, as text.
 - Every command block runs, its commands in order, in a fresh working directory (so relative outputs
-  such as `multirun/table15` are the block's own), with `train.py`, `eval.py` and `scripts/` taken from
-  the repository and the Hub, wandb and the network off. Each `python script.py` command is its own
+  such as `multirun/table15` are the block's own), with `train.py`, `eval.py` and the programs of
+  `scripts/`, `ops/` and `bench/` (`python -m scripts.make_tables`) taken from the repository and the Hub,
+  wandb and the network off. Each `python script.py` or `python -m scripts.NAME` command is its own
   process, forked from an interpreter that has already imported torch, transformers and train.py
   (tests/_forkserver.py: the same exit code, output and files as a fresh process, ~4.5 s sooner).
 - A block that cannot run here says why on the line before it: `<!-- readme-test: skip hub -->`
@@ -40,7 +41,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _forkserver import run_python
+from _forkserver import REPO_PACKAGES, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -54,35 +55,35 @@ TOY = ["train.steps=2", "schedule.warmup_steps=1", "train.batch_size=4", "train.
 SMALL_CORPUS = ROOT / "tests" / "assets" / "tinyshakespeare_slice.txt"  # stands in for the documented corpus
 FAULT_KINDS = ("kills", "signals", "damage", "disk-full", "early", "writers", "forged", "resize", "dcp", "diverge",
                "late", "garbage", "badline", "stale", "fullmeta")
-SCRIPT_ARGS = {
-    "scripts/pretokenize.py": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
-    "scripts/memory_table.py": ["--measure-max-params", "0"],
+SCRIPT_ARGS = {  # keyed by script (train.py, eval.py) or module (python -m scripts.NAME, ops.NAME, bench.NAME)
+    "scripts.pretokenize": ["--train-rows", "64", "--val-tokens", "5000", "data.seq_len=32"],
+    "scripts.memory_table": ["--measure-max-params", "0"],
     "eval.py": ["train.eval_tokens=64"],
-    "scripts/bench_7b.py": ["--model", "llama_tiny"],  # the 7B steps take minutes and ~17 GiB
+    "bench.llama7b": ["--model", "llama_tiny"],  # the 7B steps take minutes and ~17 GiB
     # --validate: one fp32 case (case 11; every case: test_memory_plan; bf16 autocast costs ~7x more on
     # a CPU without native bf16); --table: one model
-    "scripts/memory_plan.py": ["--cases", "11/1000", "--models", "llama_60m"],
+    "bench.memory_plan": ["--cases", "11/1000", "--models", "llama_60m"],
     # the benchmarks: one round of one method beside AdamW, on the smallest model each takes
-    "scripts/bench_optimizer.py": ["--models", "llama_60m", "--rounds", "1", "--steps", "1", "--only",
-                                   "frugal block 0.25"],
-    "scripts/bench_train.py": ["--model", "llama_tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                               "--methods", "FRUGAL 0.25"],
-    "scripts/bench_data.py": ["--docs", "300"],
+    "bench.optimizer": ["--models", "llama_60m", "--rounds", "1", "--steps", "1", "--only",
+                        "frugal block 0.25"],
+    "bench.train_step": ["--model", "llama_tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                         "--methods", "FRUGAL 0.25"],
+    "bench.data": ["--docs", "300"],
     # the vote's byte and time tables: one case (the vote, 2 ranks, unshaped, 1 step of llama_tiny); its simulator,
     # compute and payload tables: one small case each
-    "scripts/bench_comm.py": ["--model", "llama_tiny", "--vocab", "512", "--worlds", "2", "--modes", "vote", "--rates",
-                              "unshaped", "--steps", "1", "--warmup", "1", "--elements", "2000", "--sim_worlds", "3",
-                              "--noise", "1", "--compute_elements", "1000",
-                              "--payload_models", "llama_tiny", "--payload_densities", "0.25"],
-    "scripts/figure3_reprojection.py": ["--runs", "2", "--steps", "30"],
+    "bench.comm": ["--model", "llama_tiny", "--vocab", "512", "--worlds", "2", "--modes", "vote", "--rates",
+                   "unshaped", "--steps", "1", "--warmup", "1", "--elements", "2000", "--sim_worlds", "3",
+                   "--noise", "1", "--compute_elements", "1000",
+                   "--payload_models", "llama_tiny", "--payload_densities", "0.25"],
+    "scripts.figure3_reprojection": ["--runs", "2", "--steps", "30"],
     # one trial (a damaged file) after the reference run, instead of 25 trials in ~13 minutes
-    "scripts/fault_inject.py": [*(a for kind in FAULT_KINDS for a in (f"--{kind}", "0")), "--damage", "1",
-                                "--workdir", "fault_inject"],
+    "ops.fault_inject": [*(a for kind in FAULT_KINDS for a in (f"--{kind}", "0")), "--damage", "1",
+                         "--workdir", "fault_inject"],
     # a 40k-character slice of the corpus, a 2-layer model, 2 steps per run, no optional rows
-    "scripts/mini_repro.py": ["--corpus", str(SMALL_CORPUS), "--workdir", "mini_repro", "--vocab", "300",
-                              "--steps", "2", "--batch", "2", "--seq-len", "32", "--evals", "1", "--eval-tokens",
-                              "256", "--lr-grid", "1e-3", "--extras", "", "--hidden", "32", "--intermediate", "64",
-                              "--layers", "2", "--heads", "2", "--update-gap", "1"],
+    "scripts.mini_repro": ["--corpus", str(SMALL_CORPUS), "--workdir", "mini_repro", "--vocab", "300",
+                           "--steps", "2", "--batch", "2", "--seq-len", "32", "--evals", "1", "--eval-tokens",
+                           "256", "--lr-grid", "1e-3", "--extras", "", "--hidden", "32", "--intermediate", "64",
+                           "--layers", "2", "--heads", "2", "--update-gap", "1"],
 }
 
 
@@ -196,9 +197,10 @@ def toy_command(command: str, paths: dict) -> list[str]:
         program = sys.executable
     else:
         raise AssertionError(f"{command!r}: `{program}` cannot run here; mark the block with a skip reason")
-    script_at = next(i for i, a in enumerate(args) if a.endswith(".py"))
+    script_at = _program_at(args)
     script = args[script_at]
-    args[script_at] = str(ROOT / script)
+    if script.endswith(".py"):  # a module runs from the repository on PYTHONPATH, as `python -m` finds it
+        args[script_at] = str(ROOT / script)
     if script == "train.py":
         names_path, names_data = (any(a.startswith(p) for a in args) for p in ("data.path=", "data="))
         assert names_data or not names_path, \
@@ -207,6 +209,13 @@ def toy_command(command: str, paths: dict) -> list[str]:
     cut = args.index("--") if "--" in args[script_at:] else len(args)  # the script's own options end at --
     args[cut:cut] = SCRIPT_ARGS.get(script, [])
     return [program, *args]
+
+
+def _program_at(args: list[str]) -> int:
+    """Where the program a command runs is in its arguments: its script (`train.py`) or the repository's module
+    after `-m` (`python -m scripts.make_tables`; torchrun's own `-m torch.distributed.run` is not it)."""
+    return next(i for i, a in enumerate(args)
+                if a.endswith(".py") or (i and args[i - 1] == "-m" and a.split(".")[0] in REPO_PACKAGES))
 
 
 def _never_run(command: str) -> bool:
@@ -270,6 +279,19 @@ def test_block_parser():
         toy_command("python train.py data.path=/data/c4", paths)
     with pytest.raises(AssertionError, match="not in EXAMPLE_PATHS"):
         toy_command("python train.py data=local data.path=/somewhere/else", paths)
+    assert toy_command("python -m bench.data --docs 10 -- x=1", paths) == [
+        sys.executable, "-m", "bench.data", "--docs", "10", *SCRIPT_ARGS["bench.data"], "--", "x=1"]
+    torchrun = toy_command("torchrun --nproc_per_node 2 train.py", paths)
+    assert torchrun[1:6] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "train.py")]
+
+
+def test_script_args_name_programs_that_exist():
+    """A key of SCRIPT_ARGS is a script of the repository or a module of its program folders: one left behind by a
+    rename would silently stop cutting its command to toy scale."""
+    import importlib.util
+
+    for key in SCRIPT_ARGS:
+        assert (ROOT / key).is_file() if key.endswith(".py") else importlib.util.find_spec(key), key
 
 
 # ------------------------------------------------------------------ the commands as written, composed

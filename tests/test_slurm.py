@@ -2,10 +2,10 @@
 launcher (`hydra/launcher=slurm`), both DDP ranks training llama_tiny on CPU. Also without a cluster: the
 local launcher's own example (2 processes), its one-line report of a job's error, the lines it prints
 on the sweep's console (each job's run dir, then its result as it ends), and the node size
-scripts/slurm_localhost.sh writes.
+ops/slurm_localhost.sh writes.
 
-Needs root and Slurm's daemons, installed beforehand (`sudo scripts/slurm_localhost.sh install`: `.ci/run`
-does it in its own step; a test never installs anything): scripts/slurm_localhost.sh brings the cluster
+Needs root and Slurm's daemons, installed beforehand (`sudo ops/slurm_localhost.sh install`: `.ci/run`
+does it in its own step; a test never installs anything): ops/slurm_localhost.sh brings the cluster
 up in a temporary directory on free ports and tears it down afterwards. With CI=true the test must run,
 and fails loudly when it cannot; elsewhere it is skipped with the reason (and the install command).
 Takes ~20-60 s (two train.py processes start inside the job).
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "slurm_localhost.sh"
+SCRIPT = ROOT / "ops" / "slurm_localhost.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 LOCAL_LAUNCHER = ROOT / "configs" / "hydra" / "launcher" / "local.yaml"
 TOY = ["model=llama_tiny", "data=synthetic", "train.steps=2", "train.eval_every=0", "train.eval_tokens=256",
@@ -139,7 +139,7 @@ def test_local_launcher_reports_each_job_once_as_it_ends(tmp_path):
     assert len(said) == 6
 
 
-INSTALL = "sudo scripts/slurm_localhost.sh install"
+INSTALL = "sudo ops/slurm_localhost.sh install"
 
 
 def _slurm_installed() -> bool:

@@ -275,7 +275,7 @@ def test_train_py_with_8bit_moments_in_backward_resumes_exactly(tmp_path):
 
 def _peak_allocated(fn) -> int:
     """Peak bytes torch's CPU allocator holds while ``fn`` runs, above what it held at the start
-    (the profiler's allocation events, as scripts/memory_plan.py measures its validation cases)."""
+    (the profiler's allocation events, as bench/memory_plan.py measures its validation cases)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,4 +1,4 @@
-"""scripts/sweep_status.py: a line per job of a sweep, its state, and an exit code to wait on.
+"""ops/sweep_status.py: a line per job of a sweep, its state, and an exit code to wait on.
 
 One real toy sweep (2 jobs of train.py, 2 steps each: a few seconds) must come back all done, with
 the perplexity of each job's end row, exit 0. The other states are built from copies of its run dirs,
@@ -22,7 +22,7 @@ import pytest
 from _forkserver import run_python
 from omegaconf import OmegaConf
 
-from scripts import sweep_status
+from ops import sweep_status
 from tests._train_helpers import REPO, rows, run_cli, subprocess_env
 
 TOY = ["model=llama_tiny", "data=synthetic", "data.seq_len=32", "train.steps=2", "train.batch_size=2",
@@ -97,7 +97,7 @@ def test_file_names_are_train_pys():
 
 def test_a_finished_toy_sweep_is_all_done(toy_sweep):
     """As a script: each job's line has its end row's numbers; the counts; exit 0."""
-    proc = run_python([sys.executable, "scripts/sweep_status.py", str(toy_sweep)], cwd=REPO, env=subprocess_env(),
+    proc = run_python([sys.executable, "-m", "ops.sweep_status", str(toy_sweep)], cwd=REPO, env=subprocess_env(),
                       timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

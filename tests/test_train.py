@@ -478,7 +478,7 @@ def test_debug_toy_turns_a_paper_cell_into_a_short_cpu_run_that_learns(tmp_path)
 def test_memory_plan_script_plans_the_default_auto_micro_batch():
     import sys as _sys
 
-    proc = run_cli([_sys.executable, "scripts/memory_plan.py", "model=llama_tiny"], timeout=120)
+    proc = run_cli([_sys.executable, "-m", "bench.memory_plan", "model=llama_tiny"], timeout=120)
     assert proc.returncode == 0 and "micro-batch 8" in proc.stdout, proc.stdout + proc.stderr
 
 

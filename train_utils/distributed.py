@@ -175,7 +175,7 @@ def torchrun_multirun_error(multirun: bool) -> str | None:
 # suite's torchrun runs on a 2-core machine: a rank sat in ~ProcessGroupGloo under c10d::Reducer's
 # dealloc for hours). And a gloo worker thread can free a finished collective's Python-owned tensors
 # while the interpreter finalizes: it cannot take the interpreter lock and the process aborts
-# ("terminate called without an active exception", ~1 in 10 two-rank vote runs of scripts/bench_comm.py
+# ("terminate called without an active exception", ~1 in 10 two-rank vote runs of bench/comm.py
 # after their last barrier, destroy_process_group called). A finished multi-process run therefore keeps
 # these objects until the process ends and leaves with os._exit once its output is flushed: the
 # operating system closes the connections.

@@ -1,6 +1,6 @@
 """Runs as records: what train.py left in each run directory (`metrics.jsonl`, Hydra's `.hydra/`), read
 one way for every program that reports on runs (scripts/make_tables.py and its `--pivot` view in
-scripts/sweep_view.py, scripts/plot_runs.py; scripts/sweep_status.py takes `final_evaluation`) and for
+scripts/sweep_view.py, scripts/plot_runs.py; ops/sweep_status.py takes `final_evaluation`) and for
 a table of your own (docs/results.md):
 
     from train_utils.results import load_runs
@@ -105,7 +105,7 @@ def load_run(run: Path) -> dict:
     overrides = {}
     if (hydra_dir / "overrides.yaml").is_file():
         overrides = parse_overrides(OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml")))
-    from train_utils.metrics import read_metrics  # it imports torch: not at import (sweep_status.py stays quick)
+    from train_utils.metrics import read_metrics  # it imports torch: not at import (ops/sweep_status.py stays quick)
 
     rows = read_metrics(str(Path(run) / "metrics.jsonl"))
     final = final_evaluation(rows)

@@ -2,7 +2,7 @@
 
 SIGTERM is what `scancel` and preemption send (to every process of the job, DataLoader workers
 included: those ignore it, see data/); SLURM's warning before the time limit is SIGUSR1
-(scripts/sbatch_train.sh) or SIGUSR2 (submitit); SIGINT is Ctrl-C. Whichever arrives first, the run
+(ops/sbatch_train.sh) or SIGUSR2 (submitit); SIGINT is Ctrl-C. Whichever arrives first, the run
 writes a checkpoint after the current step and exits with 75; a second Ctrl-C stops at once.
 
 `STOP` is the process's one flag. train.py installs it before its heavy imports when run as a

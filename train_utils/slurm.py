@@ -9,12 +9,12 @@ does nothing, so train.py can call it unconditionally.
 
 Requeue. SLURM signals the job `signal_delay_s` before the time limit (or on preemption):
 SIGUSR2 for submitit jobs (submitit's default; it avoids USR1, which NCCL may use), SIGUSR1 in
-scripts/sbatch_train.sh. train.py must handle both: it turns them into a flag, writes a checkpoint at the next step
+ops/sbatch_train.sh. train.py must handle both: it turns them into a flag, writes a checkpoint at the next step
 boundary and stops. In a submitit job that
 is not enough: train.py's handler replaced submitit's, so nobody requeues the job. `requeue(handler)`
 hands over to submitit's handler after the checkpoint: on global rank 0 it pickles the same Hydra job,
 runs `scontrol requeue` and exits; the requeued job starts again in the same run directory and resumes
-(train.resume=auto). Outside submitit it does nothing (scripts/sbatch_train.sh requeues by itself).
+(train.resume=auto). Outside submitit it does nothing (ops/sbatch_train.sh requeues by itself).
 
 train.py uses (three lines):
 

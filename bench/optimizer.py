@@ -23,7 +23,7 @@ amortised over T=200 steps with its SVD step included: (199 * ordinary step + 1 
 
 Usage (CPU, 2 threads):
 
-    python scripts/bench_optimizer.py [--models llama_60m llama_130m] [--rounds 5] [--steps 5]
+    python -m bench.optimizer [--models llama_60m llama_130m] [--rounds 5] [--steps 5]
         [--only "frugal block 0.25" ...] [--sign-update auto|compiled|eager] [--count-ops]
 
 `--sign-update` is FRUGAL's `sign_update` (default "auto": the compiled single-pass sign update,
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 
@@ -48,8 +47,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import frugal  # noqa: E402
+import frugal
 
 # (hidden, intermediate, layers); vocab 32000, untied embeddings (the paper's Appendix D shapes)
 SHAPES = {"llama_60m": (512, 1376, 8), "llama_130m": (768, 2048, 12), "llama_1b": (2048, 5461, 24)}

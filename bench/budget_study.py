@@ -1,8 +1,8 @@
 """How the ordering of the CPU mini reproduction moves as tokens per parameter grow (docs/budget_study.md).
 
-    nice -n 19 python scripts/budget_study.py --corpus tinyshakespeare.txt \\
+    nice -n 19 python -m bench.budget_study --corpus tinyshakespeare.txt \\
         --results docs/budget_study.json --plot docs/budget_study.png
-    python scripts/budget_study.py --corpus tinyshakespeare.txt --results docs/budget_study.json \\
+    python -m bench.budget_study --corpus tinyshakespeare.txt --results docs/budget_study.json \\
         --plot docs/budget_study.png --report-only      # table and plot from what has run so far
 
 The mini reproduction (scripts/mini_repro.py) sees ~0.5 tokens per parameter; the paper's 60M run ~344.
@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from scripts import mini_repro
 
-from scripts import mini_repro  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # key -> (configs/optimizer option, extra overrides, label)
 METHODS = {

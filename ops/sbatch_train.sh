@@ -2,7 +2,7 @@
 # Plain sbatch launch of train.py (for clusters used without submitit): one torchrun per node, which
 # starts one process per GPU; the nodes meet at the first node of the allocation (c10d rendezvous).
 #
-#   sbatch --nodes=2 --partition=gpu scripts/sbatch_train.sh experiment=table2 model=llama_350m optimizer=frugal
+#   sbatch --nodes=2 --partition=gpu ops/sbatch_train.sh experiment=table2 model=llama_350m optimizer=frugal
 #
 # Everything after the script name goes to train.py as Hydra overrides. RUN_DIR (default
 # runs/<job name>-<job id>) is fixed per job and kept across requeues, so a requeued job resumes from

@@ -1,6 +1,6 @@
 """Data pipeline throughput per DataLoader worker, and the workers each paper model needs on an A100.
 
-    python scripts/bench_data.py [--docs 4000] [--tokenizer DIR] [--train-steps 0]
+    python -m bench.data [--docs 4000] [--tokenizer DIR] [--train-steps 0]
 
 Rates are batch positions per second (B x seq_len, pads included: what a training step processes),
 measured in one process with 0 DataLoader workers and one logical reader, which is the work one
@@ -40,19 +40,17 @@ import math
 import os
 import random
 import re
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import torch
+import yaml
 
-from data import build_data  # noqa: E402
-from data.token_files import pretokenize  # noqa: E402
-from models import build_model, count_parameters  # noqa: E402
+from data import build_data
+from data.token_files import pretokenize
+from models import build_model, count_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = re.findall(r"[A-Za-z']+", open(os.path.join(ROOT, "tests", "assets", "tinyshakespeare_slice.txt")).read())

@@ -1,10 +1,10 @@
 """End-to-end training throughput of train.py: AdamW, FRUGAL 0.25, FRUGAL 0.0, GaLore and BAdam on the
 same model and batch, and each method's ratio to AdamW (the paper's "no slowdown" claim: >= 0.98).
 
-    python scripts/bench_train.py                                  # CPU, modest: llama_20m, 3 rounds
-    python scripts/bench_train.py --model llama_130m --steps 30 --warmup 10 --rounds 5 \\
+    python -m bench.train_step                                  # CPU, modest: llama_20m, 3 rounds
+    python -m bench.train_step --model llama_130m --steps 30 --warmup 10 --rounds 5 \\
         --batch-size 64 --micro-batch-size 64 --seq-len 256 -- train.compile=true   # a GPU
-    python scripts/bench_train.py --in-backward --methods "FRUGAL 0.25" "FRUGAL 0.0"  # the step in backward
+    python -m bench.train_step --in-backward --methods "FRUGAL 0.25" "FRUGAL 0.0"  # the step in backward
 
 Each method runs `python train.py` in its own process, one after another on the same machine, on the
 synthetic corpus (no data loading cost to hide differences) with the same model, batch and seed, no

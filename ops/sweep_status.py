@@ -1,8 +1,8 @@
 """Where every job of a sweep stands, one line each: done, running, stopped, queued, stalled or failed.
 
-    python scripts/sweep_status.py multirun/table15                  # a line per job, then the counts
-    python scripts/sweep_status.py multirun/table15 --json           # the same as one JSON object
-    python scripts/sweep_status.py multirun/table15 --stale-after 90 # minutes without progress = stalled
+    python -m ops.sweep_status multirun/table15                  # a line per job, then the counts
+    python -m ops.sweep_status multirun/table15 --json           # the same as one JSON object
+    python -m ops.sweep_status multirun/table15 --stale-after 90 # minutes without progress = stalled
 
 DIR is a sweep dir (`multirun/<date>/<time>-<launch id>/`, or the `hydra.sweep.dir` given), of any
 launcher: Hydra's basic one (jobs one after another), `hydra/launcher=local` or `hydra/launcher=slurm`
@@ -46,8 +46,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hydra_plugins/: the repository's sweeper
-from train_utils.results import final_evaluation  # noqa: E402
+from train_utils.results import final_evaluation
 # The file names train.py writes (train_utils/metrics.py, train_utils/run_lock.py); not imported from
 # there, because those modules import torch: seconds per call of a status meant to take well under one.
 METRICS_FILE, LOG_FILE, LOCK_FILE = "metrics.jsonl", "train.log", "run.lock"

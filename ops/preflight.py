@@ -1,8 +1,8 @@
 """Preflight: does this node run this code right? The first command on a new cluster or node.
 
-    python scripts/preflight.py                                   # every check this machine can run
-    python scripts/preflight.py --preset table2 --model llama_350m
-    python scripts/preflight.py --fast                            # tiny eager runs only (CPU CI)
+    python -m ops.preflight                                   # every check this machine can run
+    python -m ops.preflight --preset table2 --model llama_350m
+    python -m ops.preflight --fast                            # tiny eager runs only (CPU CI)
 
 A few minutes on one node. It runs the real paths for a few steps and measures what they do:
 
@@ -16,12 +16,12 @@ A few minutes on one node. It runs the real paths for a few steps and measures w
 - a checkpoint written and resumed, under DDP and under FSDP2 (the sharded format): the resumed
   steps equal the uninterrupted run's bitwise;
 - NCCL all-reduce bus bandwidth across the node's GPUs;
-- LLaMA-7B on one 24 GB GPU: two steps of scripts/bench_7b.py (FRUGAL rho=0 with the step inside
+- LLaMA-7B on one 24 GB GPU: two steps of bench/llama7b.py (FRUGAL rho=0 with the step inside
   backward, pure bf16) with the process held to 24 GiB of the first GPU, its allocated and reserved
   peaks against the plan (needs a GPU with at least 24 GiB).
 
 It prints one table (check | result | pass/FAIL/skip) and exits 1 if any check failed, so it can
-gate a SLURM sweep (`python scripts/preflight.py && sbatch ...`). Without a GPU it runs what the CPU
+gate a SLURM sweep (`python -m ops.preflight && sbatch ...`). Without a GPU it runs what the CPU
 can (gloo with 2 processes) and marks the rest skipped with the reason. The training runs use the
 synthetic corpus (no data or tokenizer needed), so the preset's model has its vocabulary.
 """
@@ -39,10 +39,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import torch
 
-import torch  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2 ** 30
 # A tiny job: synthetic rows of 64 tokens, no evaluation to speak of, nothing written but metrics.
@@ -375,16 +374,16 @@ def check_allreduce(table: Table, gpus: int, timeout: float) -> None:
 
 
 def check_7b_single_gpu(table: Table, gpus: int, timeout: float) -> None:
-    """Two LLaMA-7B steps of scripts/bench_7b.py on the first GPU, held to 24 GiB."""
+    """Two LLaMA-7B steps of bench/llama7b.py on the first GPU, held to 24 GiB."""
     check = "llama_7b on one 24 GB GPU (step in backward)"
     if not gpus:
-        table.add(check, "needs a GPU (the CPU proof: python scripts/bench_7b.py)", "skip")
+        table.add(check, "needs a GPU (the CPU proof: python -m bench.llama7b)", "skip")
         return
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     if total < 24:
         table.add(check, f"the GPU has {total:.1f} GiB, under the 24 GiB the check holds it to", "skip")
         return
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench_7b.py"), "--device", "cuda", "--cap-gib", "24",
+    cmd = [sys.executable, "-m", "bench.llama7b", "--device", "cuda", "--cap-gib", "24",
            "--seq-len", "256"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0")

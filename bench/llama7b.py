@@ -2,11 +2,11 @@
 step inside backward (frugal/in_backward.py), pure bf16 with stochastic rounding, activation
 checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 tokens.
 
-    python scripts/bench_7b.py                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
-    python scripts/bench_7b.py --optimizer adamw --cap-gib 24   # refused by the memory check before allocating
-    python scripts/bench_7b.py optimizer.density=0.25 optimizer.state_precision=8bit   # density 0.25, 8-bit moments
-    python scripts/bench_7b.py --model llama_tiny    # the same script on a tiny model (what CI runs)
-    python scripts/bench_7b.py --device cuda --cap-gib 24   # a GPU held to 24 GiB (scripts/preflight.py)
+    python -m bench.llama7b                       # two real 7B steps (minutes on 2 CPU cores, ~15 GiB)
+    python -m bench.llama7b --optimizer adamw --cap-gib 24   # refused by the memory check before allocating
+    python -m bench.llama7b optimizer.density=0.25 optimizer.state_precision=8bit   # density 0.25, 8-bit moments
+    python -m bench.llama7b --model llama_tiny    # the same script on a tiny model (what CI runs)
+    python -m bench.llama7b --device cuda --cap-gib 24   # a GPU held to 24 GiB (ops/preflight.py)
 
 It runs in its own process, so the peak resident memory it reports (`peak_rss_gib`, the process's
 high-water mark from getrusage) is this run's alone. Before anything is allocated, the memory planner
@@ -32,23 +32,22 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: idle OpenMP threads sleep
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
+
+import frugal
+import models
+from train_utils.loop import count_targets, enable_activation_checkpointing, token_loss_sum
+from train_utils.memory_check import PROCESS_BYTES
+from train_utils.memory_plan import GIB, device_memory, plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import frugal  # noqa: E402
-import models  # noqa: E402
-from train_utils.loop import count_targets, enable_activation_checkpointing, token_loss_sum  # noqa: E402
-from train_utils.memory_check import PROCESS_BYTES  # noqa: E402
-from train_utils.memory_plan import GIB, device_memory, plan_memory  # noqa: E402
 
 SAMPLED = 1 << 20  # elements per sampled tensor for `weights_changed`
 

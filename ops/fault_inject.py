@@ -1,8 +1,8 @@
 """Fault injection for train.py: kill, signal, damage and starve runs, then check how they end and
 whether the resumed run is the uninterrupted one. Prints a table of trials and outcomes.
 
-    python scripts/fault_inject.py                      # modest counts, ~15 minutes on 2 shared CPU cores
-    python scripts/fault_inject.py --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
+    python -m ops.fault_inject                      # modest counts, ~15 minutes on 2 shared CPU cores
+    python -m ops.fault_inject --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
 
 Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step)
 in its own run directory and compares the end with one uninterrupted reference run: the per-step
@@ -61,9 +61,9 @@ import time
 
 import torch
 
+from train_utils import checkpoint as ckpt
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from train_utils import checkpoint as ckpt  # noqa: E402
 
 STEPS = 12
 JOB = ["model=llama_tiny", "data=synthetic", "data.seq_len=64", "train.batch_size=8", "train.micro_batch_size=4",

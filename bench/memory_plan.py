@@ -1,11 +1,11 @@
 """Per-rank peak device memory of a training run: does it fit, and with what micro-batch?
 
-    python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 train.micro_batch_size=8
-    python scripts/memory_plan.py model=llama_7b optimizer=frugal_rho0 --search      # largest micro-batch
-    python scripts/memory_plan.py experiment=table5_3b optimizer=adamw --world-size 8 --parallelism fsdp
-    python scripts/memory_plan.py experiment=table2 model=llama_1b --gpu-hours --device h100-80gb   # and its cost
-    python scripts/memory_plan.py --table                                  # the paper's models, 8 x 80 GB A100
-    python scripts/memory_plan.py --validate             # real CPU steps measured beside their plans (~30 s)
+    python -m bench.memory_plan model=llama_7b optimizer=frugal_rho0 train.micro_batch_size=8
+    python -m bench.memory_plan model=llama_7b optimizer=frugal_rho0 --search      # largest micro-batch
+    python -m bench.memory_plan experiment=table5_3b optimizer=adamw --world-size 8 --parallelism fsdp
+    python -m bench.memory_plan experiment=table2 model=llama_1b --gpu-hours --device h100-80gb   # and its cost
+    python -m bench.memory_plan --table                                  # the paper's models, 8 x 80 GB A100
+    python -m bench.memory_plan --validate             # real CPU steps measured beside their plans (~30 s)
 
 Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
 micro-batch, sequence length, precision, global batch, `train.activation_checkpointing` and
@@ -24,18 +24,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
-from hydra.errors import HydraException  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from frugal.grouping import transformer_blocks  # noqa: E402
-from train_utils.memory_check import in_backward_settings  # noqa: E402
-from train_utils.schema import bad_group_choice  # noqa: E402
-from train_utils.memory_plan import (  # noqa: E402
+from frugal.grouping import transformer_blocks
+from train_utils.memory_check import in_backward_settings
+from train_utils.schema import bad_group_choice
+from train_utils.memory_plan import (
     DEVICES, GIB, PARALLELISMS, PRECISIONS, largest_micro_batch, plan_memory,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TABLE_MODELS = ["llama_60m", "llama_130m", "llama_350m", "llama_1b", "llama_3b", "llama_7b"]
 TABLE_OPTIMIZERS = {"AdamW": "adamw", "FRUGAL 0.25": "frugal", "FRUGAL 0": "frugal_rho0", "GaLore": "galore",
@@ -212,7 +211,7 @@ def gpu_hours(cfg, device: str, mfu: float) -> dict:
 
 
 def format_gpu_hours(est: dict, measured: bool) -> str:
-    source = "measured" if measured else "assumed (pass --mfu with a measured one, e.g. scripts/preflight.py's)"
+    source = "measured" if measured else "assumed (pass --mfu with a measured one, e.g. ops/preflight.py's)"
     return (f"compute estimate: {est['flops']:.3g} FLOPs ({est['positions']:,} trained positions), on "
             f"{est['device']} ({est['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16) at MFU {est['mfu']:.0%} "
             f"{source}: ~{est['gpu_hours']:,.0f} GPU-hours (an estimate; evaluations not counted)")
@@ -506,7 +505,7 @@ def main(argv=None) -> int:
                     help="also estimate the run's compute in GPU-hours on --device at --mfu (an estimate)")
     ap.add_argument("--mfu", type=float, default=None,
                     help=f"model FLOPs utilisation for --gpu-hours (default {DEFAULT_MFU * 100:.0f}%%, assumed); "
-                         "a measured one, e.g. from scripts/preflight.py")
+                         "a measured one, e.g. from ops/preflight.py")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
     ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")

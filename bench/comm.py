@@ -1,10 +1,10 @@
 """The state-free vote (frugal.comm) measured: bytes on the wire and step time, exact vs vote.
 
-    python scripts/bench_comm.py bytes                 # hook counters vs a private loopback's bytes (root)
-    python scripts/bench_comm.py time                  # step time with the loopback rate-limited (root)
-    python scripts/bench_comm.py agreement             # one-process simulator: vote vs sign of the mean
-    python scripts/bench_comm.py compute               # the pack / vote / unpack compute, no communication
-    python scripts/bench_comm.py payload               # arithmetic: what the vote sends per model size
+    python -m bench.comm bytes                         # hook counters vs a private loopback's bytes (root)
+    python -m bench.comm time                          # step time with the loopback rate-limited (root)
+    python -m bench.comm agreement                     # one-process simulator: vote vs sign of the mean
+    python -m bench.comm compute                       # the pack / vote / unpack compute, no communication
+    python -m bench.comm payload                       # arithmetic: what the vote sends per model size
 
 Each case runs `torchrun --standalone` inside a private network namespace (`unshare -n`, root): the
 ranks talk over that namespace's own loopback, whose byte counters (/proc/net/dev) then hold this
@@ -48,7 +48,6 @@ def worker(args) -> None:
     from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, REPO)
     import models
     from frugal import FRUGAL
     from frugal.comm import attach_vote, count_allreduce_hook
@@ -114,7 +113,7 @@ def worker(args) -> None:
 def run_case(mode: str, world: int, *, rate: str | None, model: str, vocab: int, density: float, steps: int,
              warmup: int = 2, batch: int = 1, seq: int = 64, timeout: int = 600) -> dict:
     inner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-             os.path.abspath(__file__), "--worker", "--mode", mode, "--model", model, "--vocab", str(vocab),
+             "-m", "bench.comm", "--worker", "--mode", mode, "--model", model, "--vocab", str(vocab),
              "--density", str(density), "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
              "--seq", str(seq)]
     shape = f"tc qdisc add dev lo root tbf rate {rate} burst 256kb latency 100ms; " if rate else ""
@@ -219,7 +218,6 @@ def payload_table(args) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, REPO)
     import models
     from frugal import FRUGAL
     from frugal.comm import VOTED_RULES, payload_ratio
