@@ -7,8 +7,6 @@ grid name every other key that differs inside a cell, cells that count one seed 
 run repeated, unfinished runs and differing final steps."""
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 from collections import defaultdict
@@ -106,37 +104,36 @@ def _axis(runs: list[dict], key: str) -> tuple[dict[str, str], list[str], dict[s
             {label[t]: groups[t][0]["number"] for t in order})
 
 
-def cell_stats(runs: list[dict]) -> dict:
-    """Mean, min and max of the runs' final validation perplexity and how many runs they are; runs without
-    a finite number yet (no evaluation, or a diverged inf/nan) are counted apart, not averaged."""
-    ppl = [float(r["final_ppl"]) for r in runs if number(r["final_ppl"]) is not None]
-    no_eval = sum(r["final_ppl"] is None for r in runs)
-    return {"mean": math.fsum(ppl) / len(ppl) if ppl else None, "min": min(ppl, default=None),
-            "max": max(ppl, default=None), "n": len(ppl), "no_eval": no_eval,
-            "non_finite": len(runs) - len(ppl) - no_eval,
-            "unfinished": sum(not r["finished"] and r["final_ppl"] is not None for r in runs),
-            "steps": sorted({r["final_step"] for r in runs if r["final_step"] is not None}),
-            "runs": [r["dir"] for r in runs]}
-
-
 def pivot(runs: list[dict], row_key: str, col_key: str) -> dict:
     """The sweep view of `runs`: rows by `row_key`, columns by `col_key` (override keys: optimizer.density,
-    train.seed, model...); raises PivotKeyError for a key no run has."""
+    train.seed, model...); raises PivotKeyError for a key no run has. `cells`: a DataFrame indexed by (row,
+    column), the runs' final validation perplexity's mean, min, max and count n (runs without a finite number
+    yet, no evaluation or a diverged inf/nan, are counted apart), unfinished runs, final steps and run dirs."""
+    import pandas as pd
+
     row_key, col_key = pivot_key(runs, row_key), pivot_key(runs, col_key)
     if row_key == col_key:
         raise PivotKeyError(f"--pivot: give two different keys (both name {row_key})")
     row_of, rows, row_values = _axis(runs, row_key)
     col_of, cols, col_values = _axis(runs, col_key)
-    members: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for r in runs:
-        members[(row_of[r["dir"]], col_of[r["dir"]])].append(r)
-    cells = {rc: cell_stats(rs) for rc, rs in members.items()}
+    ppl = [number(r["final_ppl"]) for r in runs]
+    frame = pd.DataFrame({"row": [row_of[r["dir"]] for r in runs], "col": [col_of[r["dir"]] for r in runs],
+                          "ppl": [math.nan if p is None else p for p in ppl], "run": [r["dir"] for r in runs],
+                          "no_eval": [r["final_ppl"] is None for r in runs],
+                          "non_finite": [p is None and r["final_ppl"] is not None for p, r in zip(ppl, runs)],
+                          "unfinished": [not r["finished"] and r["final_ppl"] is not None for r in runs],
+                          "step": [r["final_step"] for r in runs]})
+    cells = frame.groupby(["row", "col"], sort=False).agg(
+        mean=("ppl", lambda s: math.fsum(s.dropna()) / s.count() if s.count() else None),
+        min=("ppl", "min"), max=("ppl", "max"), n=("ppl", "count"), no_eval=("no_eval", "sum"),
+        non_finite=("non_finite", "sum"), unfinished=("unfinished", "sum"),
+        steps=("step", lambda s: sorted({int(x) for x in s.dropna()})), runs=("run", list))
     return {"row_key": row_key, "col_key": col_key, "rows": rows, "cols": cols, "row_values": row_values,
-            "col_values": col_values, "cells": cells, "notes": _pivot_notes(runs, members, cells, row_key, col_key),
+            "col_values": col_values, "cells": cells, "notes": _pivot_notes(runs, frame, cells, row_key, col_key),
             "debug": sorted({r["debug"] for r in runs if r["debug"]})}
 
 
-def _pivot_notes(runs: list[dict], members: dict, cells: dict, row_key: str, col_key: str) -> list[str]:
+def _pivot_notes(runs: list[dict], frame, cells, row_key: str, col_key: str) -> list[str]:
     """The lines under the grid: how its labels were read, and everything a cell's mean hides."""
     notes = []
     for axis, key in (("rows", row_key), ("columns", col_key)):
@@ -149,22 +146,24 @@ def _pivot_notes(runs: list[dict], members: dict, cells: dict, row_key: str, col
                          f"where it differs")
     others = [k for k in dict.fromkeys(k for r in runs for k in r["overrides"])
               if k not in (row_key, col_key, *SEED_KEYS)]
+    for key in [*others, *SEED_KEYS]:
+        frame[key] = [effective_value(r, key) for r in runs]
     for key in others:  # what else a cell averages over, besides the seed
-        split = {rc: {effective_value(r, key) for r in rs} for rc, rs in members.items()}
-        split = {rc: vals for rc, vals in split.items() if len(vals) > 1}
-        if split:
-            values = ", ".join(sorted(set().union(*split.values())))
-            notes.append(f"note: {len(split)} of {len(members)} cells average runs that also differ in {key} "
+        split = frame.groupby(["row", "col"], sort=False)[key].unique()
+        split = split[split.map(len) > 1]
+        if len(split):
+            values = ", ".join(sorted(set().union(*split)))
+            notes.append(f"note: {len(split)} of {len(cells)} cells average runs that also differ in {key} "
                          f"({values}), not only in the seed: pivot on it, or give the runs of one value")
-    twice = [rc for rc, rs in members.items()
-             if len({tuple(effective_value(r, k) for k in [*others, *SEED_KEYS]) for r in rs}) < len(rs)]
+    twice = set(frame[frame.duplicated(["row", "col", *others, *SEED_KEYS])].set_index(["row", "col"]).index)
     if twice:
         notes.append(f"note: {len(twice)} cells count runs of the same seed and settings more than once (reruns, "
-                     f"copies, or requests realised alike): {'; '.join(f'{r} / {c}' for r, c in twice)}")
-    notes += _repeated_across_cells(runs, members)
-    if any(c["unfinished"] for c in cells.values()):
+                     f"copies, or requests realised alike): "
+                     f"{'; '.join(f'{r} / {c}' for r, c in cells.index if (r, c) in twice)}")
+    notes += _repeated_across_cells(runs, dict(zip(frame["run"], zip(frame["row"], frame["col"]))))
+    if cells["unfinished"].any():
         notes.append("*: the cell includes runs that have not finished (their last evaluation is used)")
-    steps = sorted({s for c in cells.values() for s in c["steps"]})
+    steps = sorted(set().union(*cells["steps"]))
     if len(steps) > 1:
         notes.append(f"note: the runs' final evaluations are at different steps ({', '.join(map(str, steps))})")
     debug = sorted({r["debug"] for r in runs if r["debug"]})
@@ -174,11 +173,10 @@ def _pivot_notes(runs: list[dict], members: dict, cells: dict, row_key: str, col
     return notes
 
 
-def _repeated_across_cells(runs: list[dict], members: dict) -> list[str]:
+def _repeated_across_cells(runs: list[dict], cell_of: dict[str, tuple[str, str]]) -> list[str]:
     """Cells whose runs are one run repeated (train_utils.results.repeats: identical configs once realised), such
     as the update gaps a toy run never reaches: their numbers are no comparison."""
     twins = repeats(runs)
-    cell_of = {r["dir"]: rc for rc, rs in members.items() for r in rs}
     spans: dict[tuple, int] = defaultdict(int)  # the cells one run spans -> for how many seeds
     for n in set(twins.values()):
         cells = tuple(dict.fromkeys(cell_of[d] for d, m in twins.items() if m == n))
@@ -189,7 +187,11 @@ def _repeated_across_cells(runs: list[dict], members: dict) -> list[str]:
             for cells, k in spans.items()]
 
 
-def pivot_cell_text(c: dict | None) -> str:
+def _cell(grid: dict, row: str, col: str):
+    return grid["cells"].loc[(row, col)] if (row, col) in grid["cells"].index else None
+
+
+def pivot_cell_text(c) -> str:
     """"24.05 (24.00-24.10, n=2)": mean (min-max, n runs averaged); a single run: "24.10 (n=1)"."""
     if c is None:
         return ""
@@ -207,15 +209,12 @@ def pivot_cell_text(c: dict | None) -> str:
 def pivot_markdown(grid: dict) -> str:
     short = short_labels([grid["row_key"], grid["col_key"]])
     head = [f"{short[grid['row_key']]} \\ {short[grid['col_key']]}", *grid["cols"]]
-    out = io.StringIO()
-    out.write(f"### Final validation perplexity: {grid['row_key']} (rows) x {grid['col_key']} (columns)\n\n"
-              "cell: mean of the runs' final validation perplexity (min-max over the runs, n = runs averaged)\n\n")
-    out.write("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-    for row in grid["rows"]:
-        texts = [pivot_cell_text(grid["cells"].get((row, col))) for col in grid["cols"]]
-        out.write("| " + " | ".join([row, *texts]) + " |\n")
-    out.write("".join(f"\n{n}\n" for n in grid["notes"]))
-    return out.getvalue()
+    lines = [f"### Final validation perplexity: {grid['row_key']} (rows) x {grid['col_key']} (columns)\n",
+             "cell: mean of the runs' final validation perplexity (min-max over the runs, n = runs averaged)\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join([row, *(pivot_cell_text(_cell(grid, row, col)) for col in grid["cols"])]) + " |"
+              for row in grid["rows"]]
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in grid["notes"])
 
 
 PIVOT_CSV_FIELDS = ["row_key", "row", "row_value", "col_key", "col", "col_value", "mean_ppl", "min_ppl", "max_ppl",
@@ -224,21 +223,13 @@ PIVOT_CSV_FIELDS = ["row_key", "row", "row_value", "col_key", "col", "col_value"
 
 def pivot_csv(grid: dict) -> str:
     """One line per cell that has runs (long format: `row_value`/`col_value` are the numbers to plot by)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=PIVOT_CSV_FIELDS)
-    w.writeheader()
-    for row in grid["rows"]:
-        for col in grid["cols"]:
-            c = grid["cells"].get((row, col))
-            if c is None:
-                continue
-            d = {"row_key": grid["row_key"], "row": row, "row_value": grid["row_values"][row],
-                 "col_key": grid["col_key"], "col": col, "col_value": grid["col_values"][col], "mean_ppl": c["mean"],
-                 "min_ppl": c["min"], "max_ppl": c["max"], "n": c["n"], "no_eval": c["no_eval"],
-                 "non_finite": c["non_finite"], "unfinished": c["unfinished"],
-                 "steps": " ".join(map(str, c["steps"])), "runs": " ".join(c["runs"])}
-            w.writerow({k: "" if v is None else v for k, v in d.items()})
-    return buf.getvalue()
+    cells = grid["cells"]
+    table = cells.loc[[(r, c) for r in grid["rows"] for c in grid["cols"] if (r, c) in cells.index]].reset_index()
+    table = table.rename(columns={"mean": "mean_ppl", "min": "min_ppl", "max": "max_ppl"}).assign(
+        row_key=grid["row_key"], col_key=grid["col_key"], row_value=table["row"].map(grid["row_values"]),
+        col_value=table["col"].map(grid["col_values"]), steps=table["steps"].map(lambda s: " ".join(map(str, s))),
+        runs=table["runs"].map(" ".join))
+    return table[PIVOT_CSV_FIELDS].to_csv(index=False, lineterminator="\r\n")
 
 
 def pivot_figure(grid: dict):
@@ -251,7 +242,7 @@ def pivot_figure(grid: dict):
     from matplotlib.figure import Figure
 
     rows, cols = grid["rows"], grid["cols"]
-    means = np.array([[_cell_mean(grid["cells"].get((r, c))) for c in cols] for r in rows], dtype=float)
+    means = grid["cells"]["mean"].astype(float).unstack().reindex(index=rows, columns=cols).to_numpy()
     toy = f"; {', '.join(f'debug={d}' for d in grid['debug'])} runs" if grid["debug"] else ""
     title = [f"final validation perplexity: {grid['row_key']} x {grid['col_key']}", f"mean over runs (min-max, n){toy}"]
     width = max(5.0, 1.0 + 0.11 * max(map(len, rows)) + 1.5 * len(cols), 0.09 * max(map(len, title)))
@@ -266,7 +257,7 @@ def pivot_figure(grid: dict):
     image = ax.imshow(np.ma.masked_invalid(means), cmap=cmap, norm=norm, aspect="auto")
     for i, row in enumerate(rows):
         for j, col in enumerate(cols):
-            c = grid["cells"].get((row, col))
+            c = _cell(grid, row, col)
             if c is None:
                 continue
             rgb = cmap(norm(means[i, j]))[:3] if np.isfinite(means[i, j]) else (0.88,) * 3
@@ -281,10 +272,6 @@ def pivot_figure(grid: dict):
     fig.suptitle("\n".join(title), fontsize=10)
     fig.colorbar(image, ax=ax, label="mean final validation perplexity")
     return fig
-
-
-def _cell_mean(c: dict | None) -> float:
-    return c["mean"] if c is not None and c["mean"] is not None else float("nan")
 
 
 def _figure_cell_text(c: dict) -> str:
