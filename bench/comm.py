@@ -5,6 +5,7 @@
     python -m bench.comm agreement                     # one-process simulator: vote vs sign of the mean
     python -m bench.comm compute                       # the pack / vote / unpack compute, no communication
     python -m bench.comm payload                       # arithmetic: what the vote sends per model size
+    python -m bench.comm project                       # a link model fitted to `time`, projected to 7B nodes
 
 Each case runs `torchrun --standalone` inside a private network namespace (`unshare -n`, root): the
 ranks talk over that namespace's own loopback, whose byte counters (/proc/net/dev) then hold this
@@ -25,9 +26,11 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,6 +144,9 @@ def wire_table(args, rates) -> None:
                       f"{r['hook_bytes_per_rank_per_step']:,} | {r['hook_bytes_all_ranks']:,} | "
                       f"{r['loopback_bytes']:,} | {r['loopback_bytes'] / r['hook_bytes_all_ranks']:.4f} |", flush=True)
                 print(json.dumps(r), file=sys.stderr, flush=True)
+                if args.save:
+                    with open(args.save, "a") as f:
+                        f.write(json.dumps(r) + "\n")
 
 
 def agreement_table(args) -> None:
@@ -211,35 +217,110 @@ def compute_table(args) -> None:
             print(f"| {n:,} | {world} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[3]:.1f} |", flush=True)
 
 
-def payload_table(args) -> None:
-    """Arithmetic, not a measurement: each model's voted and exact elements in the first window (FRUGAL
-    block projection, the model built on the meta device) and the ratio of what the vote sends to what
-    the exact all-reduce sends (fp32 gradients, padding ignored; the same factor 2 (W-1)/W in both)."""
+def voted_split(name: str, density: float) -> tuple[int, int]:
+    """(parameters, voted elements) of a model in FRUGAL's first window (block projection), built on
+    the meta device."""
     import torch
     from omegaconf import OmegaConf
 
     import models
     from frugal import FRUGAL
-    from frugal.comm import VOTED_RULES, payload_ratio
+    from frugal.comm import VOTED_RULES
     from frugal.windows import FREE
+
+    with torch.device("meta"):
+        model = models.build_model(OmegaConf.load(os.path.join(REPO, "configs", "model", f"{name}.yaml")))
+    roles = FRUGAL(model, lr=1e-3, density=density).next_roles()
+    voted = sum(t.param.numel() for t in roles if t.role == FREE and t.group["state_free"] in VOTED_RULES)
+    return sum(p.numel() for p in model.parameters()), voted
+
+
+def payload_table(args) -> None:
+    """Arithmetic, not a measurement: each model's voted and exact elements in the first window and
+    the ratio of what the vote sends to what the exact all-reduce sends (fp32 gradients, padding
+    ignored; the same factor 2 (W-1)/W in both)."""
+    from frugal.comm import payload_ratio
 
     print("| model | parameters | density | voted elements | exact elements | vote bytes / exact bytes | cut |")
     print("|---|---|---|---|---|---|---|")
     for name in args.payload_models:
-        with torch.device("meta"):
-            model = models.build_model(OmegaConf.load(os.path.join(REPO, "configs", "model", f"{name}.yaml")))
-        total = sum(p.numel() for p in model.parameters())
         for density in args.payload_densities:
-            roles = FRUGAL(model, lr=1e-3, density=density).next_roles()
-            voted = sum(t.param.numel() for t in roles if t.role == FREE and t.group["state_free"] in VOTED_RULES)
+            total, voted = voted_split(name, density)
             ratio = payload_ratio(total - voted, voted)
             print(f"| {name} | {total / 1e6:,.1f}M | {density:g} | {voted / 1e6:,.1f}M | "
                   f"{(total - voted) / 1e6:,.1f}M | {ratio:.3f} | {1 / ratio:.2f}x |", flush=True)
 
 
+def bytes_per_s(rate: str) -> float:
+    """'1gbit' -> 1.25e8: tc's rate units (bits per second)."""
+    for unit, scale in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise ValueError(f"rate {rate!r}: expected a number followed by kbit, mbit or gbit")
+
+
+def fit_link(cases: list[dict]) -> tuple[float, dict, float]:
+    """The latency-bandwidth model of the shaped `time` cases: step = c + k * bytes / rate, with
+    bytes what the link carried per step (the loopback's count), one k for every case and one c per
+    (ranks, mode) (its compute and fixed latencies), by least squares. Returns k, the c's and the
+    largest relative residual."""
+    groups = defaultdict(list)
+    for r in cases:
+        if r["rate"] != "unshaped":
+            groups[(r["world"], r["mode"])].append(
+                (r["loopback_bytes"] / r["steps"] / bytes_per_s(r["rate"]), r["step_time_median_s"]))
+    groups = {g: pts for g, pts in groups.items() if len(pts) > 1}
+    if not groups:
+        raise ValueError("fitting the link needs two shaped rates of one (ranks, mode) case")
+    means = {g: (statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)) for g, pts in groups.items()}
+    sxy = sum((x - means[g][0]) * (y - means[g][1]) for g, pts in groups.items() for x, y in pts)
+    sxx = sum((x - means[g][0]) ** 2 for g, pts in groups.items() for x, _ in pts)
+    k = sxy / sxx
+    c = {g: my - k * mx for g, (mx, my) in means.items()}
+    worst = max(abs(c[g] + k * x - y) / y for g, pts in groups.items() for x, y in pts)
+    return k, c, worst
+
+
+def node_bytes(params: int, voted: int, nodes: int, gpus: int, mode: str, element_size: int = 4) -> float:
+    """Bytes one node sends to the others per step, W = nodes x gpus ranks: a ring all-reduce over
+    all ranks crosses each node's link once, 2 (W-1)/W of the reduced bytes; the vote's all-to-all
+    sends each rank's packed signs to the (W - gpus) ranks on other nodes directly, its ring
+    all-gather (W-1)/W of the packed votes."""
+    world = nodes * gpus
+    ring = 2 * (world - 1) / world
+    if mode == "exact":
+        return ring * params * element_size
+    return ring * (params - voted) * element_size + (world - gpus) / world * voted + (world - 1) / world * voted / 8
+
+
+def project_table(args) -> None:
+    """The link model fitted to measured `time` cases (--measured), applied to a model's bytes on
+    8-GPU nodes: the communication time of one step at each link rate, not overlapped with compute."""
+    with open(args.measured) as f:
+        cases = [json.loads(line) for line in f if line.strip()]
+    k, c, worst = fit_link(cases)
+    print(f"fitted on {len(cases)} cases of {os.path.relpath(args.measured)}: step = c + {k:.3f} x bytes / rate; "
+          f"largest residual {worst:.1%}; c per (ranks, mode): "
+          + ", ".join(f"{w} {m} {v:.3f} s" for (w, m), v in sorted(c.items())))
+    print()
+    print("| model | density | nodes x GPUs | link per node | exact: bytes / node / step | exact s | "
+          "vote: bytes / node / step | vote s | exact / vote |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.payload_models:
+        for density in args.payload_densities:
+            params, voted = voted_split(name, density)
+            for nodes in args.nodes:
+                for rate in args.links:
+                    b = {m: node_bytes(params, voted, nodes, args.gpus, m) for m in ("exact", "vote")}
+                    t = {m: k * v / bytes_per_s(rate) for m, v in b.items()}
+                    print(f"| {name} | {density:g} | {nodes} x {args.gpus} | {rate} | {b['exact'] / 1e9:.2f} GB | "
+                          f"{t['exact']:.2f} | {b['vote'] / 1e9:.2f} GB | {t['vote']:.2f} | "
+                          f"{t['exact'] / t['vote']:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["bytes", "time", "agreement", "compute", "payload"])
+    parser.add_argument("what", nargs="?", choices=["bytes", "time", "agreement", "compute", "payload", "project"])
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default="exact", choices=["exact", "vote"])
     parser.add_argument("--model", default="llama_60m")
@@ -259,12 +340,19 @@ def main() -> None:
     parser.add_argument("--payload_models", nargs="+", default=["llama_60m", "llama_130m", "llama_1b", "llama_7b"])
     parser.add_argument("--payload_densities", type=float, nargs="+", default=[0.25, 0.0])
     parser.add_argument("--sim_worlds", type=int, nargs="+", default=[2, 3, 8, 16, 32])
+    parser.add_argument("--save", help="time/bytes: also append each case's JSON line to this file")
+    parser.add_argument("--measured", default=os.path.join(REPO, "docs", "comm_time.jsonl"),
+                        help="project: the `time` cases (JSON lines, --save) the link model is fitted to")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--links", nargs="+", default=["25gbit", "100gbit", "200gbit"])
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     if args.what in ("bytes", "time"):
         return wire_table(args, ["unshaped"] if args.what == "bytes" else args.rates)
-    {"agreement": agreement_table, "compute": compute_table, "payload": payload_table}[args.what](args)
+    {"agreement": agreement_table, "compute": compute_table, "payload": payload_table,
+     "project": project_table}[args.what](args)
 
 
 if __name__ == "__main__":

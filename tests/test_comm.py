@@ -288,3 +288,21 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     written = ckpt.list_checkpoints(str(tmp_path / ckpt.CHECKPOINT_DIR))
     assert [c.rsplit("/", 1)[-1] for c in written] == [ckpt.step_dir_name(1), ckpt.step_dir_name(2)]
     assert all(t.isfinite().all() for c in written for t in ckpt.load(c, "model").values())
+
+
+def test_the_link_model_recovers_a_known_link_and_counts_node_bytes():
+    """bench.comm's projection: the fit returns the k and intercepts that generated the cases; the byte
+    model gives the ring's 2 (W-1)/W for exact, and for the vote the exact part plus its two phases."""
+    from bench.comm import fit_link, node_bytes
+
+    cases = [dict(rate=rate, world=w, mode=m, steps=2, loopback_bytes=2 * b,
+                  step_time_median_s=c + 1.25 * b / (mbit * 1e6 / 8))
+             for (w, m, c, b) in ((2, "exact", 0.3, 4e7), (2, "vote", 0.2, 1e7), (3, "exact", 0.4, 6e7))
+             for rate, mbit in (("100mbit", 100), ("1gbit", 1000))]
+    k, c, worst = fit_link(cases + [dict(cases[0], rate="unshaped", step_time_median_s=9.0)])
+    assert k == pytest.approx(1.25) and worst < 1e-9
+    assert c == pytest.approx({(2, "exact"): 0.3, (2, "vote"): 0.2, (3, "exact"): 0.4})
+    assert node_bytes(1000, 600, 2, 8, "exact") == pytest.approx(2 * 15 / 16 * 4000)
+    assert node_bytes(1000, 600, 2, 8, "vote") == pytest.approx(2 * 15 / 16 * 1600 + 8 / 16 * 600 + 15 / 16 * 75)
+    with pytest.raises(ValueError, match="two shaped rates"):
+        fit_link([cases[0]])
