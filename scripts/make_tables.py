@@ -11,9 +11,10 @@ the model size, the schedule or the evaluation step; runs without `paper.table` 
 Every run is printed, nothing averaged or dropped: a key the runs of a table differ in (a sweep's) becomes a
 CSV column and, where two runs would share a cell, part of their row label. Cell marks: `@N` (read at step N,
 not the paper's), `*` (not finished), `[model]` (another model than the table's: no difference), `[same N]`
-(one run repeated), `[debug=toy]`; toy runs alone get no paper column. Tables 2, 3, 9 and 17 add memory
-columns, each row its realised rho and evaluation mode. `--pivot ROW_KEY COL_KEY` is the sweep view
-(scripts/sweep_view.py): mean final perplexity per cell with min-max and n; `--plot FILE` draws it.
+(one run repeated), `[debug=toy]`, `[vote]` (the state-free part voted: no difference); toy runs alone get
+no paper column. Tables 2, 3, 9 and 17 add memory columns, each row its realised rho and evaluation mode.
+`--pivot ROW_KEY COL_KEY` is the sweep view (scripts/sweep_view.py): mean final perplexity per cell with
+min-max and n; `--plot FILE` draws it.
 Everything each column means: docs/results.md.
 """
 from __future__ import annotations
@@ -142,12 +143,14 @@ def build(runs: list[dict]) -> list[dict]:
         for r in trs:
             differs = spec.get("model") is not None and r["model"] != spec["model"]
             debug = r["debug"]  # a toy run's number is not comparable to the paper's: none beside it
+            vote = (r["start"] or {}).get("state_free_comm") == "vote"  # not the paper's all-reduce
             for col, (ppl, step) in cells[r["dir"]].items():
                 p = None if debug else paper.get(base[r["dir"]], {}).get(col)
                 filled.add((base[r["dir"]], col))
                 records.append(dict(
                     table=table, row=label[r["dir"]], method=base[r["dir"]], option=r["option"], column=col,
-                    ours=ppl, paper=p, diff=None if p is None or differs or ppl is None else ppl - p, step=step,
+                    ours=ppl, paper=p, diff=None if p is None or differs or vote or ppl is None else ppl - p,
+                    step=step, state_free_comm="vote" if vote else None,
                     finished=r["finished"], state_gib=_gib(r["state_bytes"]),
                     paper_state_gib=None if debug else memory.get(base[r["dir"]], {}).get(col),
                     estimate_state_gib=_gib(_run_estimate(r)) if spec.get("estimate") else None,
@@ -321,7 +324,7 @@ def _cell_texts(r: dict | None, column: str, show: dict) -> list[str]:
 def _ours_text(r: dict, column: str, show_paper: bool) -> str:
     """Our number with its marks: @step (not the paper's read-out step; left out for debug runs, whose
     budget is a toy's anyway), * (not finished), [model], [debug=...] (a toy run in a table that prints
-    the paper's numbers for its other runs), [same N] (one run repeated)."""
+    the paper's numbers for its other runs), [same N] (one run repeated), [vote] (state-free part voted)."""
     if r["ours"] is None:
         return "no eval yet" if r.get("run") else ""
     ours = _f(r["ours"])
@@ -336,6 +339,8 @@ def _ours_text(r: dict, column: str, show_paper: bool) -> str:
         ours += f" [debug={r['debug']}]"
     if r.get("same_run"):
         ours += f" [same {r['same_run']}]"
+    if r.get("state_free_comm"):
+        ours += " [vote]"
     return ours
 
 
@@ -354,6 +359,10 @@ def _table_notes(recs: list[dict], show_paper: bool) -> str:
     elif debug:
         notes.append(f"[debug={'/'.join(debug)}]: a toy run; the paper's number is not comparable (none printed "
                      f"beside it, no difference computed).")
+    if any(r.get("state_free_comm") for r in runs):
+        notes.append("[vote]: the state-free part was communicated as a one-bit majority vote "
+                     "(train.state_free_comm=vote, docs/communication.md), not the paper's exact all-reduce "
+                     "(no difference computed).")
     notes += _repeat_notes(runs)
     if runs:
         notes.append("realised rho: the density the run realised, from its start row (the optimizer's density "
@@ -416,7 +425,7 @@ def _gib_text(x):
 CSV_FIELDS = ["table", "row", "method", "option", "column", "ours", "paper", "diff", "step", "finished",
               "state_gib", "paper_state_gib", "estimate_state_gib", "model", "table_model", "model_differs",
               "density_requested", "density_realised", "density_blocks", "eval_mode", "lr_at_readout", "memory_gb",
-              "paper_memory_gb", "debug", "same_run", "run"]
+              "paper_memory_gb", "debug", "same_run", "state_free_comm", "run"]
 
 
 def to_csv(records: list[dict]) -> str:

@@ -306,3 +306,15 @@ def test_the_link_model_recovers_a_known_link_and_counts_node_bytes():
     assert node_bytes(1000, 600, 2, 8, "vote") == pytest.approx(2 * 15 / 16 * 1600 + 8 / 16 * 600 + 15 / 16 * 75)
     with pytest.raises(ValueError, match="two shaped rates"):
         fit_link([cases[0]])
+
+
+@pytest.mark.slow
+def test_tables_mark_a_vote_run_and_compute_no_difference_for_it(vote_run):
+    from scripts import make_tables
+
+    run = make_tables.load_run(vote_run[0])
+    records = make_tables.build([run])
+    assert records and all(r["state_free_comm"] == "vote" and r["diff"] is None for r in records)
+    text = make_tables._ours_text(records[0], records[0]["column"], show_paper=True)
+    assert text.endswith(" [vote]")
+    assert "one-bit majority vote" in make_tables._table_notes(records, show_paper=True)
