@@ -18,7 +18,7 @@ from pathlib import Path
 from scripts.paper_tables import method
 from train_utils.metrics import read_metrics
 from train_utils.naming import short_labels
-from train_utils.results import asked_value, find_runs, load_run, runs_argument_parser, swept_keys
+from train_utils.results import asked_value, load_run, load_runs, runs_argument_parser, swept_keys
 
 
 def label(run: dict, swept: list[str], with_model: bool) -> str:
@@ -79,29 +79,30 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(run_dirs: list[Path], out: str, smooth_window: int = 20, logy: bool = False, title: str = "") -> str:
+def plot(runs: list, out: str, smooth_window: int = 20, logy: bool = False, title: str = "") -> str:
     import matplotlib.pyplot as plt
 
-    fig = figure(run_dirs, smooth_window, logy, title)
+    fig = figure(runs, smooth_window, logy, title)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
 
 
-def figure(run_dirs: list[Path], smooth_window: int = 20, logy: bool = False, title: str = ""):
-    """The four panels (train loss and validation perplexity, against steps and tokens) as a pyplot
-    figure on the Agg backend; the caller closes it."""
+def figure(runs: list, smooth_window: int = 20, logy: bool = False, title: str = ""):
+    """The four panels (train loss and validation perplexity, against steps and tokens) of `runs`
+    (train_utils.results records, or run directories) as a pyplot figure on the Agg backend; the caller
+    closes it. Validation points are the records' evaluations (a step evaluated twice: the later)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [load_run(d) for d in run_dirs]
+    runs = [r if isinstance(r, dict) else load_run(r) for r in runs]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
     for r, name in zip(runs, labels(runs)):
         rows = read_metrics(str(Path(r["dir"]) / "metrics.jsonl"))
         train = [x for x in rows if "loss" in x and "event" not in x]
-        evals = [x for x in rows if "val_ppl" in x and x.get("event") is None]
+        evals = [r["evals"][step] for step in sorted(r["evals"])]
         tokens_at = {x["step"]: x.get("tokens") for x in train}
         if train:
             loss = smooth([x["loss"] for x in train], smooth_window)
@@ -146,11 +147,11 @@ def main(argv=None) -> int:
     ap.add_argument("--logy", action="store_true", help="log scale for the loss panels too")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
-    dirs = find_runs(args.runs, tool="plot_runs")
-    if not dirs:
+    runs = load_runs(args.runs, "plot_runs")
+    if not runs:
         print("plot_runs: no runs found", file=sys.stderr)
         return 1
-    print(plot(dirs, args.out, args.smooth, args.logy, args.title))
+    print(plot(runs, args.out, args.smooth, args.logy, args.title))
     return 0
 
 
