@@ -179,8 +179,9 @@ def split_overrides(lines: list[str]) -> dict[str, str]:
 
 
 # ---- one run dir: what it wrote, and whether its process is alive ---------------------------------------
-def tail_rows(path: Path) -> list[dict]:
-    """The rows at the end of a metrics.jsonl; a line being appended (a live run) or cut short is skipped."""
+def tail_lines(path: Path) -> list[str]:
+    """The lines of a file's last TAIL_BYTES (metrics.jsonl and train.log grow all run long); a first line
+    read from its middle is dropped."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -188,10 +189,13 @@ def tail_rows(path: Path) -> list[dict]:
             lines = f.read().decode(errors="replace").split("\n")
     except OSError:
         return []
-    if size > TAIL_BYTES:
-        lines = lines[1:]  # the first line read may start mid-row
+    return lines[1:] if size > TAIL_BYTES else lines
+
+
+def tail_rows(path: Path) -> list[dict]:
+    """The rows at the end of a metrics.jsonl; a line being appended (a live run) or cut short is skipped."""
     rows = []
-    for line in lines:
+    for line in tail_lines(path):
         try:
             row = json.loads(line)
         except ValueError:
@@ -199,15 +203,6 @@ def tail_rows(path: Path) -> list[dict]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
-
-
-def tail_lines(path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
-            return f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return []
 
 
 def last_record(run_dir: Path) -> tuple[str, str] | None:
