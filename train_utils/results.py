@@ -1,7 +1,7 @@
 """Runs as records: what train.py left in each run directory (`metrics.jsonl`, Hydra's `.hydra/`), read
 one way for every program that reports on runs (scripts/make_tables.py and its `--pivot` view in
-scripts/sweep_view.py, scripts/plot_runs.py; ops/sweep_status.py takes `final_evaluation`) and for
-a table of your own (docs/results.md):
+scripts/sweep_view.py, a pandas groupby of these records; scripts/plot_runs.py; ops/sweep_status.py, which
+reads only the end of a live run's files, takes `final_evaluation`) and for a table of your own (docs/results.md):
 
     from train_utils.results import load_runs
     for run in load_runs(["multirun/table15"]):
