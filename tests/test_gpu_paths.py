@@ -232,9 +232,6 @@ from train_utils import distributed
 rank, port, frozen = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "frozen"
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 store = dist.distributed_c10d._get_default_store()
-groups = len(dist.distributed_c10d._world.pg_map)
-assert distributed.monitor_group(type("A", (), {"num_processes": 2})(), 3.0) == 2
-assert len(dist.distributed_c10d._world.pg_map) == groups  # no side group made
 if rank == 1 and frozen:
     store.wait(["rank0_done"])  # alive, but never answers the check
 else:

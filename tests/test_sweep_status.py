@@ -125,7 +125,7 @@ def test_json_gives_each_runs_own_numbers(toy_sweep, capsys):
 
 def test_every_state_has_its_line_and_exit_code(toy_sweep, tmp_path, capsys):
     from train_utils.metrics import Console
-    from train_utils.report import nonfinite_message, stopped_message
+    from train_utils.report import stopped_message
     from train_utils.run_lock import RunLock
 
     sweep = copy_sweep(toy_sweep, tmp_path / "sweep", "0.125,0.25,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
@@ -133,7 +133,8 @@ def test_every_state_has_its_line_and_exit_code(toy_sweep, tmp_path, capsys):
     running = add_job(sweep, 2, "0.3", training(sweep, 40))
     # 3: failed, with the error line train.py writes into train.log.
     failed = add_job(sweep, 3, "0.4", training(sweep, 10))
-    error = f"error: {nonfinite_message(float('nan'), 2.5, 11, None)}"
+    error = ("error: non-finite training loss or gradient norm (loss nan, gradient norm 2.5) at step 11; stopped "
+             "before applying it. No checkpoint from before the divergence exists.")
     Console(str(failed))(error, error=True, console=False)
     # 4: its process died without a record; an older attempt's error does not count (a start came after it).
     died = add_job(sweep, 4, "0.5", training(sweep, 30))

@@ -306,19 +306,17 @@ def _outside_entry(ckpt_dir: str, names: list) -> str | None:
     absolute path, a `..` component, or a path resolving elsewhere), else None. A hand-made manifest
     would otherwise make verification read, and vouch for, any file the process can open."""
     base = os.path.realpath(ckpt_dir)
+    own = "a manifest names files of its own checkpoint only: use a checkpoint written by this code"
     for name in names:
         shown = repr(name)[:120]
         if not isinstance(name, str) or not name:
-            return f"{MANIFEST} lists an entry {shown} that is not a file name; a manifest names files of its own " \
-                   f"checkpoint only: use a checkpoint written by this code"
+            return f"{MANIFEST} lists an entry {shown} that is not a file name; {own}"
         parts = name.replace("\\", "/").split("/")
         if os.path.isabs(name) or ".." in parts:
-            return f"{MANIFEST} lists {shown}, outside the checkpoint directory (an absolute path or `..`); a " \
-                   f"manifest names files of its own checkpoint only: use a checkpoint written by this code"
+            return f"{MANIFEST} lists {shown}, outside the checkpoint directory (an absolute path or `..`); {own}"
         resolved = os.path.realpath(os.path.join(ckpt_dir, name))
         if os.path.commonpath([base, resolved]) != base:
-            return f"{MANIFEST} lists {shown}, which resolves to {resolved}, outside the checkpoint directory; a " \
-                   f"manifest names files of its own checkpoint only: use a checkpoint written by this code"
+            return f"{MANIFEST} lists {shown}, which resolves to {resolved}, outside the checkpoint directory; {own}"
     return None
 
 
@@ -333,6 +331,16 @@ def _symlink_in(ckpt_dir: str) -> str | None:
                         f"holds its own files only: replace the link with the file, or use a checkpoint written by "
                         f"this code")
     return None
+
+
+def file_entry(path: str) -> dict:
+    """A written file's manifest entry, read back: its size and SHA-256."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
 
 
 def verify(ckpt_dir: str) -> str | None:
@@ -354,15 +362,12 @@ def verify(ckpt_dir: str) -> str | None:
             size = os.path.getsize(path)
             if size != entry["bytes"]:
                 return f"{name} has {size} bytes, its manifest says {entry['bytes']} (truncated or overwritten)"
-            sha = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    sha.update(chunk)
+            sha256 = file_entry(path)["sha256"]
         except FileNotFoundError:
             return f"{name} is missing"
         except OSError as err:
             return f"{name} is unreadable ({err})"
-        if sha.hexdigest() != entry["sha256"]:
+        if sha256 != entry["sha256"]:
             return f"{name} does not match its checksum (damaged)"
     return None
 

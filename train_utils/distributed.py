@@ -103,12 +103,6 @@ def zero_grad_sets_to_none(model) -> bool:
     return not (is_ddp(model) and model.gradient_as_bucket_view)
 
 
-def monitor_group(accelerator, collective_timeout_s: float):
-    """What `name_unresponsive_ranks` needs after a timeout: the number of processes (None alone).
-    Nothing is created or communicated here (the check uses the rendezvous store, module docstring)."""
-    return None if accelerator.num_processes == 1 else accelerator.num_processes
-
-
 def is_collective_timeout(err: BaseException) -> bool:
     import torch.distributed as dist
 
@@ -148,8 +142,8 @@ def name_unresponsive_ranks(world: int | None, rank: int, collective_timeout_s: 
     return f"rank{'s' if len(missing) > 1 else ''} {ranks} did not answer a check within {wait:.0f} s"
 
 
-def collective_timeout_message(group, rank: int, collective_timeout_s: float, err: BaseException) -> str:
-    who = name_unresponsive_ranks(group, rank, collective_timeout_s)
+def collective_timeout_message(world: int, rank: int, collective_timeout_s: float, err: BaseException) -> str:
+    who = name_unresponsive_ranks(world, rank, collective_timeout_s)
     return (f"[rank {rank}] a collective operation waited longer than train.collective_timeout_s="
             f"{collective_timeout_s:g} s: {who}. A rank that stops answering (frozen, stuck in I/O, or out of "
             f"memory) stops the others; raise train.collective_timeout_s if it was only slow. "

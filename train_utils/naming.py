@@ -92,25 +92,27 @@ def _hydra(hydra_cfg):
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
+def _select(hydra_cfg, key: str):
+    """`key` of Hydra's config (this run's when `hydra_cfg` is None), None where it is not set."""
+    hc = _hydra(hydra_cfg)
+    return OmegaConf.select(hc, key, default=None) if hc is not None else None
+
+
 def is_multirun(hydra_cfg=None) -> bool:
     """True inside a job of a Hydra multirun (`-m`)."""
-    hc = _hydra(hydra_cfg)
-    mode = OmegaConf.select(hc, "mode", default=None) if hc is not None else None
+    mode = _select(hydra_cfg, "mode")
     return str(getattr(mode, "name", mode)).endswith("MULTIRUN")
 
 
 def optimizer_option(cfg: DictConfig, hydra_cfg=None) -> str:
     """The configs/optimizer option of the run (frugal_rho0, galore_original, ...); the registry
     entry `optimizer.name` when the config was composed without Hydra's runtime information."""
-    hc = _hydra(hydra_cfg)
-    choice = OmegaConf.select(hc, "runtime.choices.optimizer", default=None) if hc is not None else None
-    return str(choice or cfg.optimizer.name)
+    return str(_select(hydra_cfg, "runtime.choices.optimizer") or cfg.optimizer.name)
 
 
 def debug_option(hydra_cfg=None) -> str | None:
     """The configs/debug option of the run (`toy`), or None."""
-    hc = _hydra(hydra_cfg)
-    choice = OmegaConf.select(hc, "runtime.choices.debug", default=None) if hc is not None else None
+    choice = _select(hydra_cfg, "runtime.choices.debug")
     return str(choice) if choice else None
 
 
@@ -149,18 +151,24 @@ def short_labels(keys: list[str]) -> dict[str, str]:
     return {k: leaf if leaves.count(leaf) == 1 else k for k, leaf in zip(keys, leaves)}
 
 
+def launch_sweep(hc) -> tuple[list, dict]:
+    """(the launch's command-line overrides, its sweeper's params): in a multirun job those of
+    multirun.yaml in the sweep dir (written by the sweeper before any job starts), else no overrides
+    and this config's `hydra.sweeper.params` (a preset's)."""
+    task, params = [], OmegaConf.select(hc, "sweeper.params", default=None)
+    master = Path(str(OmegaConf.select(hc, "sweep.dir", default=""))) / "multirun.yaml"
+    if is_multirun(hc) and master.is_file():
+        saved = OmegaConf.load(master).hydra
+        task, params = OmegaConf.to_container(saved.overrides.task), saved.sweeper.get("params")
+    return task, OmegaConf.to_container(params) if params is not None else {}
+
+
 def sweep_values(hydra_cfg=None) -> dict[str, str]:
     """{swept key: this job's value} in a multirun job; {} otherwise."""
     hc = _hydra(hydra_cfg)
     if not is_multirun(hc):
         return {}
-    master = Path(str(hc.sweep.dir)) / "multirun.yaml"  # written by the sweeper before any job starts
-    if master.is_file():
-        saved = OmegaConf.load(master).hydra
-        task, params = saved.overrides.task, saved.sweeper.get("params")
-    else:
-        task, params = [], hc.sweeper.get("params")
-    params = OmegaConf.to_container(params) if params is not None else {}
+    task, params = launch_sweep(hc)
     job = parse_overrides(hc.overrides.task)
     return {k: job[k] for k in swept_keys(task, params) if k in job}
 

@@ -26,10 +26,6 @@ from train_utils.naming import debug_option, optimizer_option
 from train_utils.state_free_comm import label as state_free_comm_label
 
 
-def state_full_fraction(optimizer) -> float | None:
-    return OptimizerHooks(optimizer).state_full_fraction()
-
-
 def density_message(report: dict) -> str | None:
     """What the console says about `optimizer.density_report()`: whole blocks (columns, ...) are
     state-full or not, so the realised share is rounded; a note when it differs from the request, a
@@ -88,9 +84,10 @@ def log_start(run, plan: dict, *, step: int, resumed: dict | None, memory: dict)
     settings = {**start_settings(run, plan["ckpt_dir"]), **memory, **inputs}
     fresh_state = resumed["fresh_state"] if resumed else 0
     saved_world = resumed["world_size"] if resumed else None
-    density = OptimizerHooks(optimizer).density_report()
+    hooks = OptimizerHooks(optimizer)
+    density = hooks.density_report()
     row = {"event": "start", "step": step, "params": sum(p.numel() for p in model.parameters()),
-           "state_full_fraction": state_full_fraction(optimizer),
+           "state_full_fraction": hooks.state_full_fraction(),
            **({f"density_{k}": v for k, v in density.items()} if density else {}),
            # Appendix D estimate (the paper's layout); "optimizer_state_bytes" in the rows is measured.
            "optimizer_state_bytes_estimate": frugal.estimate_state_bytes(model, **run.opt_cfg),
@@ -322,12 +319,3 @@ def end_of_run_summary(end: dict, model_name: str, optimizer_name: str, run_dir:
     lines.append(f"  run dir {run_dir}: metrics.jsonl, train.log, checkpoints/" + (", loss.png" if plot else ""))
     return "\n".join(lines)
 
-
-def nonfinite_message(loss: float, grad_norm: float, step: int, last_checkpoint: str | None) -> str:
-    return (f"non-finite training loss or gradient norm (loss {loss}, gradient norm {grad_norm}) at step "
-            f"{step}; stopped before applying it. Last checkpoint (finite): {last_checkpoint or 'none'}. "
-            f"Try a lower optimizer.lr, train.grad_clip=1.0 or train.precision=fp32.")
-
-
-def finite(*values: float) -> bool:
-    return all(math.isfinite(v) for v in values)

@@ -138,7 +138,7 @@ def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
     (train_utils.validation.check_loop_settings), the stop-signal handler
     (`stop`: train_utils.signals.STOP; from here on a signal ends the run cleanly), the processes
     (accelerate, NCCL or gloo, SLURM tasks without torchrun), TF32, `train.precision=auto` resolved for
-    this device, the collective-timeout monitor; on the way out, whatever happened: a collective
+    this device; on the way out, whatever happened: a collective
     timeout named with the rank that stopped answering, a full disk as one line, the progress bar and
     the metrics closed, the run dir's lock released, the signal handler restored, the ranks leaving
     together, the process group destroyed."""
@@ -157,7 +157,6 @@ def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
         accelerator = distributed.make_accelerator(tc.collective_timeout_s)
         tf32 = allow_tf32(tc.tf32, accelerator.device)
         tc.precision = resolve_precision(tc.precision, accelerator.device, debug_option())  # auto: bf16-mixed
-        monitor = distributed.monitor_group(accelerator, tc.collective_timeout_s)
     except BaseException:  # a refused precision, no process group: the handler goes with the run
         if installed:
             stop.restore()
@@ -168,7 +167,7 @@ def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
     except RuntimeError as err:
         if s.world > 1 and distributed.is_collective_timeout(err):
             raise distributed.CollectiveTimeout(distributed.collective_timeout_message(
-                monitor, accelerator.process_index, tc.collective_timeout_s, err)) from err
+                s.world, accelerator.process_index, tc.collective_timeout_s, err)) from err
         raise
     except OSError as err:  # a full disk outside a checkpoint write (metrics.jsonl, a restart): one line
         raise ckpt.out_of_space(err, run_dir) or err

@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import errno
 import glob
-import hashlib
 import os
 import pickle
 import shutil
@@ -127,15 +126,16 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = item
 
 
-def _refused_in(err: BaseException) -> ckpt.RefusedFile | None:
-    """The refusal behind a failed DCP load (DCP gathers every rank's exception into one)."""
-    if isinstance(err, ckpt.RefusedFile):
+def _behind(err: BaseException, kind: type):
+    """The `kind` exception behind a failed DCP load or save (DCP gathers every rank's exception into
+    one), or None."""
+    if isinstance(err, kind):
         return err
     for exc, _trace in getattr(err, "failures", {}).values():
-        if isinstance(exc, ckpt.RefusedFile):
+        if isinstance(exc, kind):
             return exc
     cause = err.__cause__ or err.__context__
-    return _refused_in(cause) if cause is not None else None
+    return _behind(cause, kind) if cause is not None else None
 
 
 def _read(state: dict, ckpt_dir: str, **kwargs) -> None:
@@ -154,7 +154,7 @@ def _read(state: dict, ckpt_dir: str, **kwargs) -> None:
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(path), **kwargs)
     except (CheckpointException, ckpt.RefusedFile) as err:
-        refused = _refused_in(err)
+        refused = _behind(err, ckpt.RefusedFile)
         if refused is not None:
             raise ckpt.RefusedFile(str(refused)) from err
         raise
@@ -196,26 +196,6 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
     return model_sd, optim_sd, per_rank
 
 
-def _hash(path: str) -> dict:
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": sha.hexdigest()}
-
-
-def _first_os_error(err: BaseException) -> OSError | None:
-    """The OSError behind a DCP failure (DCP gathers every rank's exception into one)."""
-    if isinstance(err, OSError):
-        return err
-    for exc, _trace in getattr(err, "failures", {}).values():
-        if isinstance(exc, OSError):
-            return exc
-    cause = err.__cause__ or err.__context__
-    return _first_os_error(cause) if cause is not None else None
-
-
 def save(root: str, step: int, *, model, optimizer, trainer: dict | None, texts: dict, keep: int,
          accelerator) -> str | None:
     """Write checkpoint `step` of a sharded run (collective). `trainer` is the main process's
@@ -243,12 +223,12 @@ def save(root: str, step: int, *, model, optimizer, trainer: dict | None, texts:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
             mine = glob.glob(os.path.join(path, f"__{rank}_*")) + ([os.path.join(path, ".metadata")] if main else [])
             for file in mine:
-                entries[os.path.relpath(file, tmp)] = _hash(file)
+                entries[os.path.relpath(file, tmp)] = ckpt.file_entry(file)
             if per_rank:
                 path = os.path.join(tmp, rank_file(rank))
                 entries[rank_file(rank)] = ckpt._write_file(path, per_rank)
         except (OSError, CheckpointException) as err:
-            cause = _first_os_error(err) or OSError(errno.EIO, str(err).splitlines()[0])
+            cause = _behind(err, OSError) or OSError(errno.EIO, str(err).splitlines()[0])
             error = ckpt._describe_write_error(cause, path.replace(tmp, os.path.join(root, ckpt.step_dir_name(step))),
                                                previous)
     reports = gather_object([(entries, error)])

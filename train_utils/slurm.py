@@ -15,21 +15,12 @@ is not enough: train.py's handler replaced submitit's, so nobody requeues the jo
 hands over to submitit's handler after the checkpoint: on global rank 0 it pickles the same Hydra job,
 runs `scontrol requeue` and exits; the requeued job starts again in the same run directory and resumes
 (train.resume=auto). Outside submitit it does nothing (ops/sbatch_train.sh requeues by itself).
-
-train.py uses (three lines):
-
-    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    export_distributed_env()                    # first line of train(), before Accelerator()
-    requeue(previous_handlers, stop["signal"])  # after the preemption checkpoint
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-
-DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
 
 def in_submitit_job() -> bool:
     try:
@@ -52,22 +43,21 @@ def _first_slurm_host() -> str:
         return nodelist.split(",")[0]
 
 
-def export_distributed_env(port: int | None = None) -> dict[str, str] | None:
-    """Set the torch.distributed env:// variables from the SLURM job; return them (None if untouched).
+def export_distributed_env() -> None:
+    """Set the torch.distributed env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE) from the SLURM job.
 
     CUDA_VISIBLE_DEVICES is left alone: accelerate picks `cuda:LOCAL_RANK`, which needs every GPU of
     the node to stay visible to every task.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return None
+        return
     if in_submitit_job():
         from submitit.helpers import TorchDistributedEnvironment
 
         env = TorchDistributedEnvironment()  # port derived from the job id: the same on every task
         if env.world_size <= 1:
-            return None
-        if port is not None:
-            env.master_port = port
+            return
         env.export(set_cuda_visible_devices=False)
     elif "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ \
             and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
@@ -77,15 +67,12 @@ def export_distributed_env(port: int | None = None) -> dict[str, str] | None:
         job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
         os.environ.update({
             "MASTER_ADDR": os.environ.get("MASTER_ADDR") or _first_slurm_host(),
-            "MASTER_PORT": str(port or os.environ.get("MASTER_PORT") or 20000 + job_id % 40000),
+            "MASTER_PORT": str(os.environ.get("MASTER_PORT") or 20000 + job_id % 40000),
             "RANK": os.environ["SLURM_PROCID"],
             "WORLD_SIZE": str(ntasks),
             "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
             "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
         })
-    else:
-        return None
-    return {k: os.environ[k] for k in DIST_VARS if k in os.environ}
 
 
 def submitit_signal() -> int:

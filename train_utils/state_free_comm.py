@@ -24,11 +24,6 @@ def mode(cfg: DictConfig) -> str:
     return OmegaConf.select(cfg, "train.state_free_comm", default="exact")
 
 
-def voting(cfg: DictConfig, world_size: int) -> bool:
-    """Whether this run votes: `vote` on more than one process."""
-    return mode(cfg) == "vote" and world_size > 1
-
-
 def attach(run):
     """The vote's hook on the run's DDP model (frugal.comm.VoteHook), or None: `exact`, or one process
     (then it says that the vote is a no-op)."""

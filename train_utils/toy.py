@@ -33,18 +33,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from train_utils.naming import debug_option, is_multirun, parse_overrides
+from train_utils.naming import _hydra, _select, debug_option, launch_sweep, parse_overrides
 
 SWITCHES = 2  # every toy run with an update gap changes its state-full subspace at least this often
 GAP_KEY = "optimizer.update_gap"
-
-
-def _hydra(hydra_cfg):
-    if hydra_cfg is not None:
-        return hydra_cfg
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.get() if HydraConfig.initialized() else None
 
 
 def switches(steps: int, gap: int) -> int:
@@ -72,12 +64,7 @@ def swept_gaps(hydra_cfg) -> list[int]:
     in the sweep dir) in a multirun job, the preset's `hydra.sweeper.params` in a single run."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    task, params = [], OmegaConf.select(hydra_cfg, "sweeper.params", default=None)
-    master = Path(str(OmegaConf.select(hydra_cfg, "sweep.dir", default=""))) / "multirun.yaml"
-    if is_multirun(hydra_cfg) and master.is_file():
-        saved = OmegaConf.load(master).hydra
-        task, params = OmegaConf.to_container(saved.overrides.task), saved.sweeper.get("params")
-    params = OmegaConf.to_container(params) if params is not None else {}
+    task, params = launch_sweep(hydra_cfg)
     parser = OverridesParser.create()
     values: list = []
     for line in [f"{k}={v}" for k, v in params.items()] + [str(t) for t in task]:
@@ -148,10 +135,8 @@ def notes(fitted: dict, steps: int) -> list[str]:
 def record(cfg: DictConfig, fitted: dict, hydra_cfg=None) -> None:
     """Write what the toy run trains into its saved config (`<run dir>/.hydra/config.yaml`): `fit`'s
     values and the model's shape, resolved. Main process only; nothing without that file."""
-    hc = _hydra(hydra_cfg)
-    subdir = OmegaConf.select(hc, "output_subdir", default=None) if hc is not None else None
-    out = OmegaConf.select(hc, "runtime.output_dir", default=None) if hc is not None else None
-    if debug_option(hc) != "toy" or not subdir or not out:
+    subdir, out = _select(hydra_cfg, "output_subdir"), _select(hydra_cfg, "runtime.output_dir")
+    if debug_option(hydra_cfg) != "toy" or not subdir or not out:
         return
     path = Path(str(out)) / str(subdir) / "config.yaml"
     if not path.is_file():
