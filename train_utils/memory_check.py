@@ -38,6 +38,24 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def _planner_settings(cfg, world: int, device: torch.device, precision: str, vocab_size: int | None) -> dict:
+    """What `check` and `auto_micro_batch` pass the planner besides the micro-batch: the run's sequence
+    length, processes, precision, checkpointing, vocabulary, device type and step inside backward."""
+    tc = cfg.train
+    return dict(seq_len=cfg.data.seq_len, world_size=world, parallelism=tc.parallelism, precision=precision,
+                activation_checkpointing=tc.activation_checkpointing, vocab_size=vocab_size,
+                device_type=device.type, **in_backward_settings(cfg, world))
+
+
+def _budget(world: int, device: torch.device, host: int | None = None) -> int:
+    """Memory one process may plan for: a GPU's capacity, or on CPU this host's available RAM (`host`,
+    read here when not given) shared by the local processes, less what each needs besides its tensors."""
+    if device.type == "cuda":
+        return device_memory(device)
+    host = device_memory("cpu") if host is None else host
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", world)) - PROCESS_BYTES
+
+
 def in_backward_settings(cfg, world: int) -> dict:
     """The planner's keywords for the step inside backward (train.optimizer_in_backward), from the config."""
     tc = cfg.train
@@ -53,10 +71,7 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
     ({"memory_planned_bytes", "memory_available_bytes"} or {"memory_check": why it was skipped})."""
     tc = cfg.train
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    settings = dict(seq_len=cfg.data.seq_len, world_size=world, parallelism=tc.parallelism,
-                    precision=tc.precision, activation_checkpointing=tc.activation_checkpointing,
-                    vocab_size=vocab_size, device_type=device.type, compiled_loss=compiled,
-                    **in_backward_settings(cfg, world))
+    settings = dict(_planner_settings(cfg, world, device, tc.precision, vocab_size), compiled_loss=compiled)
     try:
         plan = plan_memory(cfg.model, optimizer_cfg, micro_batch_size=tc.micro_batch_size, **settings)
     except (ValueError, NotImplementedError, RuntimeError, TypeError) as err:
@@ -80,9 +95,8 @@ def check(cfg, optimizer_cfg: dict, vocab_size: int, world: int, device: torch.d
         need, available, where = local_world * per_process, host, "this host's available RAM"
     if need <= available:
         return {"memory_planned_bytes": need, "memory_available_bytes": available}
-    budget = available if device.type == "cuda" else available // local_world - PROCESS_BYTES
-    micro, _ = largest_micro_batch(cfg.model, optimizer_cfg, device_bytes=max(budget, 1), global_batch=tc.batch_size,
-                                   **settings)
+    micro, _ = largest_micro_batch(cfg.model, optimizer_cfg, device_bytes=max(_budget(world, device, host), 1),
+                                   global_batch=tc.batch_size, **settings)
     remedy = (f"train.micro_batch_size={micro} (the largest that fits)" if micro else
               "no micro-batch fits: weights, gradients and optimizer state alone are too large")
     processes = (f" ({local_world} processes x {_gib(per_process)})" if local_world > 1 and device.type != "cuda"
@@ -119,18 +133,13 @@ def auto_micro_batch(cfg: DictConfig, world_size: int, device) -> int:
     processes), so no accumulation when the whole share fits. If the planner cannot plan the run, the
     whole share; if nothing fits, 1 (the memory check then says why)."""
     batch = check_auto_batch(cfg, world_size)
-    tc, device = cfg.train, torch.device(device)
-    if device.type == "cuda":
-        budget = device_memory(device)
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        budget = device_memory("cpu") // local - PROCESS_BYTES
+    device = torch.device(device)
     try:
         micro, _ = largest_micro_batch(
-            cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), device_bytes=max(budget, 1),
-            seq_len=cfg.data.seq_len, world_size=world_size, global_batch=batch, parallelism=tc.parallelism,
-            precision=resolve_precision(tc.precision, device), activation_checkpointing=tc.activation_checkpointing,
-            vocab_size=cfg.model.vocab_size, device_type=device.type, **in_backward_settings(cfg, world_size))
+            cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True),
+            device_bytes=max(_budget(world_size, device), 1), global_batch=batch,
+            **_planner_settings(cfg, world_size, device, resolve_precision(cfg.train.precision, device),
+                                cfg.model.vocab_size))
     except (ValueError, NotImplementedError, RuntimeError, TypeError, KeyError):
         return batch // world_size
     return micro or 1

@@ -137,10 +137,10 @@ def _draws(n: int, k: int) -> int:
 _ROUNDED_FULL, _ROUNDED_FREE = 21, 19
 
 
-def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
+def _optimizer_transient(model: nn.Module, optimizer) -> int:
     """Bytes `optimizer.step()` allocates on top of the state it holds, at its peak.
 
-    Read from the optimizer itself, built on the meta-device model (no memory): its param groups
+    Read from the FRUGAL optimizer itself, built on the meta-device model (no memory): its param groups
     carry every hyperparameter and the FRUGAL group keys. The step (frugal/optimizer.py) runs the
     wholly state-full and state-free tensors as one batch, then the split tensors (column, row, randk,
     svd, random, ...) a batch of at most 8 at a time, whose temporaries are freed before the next:
@@ -156,15 +156,11 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
       tensor's randk coordinates (_DRAW_BYTES per draw), svd's decomposition of one gradient, or
       re-projected moments; the state-full rule's bucket temporaries per reduced target.
     Torch's fused AdamW allocates nothing."""
-    import frugal
     from frugal import projections as proj
     from frugal import state_precision
     from frugal.optimizer import _BATCH_TENSORS
     from frugal.rules import STATE_FREE, STATE_FULL
 
-    optimizer = frugal.build_optimizer(model, name, **hp)
-    if not isinstance(optimizer, frugal.FRUGAL):
-        return 0
     groups = optimizer.param_groups
     g0 = groups[0]
     elem = next(iter(model.parameters())).element_size()
@@ -262,7 +258,7 @@ def _optimizer_transient(model: nn.Module, name: str, hp: dict) -> int:
     return max([whole, rounded] + [batch_bytes(g, params) for g, params in batches])
 
 
-def _muon_step(model: nn.Module, name: str, hp: dict) -> tuple[tuple[int, int], int]:
+def _muon_step(model: nn.Module, optimizer) -> tuple[tuple[int, int], int]:
     """What a state-full rule that orthogonalises whole matrices (Muon, frugal/muon.py) adds to the
     step: ((peak temporaries unsharded, under FSDP), bf16 bytes all-gathered per step under FSDP).
 
@@ -271,13 +267,9 @@ def _muon_step(model: nn.Module, name: str, hp: dict) -> tuple[tuple[int, int], 
     Gram matrix and the polynomial of it (2 x 2s^2); under FSDP also the gathered bf16 matrix (2mn),
     full size on every rank. Only the state-full matrices are orthogonalised, so what is gathered
     per step is 2 bytes per element of the active blocks (plus Muon on non-projectable matrices)."""
-    import frugal
     from frugal import projections as proj
     from frugal.rules import STATE_FULL
 
-    optimizer = frugal.build_optimizer(model, name, **hp)
-    if not isinstance(optimizer, frugal.FRUGAL):
-        return (0, 0), 0
     active = set(optimizer.active_blocks() or [])
     elem = next(iter(model.parameters())).element_size()
     peak, peak_fsdp, gathered = 0, 0, 0
@@ -294,16 +286,6 @@ def _muon_step(model: nn.Module, name: str, hp: dict) -> tuple[tuple[int, int], 
             peak, peak_fsdp = max(peak, elem * m * n + ns), max(peak_fsdp, 2 * m * n + ns)
             gathered += 2 * m * n if whole else 0
     return (peak, peak_fsdp), gathered
-
-
-def _clip_waiting(model: nn.Module, name: str, hp: dict) -> int | None:
-    """With the step inside backward and clipping: the elements whose gradients are held until the
-    end of backward (frugal.in_backward.waiting_numel, from the optimizer built on the meta model)."""
-    import frugal
-    from frugal.in_backward import waiting_numel
-
-    optimizer = frugal.build_optimizer(model, name, **hp)
-    return waiting_numel(optimizer) if isinstance(optimizer, frugal.FRUGAL) else None
 
 
 def optimizer_gather_bytes(model_cfg, optimizer_cfg: Mapping[str, Any], vocab_size: int | None = None) -> int:
@@ -333,6 +315,9 @@ def _meta_model(model_json: str, pure_bf16: bool, vocab_size: int | None) -> nn.
 @functools.lru_cache(maxsize=256)
 def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_size: int | None) -> _Facts:
     model = _meta_model(model_json, pure_bf16, vocab_size)
+    import frugal
+    from frugal.in_backward import waiting_numel
+
     opt = json.loads(optimizer_json)
     name = opt.pop("name")
     c = model.config
@@ -343,20 +328,23 @@ def _facts_cached(model_json: str, optimizer_json: str, pure_bf16: bool, vocab_s
     layer_weights = _weight_numel(layer)
     params = list(model.parameters())
     estimate = _estimate(model, name, opt)
-    transient = _optimizer_transient(model, name, opt)
-    matrix_transient, gathered = _muon_step(model, name, opt)
-    waiting = _clip_waiting(model, name, opt)
+    # The transients are read from the optimizer built on the meta model (FRUGAL's layout; others: none).
+    # With the step inside backward and clipping, `waiting`: the elements whose gradients are held until
+    # the end of backward (None: no such mode without FRUGAL).
+    optimizer = frugal.build_optimizer(model, name, **opt)
+    transient, matrix_transient, gathered, waiting = 0, (0, 0), 0, None
+    if isinstance(optimizer, frugal.FRUGAL):
+        transient = _optimizer_transient(model, optimizer)
+        (matrix_transient, gathered), waiting = _muon_step(model, optimizer), waiting_numel(optimizer)
     return _Facts(
         activations=activations, layers=len(blocks), hidden=c.hidden_size, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=c.vocab_size, max_positions=c.max_position_embeddings,
         params=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
         matmul_weights=sum(_weight_numel(model)), layer_params=sum(p.numel() for p in layer.parameters()),
         layer_matmul_weights=sum(layer_weights), largest_layer_weight=max(layer_weights),
-        head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout,
-        optimizer_state=estimate,
+        head_weight=model.get_output_embeddings().weight.numel(), dropout=dropout, optimizer_state=estimate,
         optimizer_transient=transient, matrix_transient=matrix_transient, gathered_per_step=gathered,
-        clip_waiting=waiting,
-    )
+        clip_waiting=waiting)
 
 
 def _facts(model_cfg, optimizer_cfg, precision: str, vocab_size: int | None) -> _Facts:

@@ -134,7 +134,6 @@ def check_loop_settings(tc) -> None:
                           f"e.g. train.resume_changes=[optimizer.lr,train.steps]")
 
 
-
 def check_auto_batch(cfg: DictConfig, world_size: int) -> int:
     """train.micro_batch_size=auto: the batch must split evenly over the processes; return it."""
     batch = _integer(cfg, "train.batch_size", 1)
@@ -204,13 +203,8 @@ def check_in_backward(cfg: DictConfig, world_size: int) -> None:
     processes: DDP all-reduces a gradient after its hook has already used it (FSDP2 reduces first)."""
     if not OmegaConf.select(cfg, "train.optimizer_in_backward", default=False):
         return
-    from frugal.registry import frugal_based
-
-    name = OmegaConf.select(cfg, "optimizer.name")
-    if name not in frugal_based():
-        raise ConfigError(f"train.optimizer_in_backward=true runs FRUGAL's step inside backward, but optimizer.name="
-                          f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
-                          f"(or train.optimizer_in_backward=false)")
+    _check_frugal_based(cfg, "train.optimizer_in_backward=true runs FRUGAL's step inside backward",
+                        "train.optimizer_in_backward=false")
     growth = OmegaConf.select(cfg, "optimizer.update_gap_growth", default=1.0)
     if growth is not None and growth > 1.0:
         raise ConfigError(f"train.optimizer_in_backward=true with optimizer.update_gap_growth={growth}: the plateau-"
@@ -239,13 +233,18 @@ def check_state_free_comm(cfg: DictConfig) -> None:
         raise ConfigError("train.state_free_comm=vote cannot run with train.optimizer_in_backward=true: the step "
                           "inside backward updates each tensor before its gradient is communicated; valid choices: "
                           "train.optimizer_in_backward=false or train.state_free_comm=exact")
+    _check_frugal_based(cfg, "train.state_free_comm=vote votes on FRUGAL's state-free tensors",
+                        "train.state_free_comm=exact")
+
+
+def _check_frugal_based(cfg: DictConfig, setting: str, instead: str) -> None:
+    """A ConfigError when `setting` (what it does, said first) meets an optimizer not built on FRUGAL."""
     from frugal.registry import frugal_based
 
     name = OmegaConf.select(cfg, "optimizer.name")
     if name not in frugal_based():
-        raise ConfigError(f"train.state_free_comm=vote votes on FRUGAL's state-free tensors, but optimizer.name="
-                          f"{name!r} is not built on FRUGAL; valid choices: {', '.join(frugal_based())} "
-                          f"(or train.state_free_comm=exact)")
+        raise ConfigError(f"{setting}, but optimizer.name={name!r} is not built on FRUGAL; valid choices: "
+                          f"{', '.join(frugal_based())} (or {instead})")
 
 
 def stop_with_error(err: BaseException, exit_code: int, in_job: bool | None = None) -> None:
