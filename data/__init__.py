@@ -40,16 +40,12 @@ DEFAULTS = {
 }
 
 
-def _get(cfg, key):
+def _get(cfg, key, defaults: bool = True):
     """``cfg[key]``, or the source's default when the mapping leaves it out (or sets null)."""
     value = cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
-    if value is None:
-        return DEFAULTS.get(_get_name(cfg), {}).get(key)
+    if value is None and defaults:
+        return DEFAULTS.get(_get(cfg, "name", defaults=False), {}).get(key)
     return value
-
-
-def _get_name(cfg):
-    return cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
 
 
 def _source_name(cfg) -> str:
@@ -66,14 +62,9 @@ def build_source(cfg: Mapping[str, Any], *, model_vocab_size: int | None = None)
     if name == "synthetic":
         from .synthetic import SyntheticSource
 
-        src = SyntheticSource(
-            seq_len,
-            vocab_size=int(_get(cfg, "vocab_size")),
-            successors=int(_get(cfg, "successors")),
-            branching=int(_get(cfg, "branching")),
-            alpha=float(_get(cfg, "alpha")),
-            language_seed=int(_get(cfg, "language_seed")),
-        )
+        src = SyntheticSource(seq_len, vocab_size=int(_get(cfg, "vocab_size")), successors=int(_get(cfg, "successors")),
+                              branching=int(_get(cfg, "branching")), alpha=float(_get(cfg, "alpha")),
+                              language_seed=int(_get(cfg, "language_seed")))
         if model_vocab_size is not None and src.vocab_size > model_vocab_size:
             raise DataConfigError(f"synthetic vocab_size {src.vocab_size} > model vocab {model_vocab_size}")
         return src
@@ -127,9 +118,8 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
             "lower data.seq_len or use a model config with more positions"
         )
     source = build_source(cfg, model_vocab_size=model_vocab_size)
-    return DataModule(source, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      packing=bool(_get(cfg, "packing")),
-                      truncation=str(_get(cfg, "truncation")),
-                      readers=_get(cfg, "readers"), num_workers=_get(cfg, "num_workers"),
+    return DataModule(source, micro_batch_size=micro_batch_size, seq_len=seq_len, packing=bool(_get(cfg, "packing")),
+                      truncation=str(_get(cfg, "truncation")), readers=_get(cfg, "readers"),
+                      num_workers=_get(cfg, "num_workers"),
                       pin_memory=_get(cfg, "pin_memory"), rank=rank, world_size=world_size, seed=seed,
                       eval_mode=eval_mode)

@@ -86,29 +86,24 @@ class C4Source(Source):
         from datasets.exceptions import DatasetNotFoundError
 
         check_integer("data.shuffle_window", shuffle_window, 1, error=DataConfigError)
-        self.path = path
-        self.tok, self.info = tokenizer, info
-        self.shuffle = bool(shuffle)
-        self.window = int(shuffle_window)
-        self.pad_id, self.eos_id = info.pad_id, info.eos_id
-        self.prefix, self.suffix = tuple(info.prefix), tuple(info.suffix)
-        self.vocab_size = info.vocab_size
+        self.path, self.shuffle, self.window = path, bool(shuffle), int(shuffle_window)
+        self._use_tokenizer(tokenizer, info)
+
+        def stream(*args, split, **kwargs):
+            return datasets.load_dataset(*args, split=split, streaming=True, chunksize=JSON_CHUNK_BYTES, **kwargs)
+
         if path is None:
             try:
-                self._train = datasets.load_dataset("allenai/c4", "en", split="train", streaming=True,
-                                                    chunksize=JSON_CHUNK_BYTES)
-                self._val = datasets.load_dataset("allenai/c4", "en", split="validation", streaming=True,
-                                                  chunksize=JSON_CHUNK_BYTES)
+                self._train = stream("allenai/c4", "en", split="train")
+                self._val = stream("allenai/c4", "en", split="validation")
             # Offline (HF_DATASETS_OFFLINE) or no network: ConnectionError; a Hub that answers "no such
             # dataset" (a mirror, a gated copy): DatasetNotFoundError.
             except (ConnectionError, DatasetNotFoundError) as exc:
                 raise _hub_error(exc) from exc
         else:
             files = {"train": c4_files(path, "train"), "validation": c4_files(path, "validation")}
-            self._train = datasets.load_dataset("json", data_files=files, split="train", streaming=True,
-                                                chunksize=JSON_CHUNK_BYTES)
-            self._val = datasets.load_dataset("json", data_files=files, split="validation", streaming=True,
-                                              chunksize=JSON_CHUNK_BYTES)
+            self._train = stream("json", data_files=files, split="train")
+            self._val = stream("json", data_files=files, split="validation")
         self.n_files = self._train.n_shards
 
     def identity(self) -> dict:

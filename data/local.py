@@ -23,7 +23,6 @@ import os
 import zlib
 from pathlib import Path
 
-
 from frugal.checks import check_integer
 
 from .errors import DataConfigError, DataFileNotFoundError
@@ -141,10 +140,8 @@ class LocalSource(IndexedSource):
             raise DataConfigError(
                 f"data.path={path!r} ({self.bytes:,} bytes) holds only {len(docs)} document(s), all held out for "
                 "validation; give it more text (.txt files are split into documents at blank lines)")
-        self.tok, self.info, self.shuffle = tokenizer, info, bool(shuffle)
-        self.pad_id, self.eos_id = info.pad_id, info.eos_id
-        self.prefix, self.suffix = tuple(info.prefix), tuple(info.suffix)
-        self.vocab_size = info.vocab_size
+        self.shuffle = bool(shuffle)
+        self._use_tokenizer(tokenizer, info)
 
     def identity(self) -> dict:
         return {"name": self.name, "train_docs": len(self.train_texts), "val_stride": self.val_stride,

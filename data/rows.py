@@ -51,6 +51,13 @@ class Source:
     suffix: tuple = ()  # ... and after it (T5: </s>)
     rows: dict | None = None
 
+    def _use_tokenizer(self, tokenizer, info) -> None:
+        """Take the tokenizer and its ids (``data.tokenizer.TokenizerInfo``): a source of text."""
+        self.tok, self.info = tokenizer, info
+        self.pad_id, self.eos_id = info.pad_id, info.eos_id
+        self.prefix, self.suffix = tuple(info.prefix), tuple(info.suffix)
+        self.vocab_size = info.vocab_size
+
     def identity(self) -> dict:
         """What must not change for a resumed run to continue the same stream."""
         return {"name": self.name}

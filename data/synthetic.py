@@ -110,20 +110,6 @@ class MarkovLanguage:
             pair = self.next_pair[pair, k]
         return out
 
-    def log_probs(self, rows: np.ndarray) -> np.ndarray:
-        """-log p(x_t | x_{t-2}, x_{t-1}) for t >= 2 under the true model, shape (B, L-2)."""
-        B, L = rows.shape
-        # Pair index of (x_{t-2}, x_{t-1}) needs j with succ[a, j] == b.
-        succ = self.pair_second.reshape(self.V, self.s)
-        out = np.empty((B, L - 2))
-        for t in range(2, L):
-            a, b, c = rows[:, t - 2], rows[:, t - 1], rows[:, t]
-            j = np.argmax(succ[a] == b[:, None], axis=1)
-            pair = a * self.s + j
-            k = np.argmax(self.next_token[pair] == c[:, None], axis=1)
-            out[:, t - 2] = -np.log(self.probs[pair, k])
-        return out
-
 
 class SyntheticSource(Source):
     """Rows of ``seq_len`` symbols from :class:`MarkovLanguage`; no padding, no tokenizer."""

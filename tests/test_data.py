@@ -369,11 +369,26 @@ def test_synthetic_is_deterministic_by_seed():
     assert b["input_ids"].max() < 512 and (b["labels"] != -100).all()
 
 
+def _log_probs(lang, rows: np.ndarray) -> np.ndarray:
+    """-log p(x_t | x_{t-2}, x_{t-1}) for t >= 2 under the true model, shape (B, L-2)."""
+    B, L = rows.shape
+    # Pair index of (x_{t-2}, x_{t-1}) needs j with succ[a, j] == b.
+    succ = lang.pair_second.reshape(lang.V, lang.s)
+    out = np.empty((B, L - 2))
+    for t in range(2, L):
+        a, b, c = rows[:, t - 2], rows[:, t - 1], rows[:, t]
+        j = np.argmax(succ[a] == b[:, None], axis=1)
+        pair = a * lang.s + j
+        k = np.argmax(lang.next_token[pair] == c[:, None], axis=1)
+        out[:, t - 2] = -np.log(lang.probs[pair, k])
+    return out
+
+
 def test_synthetic_entropy_rate_matches_a_long_sample():
     lang = MarkovLanguage(512, 8, 3, 0.5, seed=0)
     assert 0 < lang.entropy_rate < lang.first_step_entropy < math.log(8) < lang.unigram_entropy <= math.log(512)
     rows = lang.sample(np.random.default_rng(123).random((1200, 256)))  # ~3e5 transitions
-    surprisal = lang.log_probs(rows)  # -log p(x_t | x_{t-2}, x_{t-1}), t >= 2
+    surprisal = _log_probs(lang, rows)  # -log p(x_t | x_{t-2}, x_{t-1}), t >= 2
     per_row = surprisal.mean(axis=1)  # rows are independent draws: their means are i.i.d.
     stderr = per_row.std(ddof=1) / math.sqrt(len(per_row))
     assert abs(per_row.mean() - lang.entropy_rate) < 4 * stderr, (per_row.mean(), lang.entropy_rate, stderr)
