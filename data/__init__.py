@@ -115,8 +115,7 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
     if max_positions is not None and seq_len > int(max_positions):
         raise DataConfigError(
             f"data.seq_len={seq_len} is longer than the model's max_position_embeddings={max_positions}; "
-            "lower data.seq_len or use a model config with more positions"
-        )
+            "lower data.seq_len or use a model config with more positions")
     source = build_source(cfg, model_vocab_size=model_vocab_size)
     return DataModule(source, micro_batch_size=micro_batch_size, seq_len=seq_len, packing=bool(_get(cfg, "packing")),
                       truncation=str(_get(cfg, "truncation")), readers=_get(cfg, "readers"),

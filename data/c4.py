@@ -54,8 +54,7 @@ def c4_files(path: str, split: str) -> list[str]:
     if not os.path.isdir(path):
         raise DataFileNotFoundError(
             f"data.path={path!r} is not a directory. Point it at a folder of C4 shards "
-            "(en/c4-train.00000-of-01024.json.gz ...), or set data.path=null to stream from the Hub."
-        )
+            "(en/c4-train.00000-of-01024.json.gz ...), or set data.path=null to stream from the Hub.")
     for sub in ("en", "."):
         files = sorted(glob.glob(os.path.join(path, sub, f"c4-{split}.*.json.gz"))
                        + glob.glob(os.path.join(path, sub, f"c4-{split}.*.json")))
@@ -63,8 +62,7 @@ def c4_files(path: str, split: str) -> list[str]:
             return files
     raise DataFileNotFoundError(
         f"data.path={path!r} has no C4 {split} shards: expected files like "
-        f"{os.path.join(path, 'en', f'c4-{split}.00000-of-XXXXX.json.gz')}"
-    )
+        f"{os.path.join(path, 'en', f'c4-{split}.00000-of-XXXXX.json.gz')}")
 
 
 def _hub_error(exc: Exception) -> DataConfigError:
@@ -74,8 +72,7 @@ def _hub_error(exc: Exception) -> DataConfigError:
         "data.path at a directory of local C4 shards, e.g. data.path=/datasets/c4 containing "
         "en/c4-train.00000-of-01024.json.gz ... and en/c4-validation.00000-of-00008.json.gz ... "
         "(download them once with `huggingface-cli download allenai/c4 --repo-type dataset "
-        "--include 'en/*'`)."
-    )
+        "--include 'en/*'`).")
 
 
 class C4Source(Source):

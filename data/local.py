@@ -49,8 +49,7 @@ def find_files(path: str) -> list[str]:
         raise DataFileNotFoundError(f"data.path={path!r} does not exist (expected a file, a directory or a glob)")
     if not files:
         raise DataFileNotFoundError(
-            f"data.path={path!r} holds no data files; supported: {', '.join(SUFFIXES)}"
-        )
+            f"data.path={path!r} holds no data files; supported: {', '.join(SUFFIXES)}")
     return files
 
 
@@ -116,8 +115,7 @@ def read_documents(files: list[str], text_field: str = "text") -> list[str]:
         shown = ", ".join(bad[:5]) + (f" ... (+{len(bad) - 5} more)" if len(bad) > 5 else "")
         raise DataConfigError(
             f"{len(bad)} malformed line(s) (not JSON, or without a string field {text_field!r}) in the data "
-            f"files: {shown}. Fix or remove them; nothing was skipped silently."
-        )
+            f"files: {shown}. Fix or remove them; nothing was skipped silently.")
     return docs
 
 

@@ -239,8 +239,7 @@ class DataModule:
                f"No worker count fits {self.world_size} processes. ")
             + f"Or set data.readers to a multiple of {multiple} "
             f"(e.g. {multiple * max(1, -(-self.readers // multiple))}); "
-            "that changes the order of the training data, so keep it fixed across runs you compare."
-        )
+            "that changes the order of the training data, so keep it fixed across runs you compare.")
 
     def _check_finished_rows(self) -> None:
         spec = self.source.rows
@@ -256,8 +255,7 @@ class DataModule:
                 f"(truncation={spec.get('truncation')}, no packing), but this run asks for "
                 f"data.seq_len={self.seq_len}, "
                 f"data.truncation={self.truncation}, data.packing={self.packing}. Use those settings, or write "
-                "token files with `scripts/pretokenize.py --layout documents` (any seq_len, packing or not)."
-            )
+                "token files with `scripts/pretokenize.py --layout documents` (any seq_len, packing or not).")
 
     @property
     def vocab_size(self) -> int | None:

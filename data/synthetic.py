@@ -48,8 +48,7 @@ class MarkovLanguage:
                  alpha: float = 0.5, seed: int = 0):
         if not 2 <= branching <= successors <= vocab_size:
             raise DataConfigError(
-                f"data: need 2 <= branching ({branching}) <= successors ({successors}) <= vocab_size ({vocab_size})"
-            )
+                f"data: need 2 <= branching ({branching}) <= successors ({successors}) <= vocab_size ({vocab_size})")
         if alpha <= 0:
             raise DataConfigError(f"data.alpha must be > 0, got {alpha}")
         V, s, m = int(vocab_size), int(successors), int(branching)

@@ -31,7 +31,7 @@ from .errors import DataConfigError, DataFileNotFoundError
 from .indexed import IndexedSource
 from .rows import RowFormat
 
-__all__ = ["TokenSource", "write_split", "write_meta", "pretokenize", "LAYOUTS"]
+__all__ = ["TokenSource", "write_split", "pretokenize", "LAYOUTS"]
 
 FORMAT = 2
 LAYOUTS = ("auto", "rows", "documents")
@@ -60,14 +60,6 @@ def write_split(out_dir: str, split: str, docs, dtype: str) -> dict:
     return {"tokens": int(offsets[-1]), "docs": len(offsets) - 1, "max_id": max_id}
 
 
-def write_meta(out_dir: str, meta: dict) -> None:
-    meta = {"format": FORMAT, **meta}
-    tmp = os.path.join(out_dir, "meta.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(out_dir, "meta.json"))
-
-
 class TokenSource(IndexedSource):
     name = "tokens"
 
@@ -80,8 +72,7 @@ class TokenSource(IndexedSource):
         if not os.path.isfile(meta_file):
             raise DataFileNotFoundError(
                 f"data.path={path!r} has no meta.json: create token files with "
-                "`python -m scripts.pretokenize --data <source> --out <dir>`"
-            )
+                "`python -m scripts.pretokenize --data <source> --out <dir>`")
         with open(meta_file) as f:
             self.meta = json.load(f)
         if self.meta.get("format") != FORMAT:
@@ -103,8 +94,7 @@ class TokenSource(IndexedSource):
             if embed is not None and info.get("max_id", -1) >= embed:
                 raise DataConfigError(
                     f"{path}: {split} token ids go up to {info['max_id']} but the model embeds {embed} ids "
-                    f"(tokenizer {self.meta.get('tokenizer')!r}); use the model these files were made for"
-                )
+                    f"(tokenizer {self.meta.get('tokenizer')!r}); use the model these files were made for")
         self._maps: dict = {}
         self._idx = {s: np.load(os.path.join(path, f"{s}.idx.npy")) for s in self.meta["splits"]}
         if self.n_train() == 0:
@@ -244,5 +234,8 @@ def pretokenize(data_cfg, out_dir: str, *, train_rows: int, val_tokens: int | No
         "source": cfg,
         "splits": splits,
     }
-    write_meta(out_dir, meta)
+    tmp = os.path.join(out_dir, "meta.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(out_dir, "meta.json"))
     return meta

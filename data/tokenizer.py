@@ -80,8 +80,7 @@ def _special_layout(tok) -> tuple[list[int], list[int]]:
             return full[:i], full[i + len(plain):]
     raise DataConfigError(
         f"cannot tell where the tokenizer {getattr(tok, 'name_or_path', '?')!r} puts its special tokens "
-        f"({full} with them, {plain} without); use data.truncation=prefix"
-    )
+        f"({full} with them, {plain} without); use data.truncation=prefix")
 
 
 class TokenizerInfo:
@@ -118,8 +117,7 @@ class TokenizerInfo:
                     f"The tokenizer {self.name!r} has {self.size} ids but the model embeds only "
                     f"{limit} ({len(ordinary)} ordinary pieces would not fit). Use the model's "
                     "tokenizer (model.tokenizer), set model.vocab_size >= the tokenizer size, or "
-                    "data.vocab_from=tokenizer to size the embedding from the tokenizer."
-                )
+                    "data.vocab_from=tokenizer to size the embedding from the tokenizer.")
             self.remap_from = limit
         for name, value in (("eos", self.eos_id), ("pad", self.pad_id)):
             if value is not None and limit is not None and value >= limit:
@@ -132,9 +130,7 @@ def _cut_at_word(text: str, max_chars: int) -> str:
     sentencepiece (split_by_whitespace) and GPT-2's byte-level BPE never merge across a whitespace
     boundary, so the tokens of such a prefix are exactly the first tokens of the whole text.
     """
-    cut = text.rfind(" ", 0, max_chars)
-    for ws in ("\n", "\t"):
-        cut = max(cut, text.rfind(ws, 0, max_chars))
+    cut = max(text.rfind(ws, 0, max_chars) for ws in " \n\t")
     return text[:cut] if cut > 0 else text
 
 

@@ -129,15 +129,6 @@ def flops_per_position(model: torch.nn.Module, num_layers: int, hidden_size: int
     return 6.0 * n + 12.0 * num_layers * hidden_size * seq_len
 
 
-def _clear_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM, the peak resident set size
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss() -> int:
     try:
         with open("/proc/self/status") as f:
@@ -159,9 +150,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        _clear_peak_rss()
+        return torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set size
+    except OSError:
+        pass
 
 
 class Interval:

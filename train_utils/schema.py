@@ -104,7 +104,7 @@ def valid_keys(cfg: DictConfig) -> dict[str, list[str]]:
     choices = _choices(cfg) or {}
     for group in groups:
         chosen = choices.get(group)
-        options = [chosen] if chosen else sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        options = [chosen] if chosen else group_options(group)
         keys: dict[str, None] = {}
         for option in options:
             keys.update(dict.fromkeys(option_keys(group, option)))
@@ -154,7 +154,7 @@ def _declared_by_every_option(node: str) -> set[str]:
         return set(sections[node])
     if node not in primary_groups() or not (CONFIG_DIR / node).is_dir():
         return set()
-    options = [set(option_keys(node, p.stem)) for p in sorted((CONFIG_DIR / node).glob("*.yaml"))]
+    options = [set(option_keys(node, option)) for option in group_options(node)]
     return set.intersection(*options) if options else set()
 
 

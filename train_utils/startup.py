@@ -32,11 +32,12 @@ from train_utils.naming import is_multirun, run_group
 from train_utils.run import Run
 from train_utils.signals import STOP
 from train_utils.slurm import requeue
+from train_utils.sweep_check import config_errors
 from train_utils.validation import AUTO, ConfigError, JobError, stop_with_error, validate_config
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: run again to continue
 # What a user can fix from the message alone gets one line and no traceback; anything else keeps it.
-CONFIG_ERRORS = (ConfigError, frugal.HyperparameterError, data.DataConfigError, models.ModelConfigError)
+CONFIG_ERRORS = config_errors()
 RUN_ERRORS = (NonFiniteError, frugal.NonFiniteGradientError, ckpt.CheckpointError,
               distributed.CollectiveTimeout, MetricsFileError)
 

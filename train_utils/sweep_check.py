@@ -52,7 +52,7 @@ SWEEPERS = (BASIC_SWEEPER, SWEEPER)
 
 def config_errors() -> tuple:
     """The errors train.py ends with one line and exit code 2 (train_utils.startup.CONFIG_ERRORS; imported
-    here without the loop's libraries)."""
+    when called, without the loop's libraries)."""
     import data
     import frugal
     import models

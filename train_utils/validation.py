@@ -165,8 +165,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
             f"train.batch_size={batch} must equal train.micro_batch_size ({micro}) x gradient "
             f"accumulation steps x world size ({world_size}), but {batch} is not a multiple of "
             f"{micro} x {world_size} = {per_pass}. Valid train.batch_size values for this micro batch: "
-            f"{options}, ...; valid train.micro_batch_size values for this batch size: {divisors or 'none'}."
-        )
+            f"{options}, ...; valid train.micro_batch_size values for this batch size: {divisors or 'none'}.")
     check_precision(cfg.train.precision, allow_auto=True)  # train() resolves auto before it is used
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; choose one of {', '.join(WANDB_MODES)}")
