@@ -150,6 +150,24 @@ def collective_timeout_message(world: int, rank: int, collective_timeout_s: floa
             f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})")
 
 
+def on_main(accelerator, fn, errors, share: bool = True):
+    """Run `fn` on the main process only (collective: call on every rank; also a barrier). An exception
+    of type `errors` that it raises is raised on every rank (same type and message), so all ranks fail
+    together; otherwise returns its result on every rank (share=False: on the main process, None elsewhere)."""
+    from accelerate.utils import broadcast_object_list
+
+    outcome = None
+    if accelerator.is_main_process:
+        try:
+            outcome = fn()
+        except errors as err:
+            outcome = err
+    shared = broadcast_object_list([outcome if share or isinstance(outcome, BaseException) else None])[0]
+    if isinstance(shared, BaseException):
+        raise shared
+    return shared if share else outcome
+
+
 def torchrun_multirun_error(multirun: bool) -> str | None:
     """Under torchrun, a Hydra multirun runs its jobs one after another in the same processes; the
     first job's end destroys the process group the next one needs. Refuse it up front."""

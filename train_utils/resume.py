@@ -159,18 +159,9 @@ def plan(cfg, ckpt_root: str, metrics_path: str, accelerator) -> dict:
     checkpoint and compares configs; every rank gets the same plan, or raises the same error:
     {"ckpt_dir": checkpoint or None, "notes": what was skipped and why, "step": its step,
      "changes": {key: (old, new)} named in train.resume_changes, "finished": nothing left to do}."""
-    from accelerate.utils import broadcast_object_list
+    from train_utils.distributed import on_main
 
-    outcome = None
-    if accelerator.is_main_process:
-        try:
-            outcome = _plan(cfg, ckpt_root, metrics_path)
-        except (ConfigError, ckpt.CheckpointError) as err:
-            outcome = err
-    outcome = broadcast_object_list([outcome])[0]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    return on_main(accelerator, lambda: _plan(cfg, ckpt_root, metrics_path), (ConfigError, ckpt.CheckpointError))
 
 
 def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
@@ -215,9 +206,9 @@ def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> s
     (FSDP2) ones by every rank, through torch.distributed.checkpoint
     (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
     writer's message. Returns the checkpoint's path on the main process."""
-    from accelerate.utils import broadcast_object_list, gather_object
+    from accelerate.utils import gather_object
 
-    from train_utils.distributed import is_sharded
+    from train_utils.distributed import is_sharded, on_main
 
     root, model, optimizer, accelerator = run.ckpt_root, run.raw_model, run.optimizer, run.accelerator
     data_state, keep = run.dm.state_dict(), run.cfg.checkpoint.keep
@@ -242,18 +233,12 @@ def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> s
 
         return sharded_checkpoint.save(root, step, model=model, optimizer=optimizer, trainer=trainer, texts=texts,
                                        keep=keep, accelerator=accelerator)
-    path, error = None, None
-    if accelerator.is_main_process:
-        try:
-            path = ckpt.save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                     "trainer": trainer}, texts=texts, keep=keep)
-        except ckpt.CheckpointError as err:
-            error = str(err)
-    # Also the barrier: nobody moves on (or exits) before the checkpoint exists or has failed.
-    error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise ckpt.CheckpointError(error)
-    return path
+
+    def write():  # main process only; also the barrier: nobody moves on (or exits) before it exists or has failed
+        return ckpt.save(root, step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                      "trainer": trainer}, texts=texts, keep=keep)
+
+    return on_main(accelerator, write, ckpt.CheckpointError, share=False)
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:

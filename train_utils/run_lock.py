@@ -121,18 +121,10 @@ class RunLock:
 def hold(run_dir: str, accelerator) -> RunLock | None:
     """Take the run directory's lock on the main process (collective: every rank raises the same
     RunDirInUse when it is taken). Returns the lock (None on other ranks)."""
-    from accelerate.utils import broadcast_object_list
+    from train_utils.distributed import on_main
 
-    lock, error = None, None
-    if accelerator.is_main_process:
-        lock = RunLock(run_dir)
-        try:
-            lock.acquire()
-        except RunDirInUse as err:
-            lock, error = None, str(err)
-    error = broadcast_object_list([error])[0]
-    if error is not None:
-        raise RunDirInUse(error)
+    lock = RunLock(run_dir) if accelerator.is_main_process else None
+    on_main(accelerator, lambda: lock.acquire(), RunDirInUse)
     return lock
 
 
