@@ -268,8 +268,8 @@ def fit_link(cases: list[dict]) -> tuple[float, dict, float]:
     for r in cases:
         if r["rate"] != "unshaped":
             groups[(r["world"], r["mode"])].append(
-                (r["loopback_bytes"] / r["steps"] / bytes_per_s(r["rate"]), r["step_time_median_s"]))
-    groups = {g: pts for g, pts in groups.items() if len(pts) > 1}
+                (r["loopback_bytes"] / r["steps"] / bytes_per_s(r["rate"]), r["step_time_median_s"], r["rate"]))
+    groups = {g: [p[:2] for p in pts] for g, pts in groups.items() if len({p[2] for p in pts}) > 1}
     if not groups:
         raise ValueError("fitting the link needs two shaped rates of one (ranks, mode) case")
     means = {g: (statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)) for g, pts in groups.items()}

@@ -305,7 +305,7 @@ def test_the_link_model_recovers_a_known_link_and_counts_node_bytes():
     assert node_bytes(1000, 600, 2, 8, "exact") == pytest.approx(2 * 15 / 16 * 4000)
     assert node_bytes(1000, 600, 2, 8, "vote") == pytest.approx(2 * 15 / 16 * 1600 + 8 / 16 * 600 + 15 / 16 * 75)
     with pytest.raises(ValueError, match="two shaped rates"):
-        fit_link([cases[0]])
+        fit_link([cases[0], dict(cases[0], step_time_median_s=0.5)])  # one rate twice: no slope to fit
 
 
 @pytest.mark.slow
