@@ -332,7 +332,7 @@ def test_a_taken_name_or_a_wrong_kind_is_refused(my_rules):
     with pytest.raises(ValueError, match=r"'x' declares options \['rms_beta'\] that another rule declares"):
         rules.register_state_free("x", rules.StateFreeRule(direction=torch.sign, options={"rms_beta": 0.5}))
     assert "x" not in rules.STATE_FREE
-    with pytest.raises(frugal.HyperparameterError, match="valid choices: .*rmsprop"):
+    with pytest.raises(frugal.HyperparameterError, match="valid choices: .*rmsprop"), pytest.warns(UserWarning):
         frugal.FRUGAL(torch.nn.Linear(2, 2).parameters(), state_full="rmsprop2")
 
 
@@ -379,7 +379,8 @@ def test_one_validation_pass_per_construction(monkeypatch):
     model = models.build_model(MODEL, vocab_size=VOCAB)
     frugal.FRUGAL(model, lr=1e-3)
     assert len(calls) == 1
-    opt = frugal.FRUGAL([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5}], lr=1e-3)
+    with pytest.warns(UserWarning, match="no projectable parameters"):
+        opt = frugal.FRUGAL([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5}], lr=1e-3)
     assert calls[-1] == ["lr"] and opt.param_groups[0]["lr"] == 0.5
     with pytest.raises(frugal.HyperparameterError, match="Invalid lr"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1.0})
