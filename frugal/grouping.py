@@ -1,39 +1,25 @@
-"""Which parameters FRUGAL may split, and which block (layer) each belongs to.
+"""Which parameters FRUGAL may split, and which block (layer) each belongs to (docs/library.md, "Inputs").
 
 The paper (Section 5, Appendix D) splits only the 2-D weights of the attention and MLP projections
-inside transformer blocks ("Linear layers"). Embeddings, norms and the output head stay state-full
-with the state-full rule and are never reset: the paper found them to be the parameters that suffer
-most from a state-free update (Table 4: moving the output layer to signSGD costs 14 perplexity
-points). Biases are tiny and stay state-full too. A state-full rule defined only for weight matrices
-(Muon) gives them AdamW instead, wherever the groups are built from a model (`StateFullRule.rest`).
+inside transformer blocks. Embeddings, norms, biases and the output head stay state-full and are
+never reset (Table 4: they suffer most from a state-free update); a state-full rule defined only for
+weight matrices (Muon) gives them AdamW where the groups are built from a model (`StateFullRule.rest`).
 
-Blocks are found from the module structure, so no model family needs its own names
-(`transformer_blocks(model)` returns them; the training side uses it for FSDP2 units, compiled and
-recomputed layers and the memory planner):
+Blocks are found from the module structure, so no model family needs its own names:
 
-- a *block list* is an `nn.ModuleList` or `nn.Sequential` of at least two children of one class,
-  each holding a matrix weight: the transformer layers (LLaMA's `model.layers`, GPT-2's
-  `transformer.h`, BERT's `encoder.layer`, T5's `encoder.block` and `decoder.block`, ...). Only
-  the outermost lists count: the experts of a mixture-of-experts layer belong to that layer.
-- a *matrix weight* is the 2-D weight of an `nn.Linear`, of transformers' `Conv1D` (GPT-2; stored
-  (in, out), hence `transposed=True`) or an `nn.MultiheadAttention` input projection. Modules are
-  matched by class (Conv1D by class name), so this module never imports transformers.
-- the projectable tensors are the matrix weights inside block lists. Everything else (embeddings,
-  position embeddings, norms, biases, a pooler, the output head) is state-full.
-- blocks are numbered in module order across all block lists: an encoder-decoder model (T5) has
-  encoder layers 0..E-1, then decoder layers E..E+D-1, so `block_order="descending"` starts at the
-  decoder's top layer, the one nearest the output, as it does in a decoder-only model.
+- a *block list* is an `nn.ModuleList` or `nn.Sequential` of at least two children of one class, each
+  holding a matrix weight; only the outermost lists count (experts belong to their layer).
+- a *matrix weight* is the 2-D weight of an `nn.Linear`, of transformers' `Conv1D` (stored (in, out):
+  `transposed=True`; matched by class name, transformers is never imported) or an
+  `nn.MultiheadAttention` input projection. The projectable tensors are those inside block lists.
+- blocks are numbered in module order across all block lists (T5: encoder 0..E-1, then decoder), so
+  `block_order="descending"` starts at the layer nearest the output.
 
-`target_modules` overrides the projectable set with names, as users know from PEFT and
-galore-torch: a list of names matches every module whose qualified name equals one of them or ends
-with `"." + name` (`["q_proj", "v_proj"]`, `["mlp"]`); a single string is a regular expression
-matched against the whole qualified name (`r".*\\.layers\\.\\d+\\.mlp\\..*"`). Every matrix weight
-in or below a matched module is projectable; one outside any block list forms a block of its own,
-numbered after the layers.
-
-`resolve_params` is what `FRUGAL(params)` does with its first argument, so that the obvious calls
-(`FRUGAL(model)`, `FRUGAL(model.named_parameters())`, `FRUGAL(model.parameters())`, the grouped
-dicts of HF Trainer) do FRUGAL, or warn loudly why not.
+`target_modules` (as in PEFT / galore-torch) overrides the projectable set: a list of names matches a
+module whose qualified name equals one or ends with `"." + name`; a string is a regular expression
+matched against the whole qualified name. Every matrix weight in or below a match is projectable; one
+outside any block list is a block of its own, numbered after the layers. `resolve_params` is what
+`FRUGAL(params)` does with its first argument: the obvious calls do FRUGAL, or warn loudly why not.
 """
 from __future__ import annotations
 
@@ -118,13 +104,9 @@ def block_lists(model: nn.Module) -> list[str]:
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of `model`, in module order: the children of its block lists.
-
-    The one rule for "which modules are the transformer blocks", used wherever it matters: FRUGAL's
-    blocks (param_groups), FSDP2's units, compiled and recomputed modules, the memory planner's
-    layer. A new model family needs no entry anywhere: its layers are found from the structure.
-    Raises ValueError when the model has no block list.
-    """
+    """The transformer blocks of `model`, in module order (the children of its block lists): the one
+    rule for FRUGAL's blocks, FSDP2 units, compiled and recomputed modules and the memory planner.
+    Raises ValueError when the model has no block list."""
     blocks = [child for name in block_lists(model) for child in model.get_submodule(name).children()]
     if not blocks:
         raise ValueError(f"found no transformer blocks in {type(model).__name__}: no nn.ModuleList or "
@@ -301,31 +283,16 @@ _REMEDY = ("FRUGAL splits the 2-D weights inside transformer blocks, found in a 
 
 def param_groups(model: nn.Module, state_free_modules: Iterable[str] = (),
                  target_modules=None, tensor_order: str = "module", state_full: str | None = None) -> list[dict]:
-    """Split `model`'s trainable parameters into FRUGAL param groups.
-
-    Returns, in this order (empty groups omitted):
-      - one group of non-projectable tensors (embeddings, norms, output head, biases, anything
-        outside the transformer blocks): state-full with the state-full rule, never reset;
-      - one group per block N with `projectable=True, block=N` and `transposed=True` for
-        transformers' Conv1D weights (stored (in, out)), so that orientation-dependent
-        projections treat every weight as (out, in);
-      - one group `always_state_free=True` with the kinds listed in `state_free_modules`
-        (any of "embeddings", "norms", "output"; the paper's Table 4).
-
-    `target_modules` replaces the automatic choice of projectable weights (module docstring).
-    `tensor_order`: the order of a block's tensors, which the block walk of ``block_granularity=
-    "tensor"`` follows: "module" (the model's registration order) or "authors" (LLaMA's MLP as the
-    FRUGAL authors' model registers it, gate, down, up: AUTHORS_TENSOR_ORDER).
-    `state_full`: the state-full rule the optimizer will be given. A rule of weight matrices only
-    (`StateFullRule.rest`: Muon) gives the non-projectable group `state_full="adamw"` (embeddings, norms,
-    biases, output head): what `FRUGAL(model, state_full="muon")` and the registry entries do. None
-    (or any other rule): the group takes the optimizer's rule.
-    Tied parameters (GPT-2's wte = lm_head) are listed once; a tied tensor has every kind of the
-    names it is reachable by, and moves to the state-free set if any of those kinds is listed.
-    Parameters with `requires_grad=False` are left out (an optimizer has nothing to do for them).
-
-    Raises ValueError for unknown `state_free_modules` entries, target_modules that match nothing,
-    and a model in which no projectable weight is found.
+    """Split `model`'s trainable parameters into FRUGAL param groups, in this order (empty ones omitted):
+    the non-projectable tensors (state-full, never reset); one group per block N (`projectable=True,
+    block=N`, `transposed=True` for Conv1D weights, so every weight reads as (out, in)); and one
+    `always_state_free=True` group of the kinds in `state_free_modules` ("embeddings", "norms", "output":
+    Table 4). `target_modules`: module docstring. `tensor_order`: the order the ``block_granularity=
+    "tensor"`` walk follows: "module" or "authors" (AUTHORS_TENSOR_ORDER). `state_full`: the optimizer's
+    rule; one with `StateFullRule.rest` (Muon) gives the non-projectable group that rule (AdamW).
+    Tied parameters are listed once, with every kind of the names they are reachable by (state-free if
+    any is listed); `requires_grad=False` ones are left out. Raises ValueError for unknown
+    `state_free_modules` entries, target_modules that match nothing, and no projectable weight.
     """
     groups = _groups(module_roles(model, target_modules), state_free_modules, tensor_order, state_full)
     if not any(group["projectable"] for group in groups):
@@ -449,21 +416,12 @@ def _no_projectable_warning(what: str) -> None:
 
 
 def resolve_params(params, state_full: str | None = None) -> list[dict] | object:
-    """Param groups for `FRUGAL(params, state_full=..., ...)` from whatever a user passes as `params`.
-
-    - an nn.Module: `param_groups(model, state_full=state_full)` (the structure above; with
-      state_full "muon" the non-projectable tensors take AdamW, `StateFullRule.rest`); no warning.
-    - groups carrying any FRUGAL key (projectable, block, transposed, always_state_free): as given.
-    - `model.named_parameters()`, `model.parameters()` or groups without FRUGAL keys (HF Trainer's
-      `[{'params': [...], 'weight_decay': wd}, {'params': [...], 'weight_decay': 0.0}]`): the
-      projectable tensors are guessed from names (numbered layers) or, for plain tensors, from the
-      shape pattern the layers repeat; each group keeps its own settings on its parts, and a
-      warning says what was picked and how to be exact (pass the model). These groups are not
-      routed by `StateFullRule.rest`: every tensor takes `state_full` (Muon refuses a 1-D one, naming the model call).
-
-    Whenever the result has no projectable tensor (and the groups do not all say so themselves),
-    a UserWarning says that FRUGAL will behave as the state-full rule alone, and how to fix it.
-    Anything torch would reject (a lone tensor, a set, mixed named and unnamed) is returned as is.
+    """Param groups for `FRUGAL(params, state_full=...)` from whatever a user passes as `params`: a model
+    goes through `param_groups`; groups carrying any FRUGAL key are kept as given; named or plain tensors,
+    or groups without FRUGAL keys (HF Trainer's), get projectable tensors guessed from numbered layer
+    names or repeating shapes, each group keeping its settings on its parts, with a warning (these are
+    not routed by `StateFullRule.rest`). A result with no projectable tensor (unless the groups all say
+    so) warns that FRUGAL is the state-full rule alone. What torch would reject is returned as is.
     """
     if isinstance(params, nn.Module):
         groups = _groups(module_roles(params), state_full_rule=state_full)

@@ -1,45 +1,27 @@
-"""FRUGAL: one optimizer step = select the subspace, split the gradient, update both parts, write
-back (Algorithm 1 of the paper).
+"""FRUGAL: one step = select the subspace, split the gradient, update both parts, write back
+(Algorithm 1 of the paper); the phases of ``FRUGAL.step`` over every tensor with a gradient:
 
-``FRUGAL.step`` runs these phases over every tensor with a gradient:
+1. select (``_select``): each tensor's role (``frugal.windows``): state-full (non-projectable tensors,
+   active blocks), state-free (inactive blocks, ``always_state_free`` groups) or split. Tensors leaving
+   the state-full set, and those whose state restarts at the boundary (``reset_all``,
+   ``reset_everything``), drop their state here, before any is allocated: a block switch peaks at the
+   resting state plus one block.
+2. split (``_split``): a split tensor's subspace (``frugal.state_management``), reduced ``full_grad``
+   and ``target`` (coordinate projections: gathered weights; matrix projections: zeros collecting the
+   update), and the state-free gradient: the residual ``g - P^{-1}(P(g))``, or the whole gradient for
+   an elementwise rule on a coordinate projection (see 5).
+3. state-full update: ``rules.STATE_FULL`` over buckets of equal settings (``FullKey``).
+4. state-free update: ``rules.STATE_FREE`` over buckets (``FreeKey``), with the decoupled weight decay
+   of state-free and split tensors fused in.
+5. write back (``_write_back``): coordinate projections scatter the reduced weights over the
+   state-free result; matrix projections, and non-elementwise rules, add ``P^{-1}(target)``.
 
-1. select (``_select``): each tensor's role this step (``frugal.windows``): wholly state-full
-   (non-projectable tensors, active blocks), wholly state-free (inactive blocks,
-   ``always_state_free`` groups) or split (the other projections). Block-projected tensors leaving
-   the state-full set drop their state here, before any state is allocated, so a block switch
-   peaks at the resting state plus one block; so do the state-full tensors whose state restarts at
-   the window boundary (``reset_all``: the blocks; ``reset_everything``: every tensor).
-2. split (``_split``): a split tensor's state-full subspace for this window (``frugal.state_management``:
-   chosen every ``update_gap`` steps, state carried over), its reduced gradient ``full_grad`` and
-   reduced ``target`` (coordinate projections: a gathered copy of the weights; matrix projections:
-   zeros that collect the update), and the gradient its state-free rule sees: the residual
-   ``g - P^{-1}(P(g))``, or for an elementwise rule on a coordinate projection the whole gradient (see 5).
-3. state-full update: ``rules.STATE_FULL`` over buckets of equal settings (``FullKey``): torch's
-   fused AdamW kernel for AdamW.
-4. state-free update: ``rules.STATE_FREE`` over buckets (``FreeKey``): signSGD as one compiled pass
-   per tensor (``frugal.kernels``). Decoupled weight decay of state-free and split tensors is fused
-   into this pass.
-5. write back (``_write_back``): coordinate projections scatter the updated reduced weights over
-   the state-free result (which is why an elementwise state-free rule may run on the whole tensor);
-   matrix projections, and coordinate projections of a non-elementwise rule, add ``P^{-1}(target)``.
-
-Split tensors go through 2-5 a batch at a time (about one layer), so their temporaries stay far
-below the moments. ``step()`` only reads ``p.grad``. ``FRUGAL(foreach=False)`` runs
-``frugal.reference.update_tensor`` instead: Algorithm 1 literally, one tensor at a time, with no
-fused kernels and no gather/scatter shortcuts; it is the reference the fast path is tested
-against, and the path of bfloat16 weights with ``stochastic_rounding=True``.
-
-The concurrent methods the paper reads as FRUGAL instances (registry entries ``fira``, ``ldadam``,
-``adamem``) plug into these phases (docs/concurrent_methods.md, "How each method maps onto the phased
-step"): AdaMeM as a state-full rule with its own state layout (``rules.StateFullRule.shapes``) and a
-*contextual* state-free rule that keeps a statistic per tensor (phase 4); Fira as a rule that takes a
-split tensor's whole step in phase 4 (``rules.StateFreeRule.split_step``; phases 3 and 5 skip the
-tensor, its ``target`` is None); LDAdam as ``projection="power"``, ``reset_state="transport"`` and
-``error_feedback=True`` in phase 2 (``frugal.state_management``: ``p.grad`` is never written).
-
-The opt-in schedules (``density_schedule``, ``update_gap_growth``: AdaFRUGAL's proposal) keep their
-clock in the first param group, so ``state_dict()`` resumes them exactly, and report their changes
-through ``pop_events()``.
+Split tensors go through 2-5 about a layer at a time, so temporaries stay far below the moments;
+``step()`` only reads ``p.grad``. ``foreach=False`` runs ``frugal.reference.update_tensor``
+(Algorithm 1 literally, the fast path's test reference, and the path of bf16 weights with
+``stochastic_rounding``). How Fira, LDAdam and AdaMeM plug into the phases: docs/concurrent_methods.md.
+The opt-in schedules keep their clock in the first param group (``state_dict()`` resumes them) and
+report changes through ``pop_events()``.
 """
 from __future__ import annotations
 
@@ -108,8 +90,8 @@ class FreeKey(NamedTuple):
 class FRUGAL(Optimizer):
     r"""FRUGAL (Full-Rank Updates with GrAdient spLitting), Algorithm 1 of the paper.
 
-    For every projectable tensor with gradient :math:`g` at step :math:`t`, window
-    :math:`w = \lfloor t / T \rfloor` (``T = update_gap``) fixes a projection :math:`P_w`:
+    For a projectable tensor with gradient :math:`g`, window :math:`w = \lfloor t / T \rfloor`
+    (``T = update_gap``) fixes a projection :math:`P_w`:
 
     .. math::
         g_{full} = P_w(g), \qquad g_{free} = g - P_w^{-1}(g_{full}) \\
@@ -119,96 +101,65 @@ class FRUGAL(Optimizer):
             - \eta\,\gamma\,\mathrm{StateFree}(g_{free})
 
     with :math:`\eta` = ``lr``, :math:`\lambda` = ``weight_decay``, :math:`\kappa` =
-    ``projectable_lr_scale`` (GaLore's 0.25), :math:`\gamma` = ``state_free_lr_scale``.
-    StateFull is AdamW (bias correction counted since the state was (re)initialised), Lion or
-    SGD with momentum; StateFree is :math:`\mathrm{sign}(g_{free})` (signSGD), :math:`g_{free}`
-    (SGD) or 0 (``none``: BAdam / GaLore). State-free coordinates own no state.
+    ``projectable_lr_scale`` (GaLore's 0.25), :math:`\gamma` = ``state_free_lr_scale``. StateFull is
+    AdamW (bias correction counted since the state was (re)initialised), Lion or SGD with momentum;
+    StateFree is sign (signSGD), identity (SGD) or 0 (``none``: BAdam / GaLore). State-free
+    coordinates own no state. Every key is described in docs/library.md ("Inputs, methods,
+    hyperparameters, guarantees"); in brief:
 
-    Args (core):
+    Args:
         params: a model, its ``named_parameters()``, plain tensors (blocks guessed from repeating
-            shapes, with a warning) or param groups (``frugal.grouping``). Group keys:
-            ``projectable`` (split this group's tensors), ``block`` (its layer index),
-            ``transposed`` (GPT-2 ``Conv1D`` weight stored (in, out)), ``always_state_free``
-            (the whole tensor takes the state-free rule). Other tensors are state-full, never reset;
-            given a model, a rule of weight matrices (``state_full="muon"``) gives them AdamW
-            (``StateFullRule.rest``, as the registry's ``frugal_muon``; ``frugal.describe`` lists them).
+            shapes, with a warning) or param groups with keys ``projectable``, ``block`` (layer
+            index), ``transposed`` (GPT-2 ``Conv1D``), ``always_state_free`` (``frugal.grouping``).
+            Other tensors are state-full, never reset; a model with ``state_full="muon"`` gives
+            them AdamW (``StateFullRule.rest``).
         lr, betas, eps, weight_decay: as torch's AdamW (decoupled decay on every tensor).
-        density: :math:`\rho`, the state-full share of projectable elements: ``block`` keeps
-            k of the L blocks (``projections.block_count``); ``column``, ``row``, ``randk`` that
-            share of columns, rows or coordinates; ``svd``, ``random``, ``randperm``, ``power`` rank
-            round(:math:`\rho\min(m, n)`) on the smaller side.
+        density: :math:`\rho`, the state-full share of projectable elements: ``block`` keeps k of
+            the L blocks (``projections.block_count``); ``column``, ``row``, ``randk`` that share of
+            columns, rows or coordinates; ``svd``, ``random``, ``randperm``, ``power`` rank
+            round(:math:`\rho\min(m, n)`).
         update_gap: T, the steps of one subspace window.
         projection: block, column, row, randk, randperm, svd, random, power.
-        state_full, state_free: a registered rule (``rules.STATE_FULL``, ``rules.STATE_FREE``): the
-            paper's adamw, lion, sgdm and signsgd, sgd, none (BAdam / GaLore), and those of the modules
-            that register their own (``frugal.describe``'s docs; docs/library.md, "Writing a rule").
+        state_full, state_free: registered rules (``rules.STATE_FULL``, ``rules.STATE_FREE``).
         state_free_lr_scale, projectable_lr_scale: :math:`\gamma` and :math:`\kappa`.
-        reset_state: the state after a change of subspace: reset (the main text: a block that
-            stays state-full keeps its state, density 1 is AdamW), reset_all (the appendix
-            pseudocode and the authors' code, which the presets of the paper's tables set: every
-            state-full block restarts at every window boundary), reset_everything (reset_all, and
-            the non-projectable tensors restart too: the ``badam`` package's BlockOptimizer, which
-            clears its Adam's whole state at every switch), reproject, keep (GaLore), transport
-            (LDAdam); ``frugal.state_management`` compares them.
-        window_offset: window boundaries come this many steps earlier: the window of step t
-            (counted from 0) is ``(t + window_offset) // update_gap``, so the first window is
-            ``window_offset`` steps shorter. The ``badam`` package's first block trains
-            ``update_gap - 1`` steps (its switch test counts the step before the switch): 1. At
-            most ``update_gap - 1`` is used (with ``update_gap=1`` the package switches every step).
+        reset_state: the state after a change of subspace: reset (the main text: a staying block
+            keeps its state, density 1 is AdamW), reset_all (the appendix and the authors' code:
+            every state-full block restarts at every boundary), reset_everything (reset_all plus
+            the non-projectable tensors: the ``badam`` package), reproject, keep (GaLore),
+            transport (LDAdam); see ``frugal.state_management``.
+        window_offset: the window of step t (from 0) is ``(t + window_offset) // update_gap``
+            (the ``badam`` package: 1); at most ``update_gap - 1`` is used.
         block_order: descending (the paper's), ascending, mirror, random.
-        block_granularity: layer (the paper's text) or tensor (the authors' code: single weights,
-            Python's ``round``), or layer_floor (whole layers, ``int(density * L)`` of them: the
-            ``badam`` package's blocks as the authors' code makes them for BAdam).
-        momentum: sgdm's and muon's; None (the default) takes the rule's own: 0.9 for sgdm (the
-            paper's), 0.95 for muon (torch's). seed: the subspace draws.
-        **options: the registered rules' own hyperparameters (``StateFullRule.options``,
-            ``StateFreeRule.options``), each rule's defaults where not given: signsgd's ``sign_update``
-            (auto, compiled, eager: ``frugal.kernels``), muon's ``nesterov``, ``ns_steps``,
-            ``ns_coefficients``, ``adjust_lr_fn`` (``frugal.muon``), fira's ``fira_gamma`` (its
-            norm-growth limiter; None: off, for runs that clip gradients).
-
-    Args (concurrent methods, module docstring):
+        block_granularity: layer (the paper's text), tensor (the authors' code: single weights,
+            Python's ``round``) or layer_floor (``int(density * L)`` whole layers: ``badam``).
+        momentum: sgdm's and muon's; None takes the rule's own (0.9 sgdm, 0.95 muon).
+        seed: the subspace draws.
         subspace_momentum, error_feedback: LDAdam (with ``projection="power"``,
             ``reset_state="transport"``).
-        svd_signs: the sign of each singular vector of an svd basis, which matters where the state
-            is kept across a change of basis (GaLore, Fira): canonical (largest entry positive, so
-            CPU and GPU runs agree) or raw (``torch.linalg.svd``'s, backend-dependent, as the
-            galore-torch and fira packages; the registry's ``galore`` and ``fira`` take it).
-
-    Args (schedules, opt-in, off by default):
-        density_schedule, density_end, density_steps: the density goes from ``density`` to
-            ``density_end`` over ``density_steps`` steps (constant, linear, cosine, step), read at
-            the first step of each window.
-        update_gap_growth, plateau_patience, plateau_threshold, max_update_gap: the update gap is
-            multiplied by ``update_gap_growth`` (up to ``max_update_gap``) when a window's mean
-            loss (``observe_loss``) has not improved by ``plateau_threshold`` for
-            ``plateau_patience`` windows.
-
-    Args (implementation: same results, other speed or memory):
-        stochastic_rounding: round bfloat16 weights stochastically (unbiased) so updates below half
-            an ulp are not lost in pure bf16 (off: the paper's runs round to nearest).
-        master_weights: a bfloat16/float16 tensor keeps, while it is state-full, a float32 copy
-            of its weights (``state["master"]``) and float32 moments; the state-full rule updates
-            the copy (with the gradient in float32) and the weights are the copy rounded to
-            nearest. The copy is made from the weights when the tensor's state starts and dropped
-            with it (a reset restarts it from the rounded weights): the ``badam`` package in pure
-            bf16, whose fp32 copy of the trained tensors lives for one block. No effect on float32
-            weights. Not a ``state_precision`` (that stores the moments); counted by ``state_bytes``
-            and the estimate.
-        state_precision: the state-full moments of whole tensors in the weights' dtype (``param``),
-            bfloat16 (``bf16``) or bitsandbytes' blockwise 8 bits (``8bit``), decoded to float32
-            for each update (``frugal.state_precision``; block projection, elementwise rules).
+        svd_signs: canonical (largest entry of each singular vector positive: CPU and GPU agree)
+            or raw (``torch.linalg.svd``'s, as galore-torch and fira; matters where state is kept
+            across a change of basis).
+        density_schedule, density_end, density_steps: opt-in density schedule (constant, linear,
+            cosine, step), read at the first step of each window.
+        update_gap_growth, plateau_patience, plateau_threshold, max_update_gap: opt-in; the gap is
+            multiplied by ``update_gap_growth`` (up to ``max_update_gap``) when a window's mean loss
+            (``observe_loss``) has not improved by ``plateau_threshold`` for ``plateau_patience`` windows.
+        stochastic_rounding: unbiased rounding of bfloat16 weights (off: the paper's runs).
+        master_weights: a bf16/fp16 tensor keeps, while state-full, a float32 copy of its weights
+            (``state["master"]``) and float32 moments; the rule updates the copy and the weights are
+            it rounded to nearest. Made when the state starts, dropped with it (the ``badam``
+            package in pure bf16); counted by ``state_bytes`` and the estimate.
+        state_precision: whole tensors' state-full moments in the weights' dtype (``param``),
+            ``bf16`` or blockwise ``8bit``, decoded to float32 per update (``frugal.state_precision``).
         foreach: False runs the single-tensor reference step (``frugal.reference``).
+        **options: the rules' own hyperparameters (``StateFullRule.options``,
+            ``StateFreeRule.options``), each rule's defaults where not given.
 
-    Subspaces are pure functions of (seed, window, parameter position) drawn from private
-    generators, so data-parallel ranks and resumed runs agree without communication. Every param
-    group holds the step counter ``"step"`` (the same number in each: the subspace windows are
-    global), written inside ``step()``; a group added later starts at the current count. A param
-    group is what both ``state_dict()`` and torch.distributed.checkpoint keep besides
-    per-parameter state.
-    Parameters may be FSDP2 DTensor shards: block state is then DTensors (checkpointable and
-    reshardable by torch.distributed.checkpoint), column/row/randk select within each local shard
-    (their reduced state is per rank), and svd/random are refused.
+    Subspaces are pure functions of (seed, window, parameter position), so data-parallel ranks and
+    resumed runs agree without communication. Every param group holds the same step counter
+    ``"step"`` (windows are global), written inside ``step()``; a group added later starts at the
+    current count. Parameters may be FSDP2 DTensor shards: block state is then DTensors,
+    column/row/randk select within each local shard (per-rank reduced state), svd/random are refused.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,

@@ -1,57 +1,26 @@
 """Optimizer state management (Appendix C): a projected tensor's state-full subspace, window by
-window, and what its state becomes when the subspace changes.
+window, and what its state becomes when the subspace changes (Algorithm 1, line 7:
+``s <- P_w(P_{w'}^{-1}(s))``). ``reset_state`` (docs/library.md, "State at a window change"):
 
-Algorithm 1, line 7: when the projection changes from ``P_{w'}`` to ``P_w`` the state ``s`` becomes
-``P_w(P_{w'}^{-1}(s))``. ``reset_state`` picks what the optimizer does instead of (or as) that:
+- ``reset`` (default, the main text): entering coordinates start from zero state; a coordinate
+  projection draws a new set each window, so its whole reduced state restarts (step count too). A
+  block that stays state-full keeps its state, as does a subspace of every coordinate (density 1 is AdamW).
+- ``reset_all``: the appendix pseudocode (``block_step``, ``svd_or_randk_step``) and the authors'
+  code: every state-full block or subspace restarts at every boundary, staying ones too
+  (``restart_block``); the paper presets set it.
+- ``reset_everything``: ``reset_all`` plus the non-projectable tensors (the ``badam`` package's
+  ``BlockOptimizer``); with ``master_weights`` the float32 copy restarts from the rounded weights.
+- ``reproject``: exact for coordinate bases (staying coordinates' moments move, entering ones start
+  at zero, the count is kept); matrix bases map first moments through ``R = Q_old^T Q_new`` with the
+  norm kept (momentum-mass correction) and second moments through ``R * R``.
+- ``keep``: the stale state (GaLore); a subspace of another size (density schedule) restarts.
+- ``transport`` (matrix projections, AdamW; LDAdam): ``frugal.subspace.reproject_moments``; the count goes on.
 
-- ``reset`` (default): entering coordinates start from zero state (Appendix C: "reset the state
-  before a new round"); for coordinate projections a new window draws a new coordinate set, so the
-  whole reduced state restarts, including the bias-correction count. A block that stays state-full
-  keeps its state, and so does a subspace of every coordinate (density 1 is AdamW).
-- ``reset_all``: the appendix pseudocode (``block_step`` and ``svd_or_randk_step``, "Simplified
-  algorithms pseudocode") and the authors' code: the state of *every* state-full block or subspace
-  restarts at every window boundary, including blocks that stay selected (``restart_block``).
-  It differs from ``reset`` only where windows overlap (random block order, or density > 0.5) and
-  at density 1. ``reset`` stays the default: it is what the main text describes, keeps density 1
-  equal to AdamW and does not throw away the moments of a subspace that did not change; the presets
-  reproducing the paper's tables set ``reset_all``.
-- ``reset_everything``: ``reset_all``, and the non-projectable tensors (embeddings, norms, output
-  layer), which are never reset otherwise, restart at every window boundary too: the ``badam``
-  package's ``BlockOptimizer`` (the authors' BAdam rows), which replaces its Adam's whole state at
-  each switch. With ``master_weights`` the float32 copy restarts with the moments, from the rounded
-  weights, as the package makes its copy anew at each switch.
-- ``reproject``: Appendix C's re-projection. Exact for coordinate bases (the moments of coordinates
-  that stay selected move to their new position, entering ones start at zero, the step count is
-  kept); for matrix bases first moments map through ``R = Q_old^T Q_new`` with the norm kept
-  (the paper's momentum-mass correction) and second moments through ``R * R``.
-- ``keep``: the stale state as it is (GaLore). A subspace of another size (a density schedule)
-  cannot keep its state and restarts.
-- ``transport`` (matrix projections, AdamW; LDAdam): both moments move into the new basis as
-  LDAdam's projection-aware update computes them (``frugal.subspace.reproject_moments``: the first
-  through ``R``, the second as variance plus squared mean), and the step count goes on.
-
-Selecting every coordinate (or none) is an unchanged projection and keeps the state.
-
-Only the state-full rule's state restarts: what a contextual state-free rule keeps (Fira's
-previous norm, AdaMeM's one-sided statistic) and LDAdam's error-feedback buffer live in the same
-dict and outlive every change of subspace.
-
-``power`` (LDAdam's basis) is chosen at the first window like ``svd``; at every later window change
-it is one block power iteration warm-started from the previous basis, towards the top subspace of
-``b = rho * lift(m_hat) + (1 - rho) * a`` (``rho`` = ``subspace_momentum``; ``frugal.subspace``).
-
-Error feedback (``error_feedback=True``, LDAdam): the buffer ``error`` (one value per weight
-entry) is added to the gradient before anything else (``a = g + e``, in the buffer itself, so
-``p.grad`` is never written) and afterwards holds what the low-rank step left out of ``a``, plus,
-when the basis changed, what the momentum lost in the move, weighted by ``beta1 / (1 - beta1)``
-(LDAdam's generalised error feedback).
-
-The subspace is kept as tensors in the state (``index``: sorted coordinates; ``proj``: Q) with
-``window``, the window it was chosen in, so a resumed run continues with the same subspace.
-
-Checkpoints (the end of this module): ``materialize_state`` makes a freshly built optimizer hold
-the state entries a checkpoint of a given step holds (torch.distributed.checkpoint loads into
-them), and ``load_state_dict``'s fixes keep integer state exact and upgrade older state dicts.
+Selecting every coordinate (or none) is an unchanged projection and keeps the state. Only the
+state-full rule's state restarts: a contextual state-free rule's state and LDAdam's error buffer
+outlive every change. ``power`` and error feedback (LDAdam): docs/concurrent_methods.md; ``p.grad``
+is never written. The subspace is kept in the state (``index``: sorted coordinates; ``proj``: Q)
+with ``window``, so a resumed run continues with it. The end of the module: checkpoint support.
 """
 from __future__ import annotations
 
@@ -112,12 +81,9 @@ def _move_coordinates(old: Tensor, old_idx: Tensor, new_idx: Tensor, dim: int) -
 
 
 def restart_block(state: dict, rule: StateFullRule, group: dict, window: int) -> None:
-    """A state-full block (a whole tensor of a block projection; under ``reset_everything`` any
-    state-full tensor) in ``window``. Under ``reset_all`` / ``reset_everything`` its state restarts
-    whenever ``window`` is not the window it was made in (the pseudocode's ``block_step``: every
-    selected block gets zero moments at each boundary; the badam package: all of Adam's state), and
-    the window is kept in ``state["window"]``; otherwise nothing happens (``reset``: a staying
-    block keeps its state; what enters starts fresh because leaving dropped it)."""
+    """A state-full block (under ``reset_everything`` any state-full tensor) in ``window``: under
+    ``RESTART_EVERY_WINDOW`` its state restarts when ``window`` is not ``state["window"]``;
+    otherwise nothing (``reset``: what enters starts fresh because leaving dropped it)."""
     if group["reset_state"] in RESTART_EVERY_WINDOW and state.get("window") != window:
         drop_full_state(state, rule)
         state["window"] = window
@@ -134,11 +100,9 @@ def drop_full_state(state: dict, rule: StateFullRule) -> None:
 
 def matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
            ident: int, moved: dict | None = None) -> Tensor:
-    """The orthonormal basis Q of ``p``'s state-full subspace in ``window`` (svd: of this step's
-    gradient, at the first step of a window; power: tracked from the previous basis), the state
-    carried over. ``grad`` is what the step projects (with error feedback: ``g + e``). ``moved``, a
-    dict, receives ``q_old`` and ``m_old`` (the first moment before the change) when the basis
-    changes from an existing one, for the error feedback."""
+    """The orthonormal basis Q of ``p``'s state-full subspace in ``window``, the state carried over.
+    ``grad``: what the step projects (with error feedback ``g + e``). ``moved`` receives ``q_old`` and
+    ``m_old`` (the first moment before the change) when an existing basis changes."""
     projection, transposed, density = group["projection"], group["transposed"], group["density"]
     if state.get("window") != window:
         with proj.full_fp32():  # basis, power iteration, moments moved: full fp32 (projections docstring)
@@ -175,10 +139,8 @@ def _change_basis(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, gro
 
 def split_matrix(state: dict, rule: StateFullRule, p: Tensor, grad: Tensor, group: dict, window: int,
                  ident: int) -> tuple[Tensor, Tensor, Tensor]:
-    """A matrix projection's split of one tensor: ``(Q, R, a)``, the basis of ``window``, the reduced
-    gradient ``R = reduce(a)`` and ``a`` the gradient it reduces: ``grad`` itself, or with error
-    feedback (LDAdam) ``g + e`` held in the error buffer, which is left holding what the low-rank
-    step leaves out (``feedback_begin``, ``feedback_end``)."""
+    """A matrix projection's split: ``(Q, R, a)``, the basis, ``R = reduce(a)`` and ``a``: ``grad``, or
+    with error feedback ``g + e`` in the error buffer, left holding what the low-rank step leaves out."""
     a, moved = grad, None
     if group["error_feedback"]:
         a, moved = feedback_begin(state, grad), {}
@@ -227,9 +189,8 @@ def feedback_begin(state: dict, grad: Tensor) -> Tensor:
 
 
 def feedback_end(state: dict, group: dict, p: Tensor, full_grad: Tensor, q: Tensor, moved: dict) -> None:
-    """The new error: ``a - lift(R)`` plus, after a change of basis, ``beta1 / (1 - beta1)`` times
-    ``lift_old(m_old) - lift_new(m_moved)``; written into the buffer without a full-size temporary.
-    Call it after the split and before the state-full update (which changes the first moment)."""
+    """The new error (docs/concurrent_methods.md, LDAdam), written without a full-size temporary;
+    call it after the split and before the state-full update (which changes the first moment)."""
     transposed = group["transposed"]
     e = state["error"].t() if transposed else state["error"]
     side = proj.matrix_side(p.shape, transposed)
@@ -251,9 +212,7 @@ def _add_lift_(out: Tensor, x: Tensor, q: Tensor, side: str, alpha: float) -> No
 
 
 def _reproject(state: dict, rule: StateFullRule, q_old: Tensor, q_new: Tensor, side: str) -> None:
-    """Appendix C: carry the moments into the new basis. First moments map through
-    R = Q_old^T Q_new and are rescaled to keep their norm (the paper's momentum-mass
-    correction); second moments map through R*R, exact when the bases are coordinate-aligned."""
+    """Appendix C's re-projection of the moments into the new basis (module docstring)."""
     r = q_old.t() @ q_new
     for name in rule.state_names:
         s = state[name]
@@ -273,11 +232,9 @@ def init_free_state(state: dict, p: Tensor, group: dict) -> None:
 
 
 def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: int, ident: int, block: bool) -> None:
-    """Give ``state`` the entries, zero-filled, in the shapes a checkpoint of a step in ``window``
-    holds for ``param`` (``FRUGAL.materialize_state``): ``whole``: the state-full rule's moments of the
-    whole tensor (``block``: a block, which under ``reset_all`` also records its window); otherwise
-    the split's state: a coordinate projection draws the window's coordinates again, a matrix
-    projection gets a zero basis (the checkpoint holds the real one) of the window's rank."""
+    """Give ``state`` the entries, zero-filled, that a checkpoint of a step in ``window`` holds for
+    ``param``: ``whole``: the rule's moments of the whole tensor (``block``: also its window under
+    ``reset_all``); a split: the window's coordinates drawn again, or a zero basis of its rank."""
     rule = STATE_FULL[group["state_full"]]
     p = local(param)
     if whole:
@@ -302,14 +259,9 @@ def materialize(state: dict, param: Tensor, group: dict, whole: bool, window: in
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 def materialize_state(state: dict, groups: list[dict], layout: Layout, step: int) -> None:
-    """``FRUGAL.materialize_state``: set the step counter of ``groups`` to ``step`` and give every
-    tensor that holds state after ``step`` steps (in the window of the last step taken) its state,
-    zero-filled, in the shapes a checkpoint of that step holds (``materialize``).
-
-    For loading with torch.distributed.checkpoint, which loads into the state dict of the
-    optimizer it is given: which tensors hold state depends on the window, so a freshly built
-    FRUGAL must first look like the saved one (``dcp.load`` then fills in the values), and
-    ``strict=False`` because state-free tensors own no state::
+    """``FRUGAL.materialize_state``: set the step counter to ``step`` and give every tensor that holds
+    state after ``step`` steps its state, zero-filled (``materialize``), so that
+    torch.distributed.checkpoint can load into it (``strict=False``: state-free tensors own none)::
 
         optimizer.materialize_state(saved_step)
         state = {"optim": get_optimizer_state_dict(model, optimizer)}
@@ -317,8 +269,7 @@ def materialize_state(state: dict, groups: list[dict], layout: Layout, step: int
         set_optimizer_state_dict(model, optimizer, state["optim"],
                                  options=StateDictOptions(strict=False))
 
-    With a growing update gap the windows depend on the losses seen, which only the checkpoint
-    knows: refused.
+    With a growing update gap the windows depend on the losses seen: refused.
     """
     if layout.clock is not None and layout.clock["update_gap_growth"] > 1.0:
         raise HyperparameterError(
@@ -337,11 +288,9 @@ def materialize_state(state: dict, groups: list[dict], layout: Layout, step: int
 
 
 def exact_entries(state_dict: dict) -> dict:
-    """The integer state of a state dict (indices, counters), by parameter key: torch's
-    ``load_state_dict`` casts every state tensor of a floating-point parameter to the parameter's
-    dtype, and bfloat16 cannot even represent indices above 256; ``restore_exact`` puts them back
-    (with the float32 scales of 8-bit moments, and the whole state of a ``master_weights`` group:
-    its float32 copy and moments)."""
+    """The state entries torch's ``load_state_dict`` would cast to the parameter's dtype but must stay
+    exact, by parameter key: integers (indices, counters), 8-bit moments' float32 scales and a
+    ``master_weights`` group's whole state; ``restore_exact`` puts them back."""
     masters = {key for g in state_dict["param_groups"] if g.get("master_weights") for key in g["params"]}
     return {key: {name: v for name, v in s.items()
                   if torch.is_tensor(v) and (key in masters or not v.is_floating_point()
@@ -358,9 +307,8 @@ def restore_exact(state: dict, groups: list[dict], saved_groups: list[dict], exa
 
 
 def upgrade_groups(groups: list[dict], defaults: dict) -> None:
-    """Param groups as loaded from a state dict, made current: a key added since the checkpoint
-    was written takes its default, ``momentum=None`` its rule's value, and every group the step
-    count of the first (older state dicts kept it there only)."""
+    """Loaded param groups made current: new keys take their defaults, ``momentum=None`` its rule's
+    value, every group the first's step count (older state dicts kept it there only)."""
     for group in groups:
         for key, default in defaults.items():
             group.setdefault(key, default)
