@@ -1,35 +1,16 @@
-"""Atomic, verified, safely loadable checkpoints.
+"""Atomic, verified, safely loadable checkpoints (docs/reliability.md).
 
-Layout of a run directory's checkpoints:
+    <run_dir>/checkpoints/step_00000100/  model.pt  optimizer.pt  trainer.pt  config.yaml  manifest.json
+    <run_dir>/checkpoints/latest          text file naming the newest complete checkpoint
 
-    <run_dir>/checkpoints/
-        step_00000100/      model.pt  optimizer.pt  trainer.pt  config.yaml  manifest.json
-        step_00000200/      ...
-        latest              text file: the name of the newest complete checkpoint ("step_00000200")
-
-Writing. A checkpoint is first written into a hidden temporary directory (every file flushed and
-fsync'ed); `manifest.json` (each file's size and SHA-256, hashed while it is written, so nothing is
-read twice) comes last. The directory is then renamed to its final name and `latest` is replaced
-(temp file + os.replace) only after that. Renames are atomic on POSIX file systems, so a process
-killed at any moment leaves either the previous checkpoint or the new one as `latest`, never a
-half-written one; leftover temporaries are removed by the next run. A failed write (a full disk)
-removes its temporary directory and raises CheckpointError naming the file and the previous,
-intact checkpoint.
-
-Reading. `find_intact` verifies a checkpoint against its manifest (sizes, then checksums) before it
-is used: a damaged or unreadable one (flipped bytes, a truncated or missing file, an empty or
-garbled `latest`) is skipped for the newest intact one, and the reasons are returned so the caller
-can say what was skipped and why. Files are loaded memory-mapped (`torch.load(mmap=True)`): a rank
-reads the pages it copies into its parameters instead of holding a second full copy.
-
-Every file holds only tensors and plain Python containers/numbers/strings, so it loads with
-`torch.load(..., weights_only=True)`: RNG states are converted to tensors and lists, the config is
-stored as YAML text. A file that holds anything else (a hand-made checkpoint whose pickle would run
-code) is refused with one line naming it (RefusedFile), and nothing from it runs.
-
-This module is the format's base and imports no other checkpoint module: the sharded format
-(sharded_checkpoint.py) builds on it (same atomic directory, manifest and fallback), and writing or
-restoring a run's training state in either format is resume.py's (save_checkpoint, restore).
+Writing: into a hidden temporary directory (every file fsync'ed, `manifest.json` with each file's size
+and SHA-256 last), renamed into place, then `latest` replaced: a process killed at any moment leaves the
+previous checkpoint or the new one as `latest`. A failed write raises CheckpointError naming the file
+and the intact previous checkpoint. Reading: `find_intact` verifies against the manifest and skips a
+damaged checkpoint (or `latest`) for the newest intact one, returning the reasons. Files hold only
+tensors and plain data and load memory-mapped with `weights_only=True`; anything else is RefusedFile.
+This module imports no other checkpoint module: sharded_checkpoint.py builds on it, resume.py writes
+and restores a run's state in either format.
 """
 from __future__ import annotations
 

@@ -1,35 +1,16 @@
-"""Processes and devices for train.py: the Accelerator, collective timeouts, and a sweep guard.
+"""Processes and devices for train.py: the Accelerator, parallelism, collective timeouts, a sweep guard.
 
-Backends. accelerate picks cuda or cpu and the backend (NCCL on GPU, gloo on CPU). Precision is
-ours (train.precision), so accelerate must not add its own autocast. Without a GPU, cpu=True is what
-makes accelerate form a gloo process group under torchrun (otherwise each worker runs alone).
-
-Parallelism (`train.parallelism`, `wrap_model`):
-
-- ddp (default): every rank holds the whole model; DDP keeps its gradients as views of its
-  communication buckets (`gradient_as_bucket_view`), which is one fp32 copy of the gradients instead
-  of two only if the gradients are zeroed in place between steps (`zero_grad_sets_to_none`).
-- fsdp: torch's FSDP2 `fully_shard` on every transformer block and on the root, so weights,
-  gradients and optimizer state are DTensor shards (1/N per rank) and FRUGAL steps on the shards
-  (frugal/sharding.py). Precision: bf16-mixed computes with bf16 weights and reduce-scatters the
-  gradients in fp32 into fp32 shards (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
-  the loop's bf16 autocast stays on, so the ops autocast keeps in fp32 stay there); fp32 computes and
-  reduces in fp32; pure bf16 (weights already bf16) computes and reduces in bf16, as DDP does. The
-  gradients are reduce-scattered after every micro-batch: skipping the sync during accumulation
-  (`set_requires_gradient_sync(False)`) would hold unsharded fp32 gradients, 4 bytes per parameter
-  per rank more (25 GiB at 7B, docs/memory_plan.md), which is what FSDP is for not to hold.
-
-Collective timeout. A frozen (not dead) rank leaves the others waiting in their next collective.
-`train.collective_timeout_s` bounds that wait (torch's defaults are 30 minutes for gloo and longer
-for NCCL). It must exceed the longest legitimate wait at a collective: rank 0 writing a checkpoint
-while the others wait (about a minute per 100 GB at 1-2 GB/s) or the slowest rank's evaluation.
-After a timeout, `name_unresponsive_ranks` names the ranks that do not answer: each rank that
-still runs leaves a key in the rendezvous store that every process already uses (torchrun's, or the
-TCP store of env:// on MASTER_ADDR) and reads which keys appear. No extra process group is made for
-it: a gloo side group would be one more rendezvous on every multi-process run, and on clusters where
-the hostname resolves to loopback or the wrong interface gloo fails or hangs at start-up although
-NCCL works. (With NCCL, torch's watchdog may abort the process on the timeout before Python sees
-it; its log line then names the operation, not the rank.)
+accelerate picks the device and backend (NCCL on GPU, gloo on CPU: cpu=True makes it form a gloo group
+under torchrun); precision is ours, so it adds no autocast. `wrap_model`: ddp keeps gradients as views
+of its buckets (one fp32 copy only if zeroed in place: `zero_grad_sets_to_none`); fsdp applies FSDP2's
+`fully_shard` to every block and the root (DTensor shards, FRUGAL steps on them: frugal/sharding.py),
+bf16-mixed as bf16 weights with fp32 reduce-scatter into fp32 shards (autocast stays on), fp32 and pure
+bf16 in their own dtype. FSDP2 reduce-scatters every micro-batch: skipping the sync would hold unsharded
+fp32 gradients (25 GiB at 7B, docs/memory_plan.md). `train.collective_timeout_s` bounds the wait for a
+frozen rank; it must exceed the longest legitimate wait (rank 0 writing a checkpoint, the slowest
+evaluation). `name_unresponsive_ranks` then names the ranks that do not answer through the rendezvous
+store every process already uses: a gloo side group would be one more rendezvous, which fails or hangs
+where the hostname resolves to the wrong interface. (NCCL's watchdog may abort before Python sees it.)
 """
 from __future__ import annotations
 
@@ -95,11 +76,9 @@ def is_sharded(model) -> bool:
 
 
 def zero_grad_sets_to_none(model) -> bool:
-    """How the loop clears gradients after a step. DDP with bucket views: in place (False). With
-    set_to_none=True the next no_sync micro-batch allocates fresh gradients beside the buckets and
-    the reducer swaps its views back in only at the synchronising backward: a second fp32 copy of
-    every gradient through the forward and backward passes (measured: docs/memory_plan.md).
-    Everywhere else (one process, FSDP2) None frees the gradients' memory between steps."""
+    """How the loop clears gradients after a step: in place (False) for DDP with bucket views, where
+    set_to_none makes each no_sync micro-batch allocate a second fp32 copy beside the buckets (measured:
+    docs/memory_plan.md); None elsewhere (one process, FSDP2), freeing their memory between steps."""
     return not (is_ddp(model) and model.gradient_as_bucket_view)
 
 
@@ -181,16 +160,11 @@ def torchrun_multirun_error(multirun: bool) -> str | None:
 
 
 # ---- leaving a multi-process run -------------------------------------------------------------------
-# Freeing a DDP model frees its reducer, which drops the last reference to its process group; gloo's
-# destructor joins its worker threads while the interpreter lock is held, and on a loaded CPU machine
-# that join can wait forever after a run that finished and wrote everything (seen in the test
-# suite's torchrun runs on a 2-core machine: a rank sat in ~ProcessGroupGloo under c10d::Reducer's
-# dealloc for hours). And a gloo worker thread can free a finished collective's Python-owned tensors
-# while the interpreter finalizes: it cannot take the interpreter lock and the process aborts
-# ("terminate called without an active exception", ~1 in 10 two-rank vote runs of bench/comm.py
-# after their last barrier, destroy_process_group called). A finished multi-process run therefore keeps
-# these objects until the process ends and leaves with os._exit once its output is flushed: the
-# operating system closes the connections.
+# Freeing a DDP model frees its reducer and its process group: gloo's destructor joins its threads under
+# the interpreter lock, which on a loaded CPU can wait forever (seen in the tests' torchrun runs), and a
+# gloo thread freeing tensors while the interpreter finalizes aborts the process ("terminate called
+# without an active exception", ~1 in 10 vote runs of bench/comm.py). So a finished multi-process run
+# keeps these objects and leaves with os._exit once its output is flushed.
 _PARKED: list = []
 
 

@@ -1,24 +1,13 @@
 """The parts of a training step and of an evaluation that train.py and eval.py share.
 
-Loss. Every optimizer step minimises the mean next-token loss over the *global* batch: the sum of
-the per-token losses of all micro-batches on all ranks divided by the global number of non-pad target
-tokens. The token count is all-reduced before the first backward, so each micro-batch's summed loss
-is scaled by world_size / global_tokens (DDP's all-reduce and FSDP2's reduce-scatter then average
-over ranks). The result does not depend on
-how the batch is split into micro-batches or ranks, and padded sequences weigh by their real tokens.
-Validation uses the same token weighting (all ranks' sums all-reduced); perplexity = exp(val loss).
-
-Precision. bf16-mixed: fp32 weights and optimizer state, bf16 autocast for the forward pass (CPU and
-GPU). bf16: the model (and hence the optimizer state) cast to bf16, no autocast. fp32: no autocast.
-The loss itself is always computed from fp32 logits.
-
-Compiling (`train.compile`, `compile_model`). Each transformer block's forward is compiled (one graph
-serves every block: same code and shapes; hooks such as FSDP2's gathers and activation
-checkpointing stay outside it), and so is the loss: inductor fuses the fp32 upcast, log-softmax and
-the gathered targets into one pass over the bf16 logits and computes their gradient in one more, so
-the three fp32 tensors of micro-batch x sequence x vocabulary that eager cross-entropy keeps at the
-start of backward (12 of its 14 bytes per token and vocabulary entry, docs/memory_plan.md) are never
-materialised. The output head's matmul and the embeddings stay eager (one op each).
+Loss: every step minimises the mean next-token loss over the *global* batch's non-pad targets; the
+target count is all-reduced before the first backward and each micro-batch's summed loss is scaled by
+world_size / global_tokens (DDP and FSDP2 then average over ranks), so the result does not depend on
+how the batch is split. Validation weighs tokens the same way; perplexity = exp(val loss).
+Precision: bf16-mixed = fp32 weights and state, bf16 autocast; bf16 = model (and state) in bf16; fp32.
+The loss is always computed from fp32 logits. `compile_model` compiles each block's forward (one graph
+for all; FSDP2's and checkpointing's hooks stay outside) and the loss, whose fused pass never
+materialises eager cross-entropy's three fp32 logits-sized tensors (docs/memory_plan.md).
 """
 from __future__ import annotations
 
@@ -79,13 +68,9 @@ def _padded_to_max(batches: list[dict], device: torch.device) -> list[dict]:
 @torch.no_grad()
 def evaluate(model, dm, eval_tokens: int, precision: str, accelerator, loss_fn=None) -> dict:
     """The validation loss, as `dm.eval_mode` (eval.mode) says; each rank scores its share of the
-    fixed validation set and the sums are all-reduced.
-
-    tokens (default): token-weighted, the sum of every scored token's loss over the number of them.
-    authors: the paper's code (data/stream.py, EVAL_MODES): the mean of per-batch mean losses, each
-    batch's mean being the HF models' own loss (mean over its non-pad targets), over all ranks' batches.
-    No padding mask is needed: pads are at the end of a sequence and attention is causal.
-    `loss_fn`: token_loss_sum, or its compiled twin (compile_model)."""
+    fixed validation set and the sums are all-reduced. tokens (default): token-weighted; authors: the
+    paper's mean of per-batch mean losses (data/stream.py, EVAL_MODES). Pads are at the end and attention
+    is causal, so no padding mask. `loss_fn`: token_loss_sum, or its compiled twin (compile_model)."""
     from train_utils.distributed import is_sharded
 
     loss_fn = loss_fn or token_loss_sum
@@ -123,20 +108,14 @@ def seed_everything(seed: int) -> None:
 def forward_backward(model, batches: list[dict], accelerator, precision: str,
                      loss_fn=None, accumulating=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradient of the global batch's mean token loss over this rank's `batches`.
-
-    Returns this rank's summed token loss (float64) and the global target count, both as tensors
-    (no host sync here). The count is all-reduced before the first backward (see the module docstring).
-    `loss_fn`: token_loss_sum, or its compiled twin (compile_model). `accumulating`: the step in
-    backward's context (frugal.StepInBackward.accumulating) for every micro-batch but the last,
-    whose backward then updates on the summed gradients.
-    """
+    Returns this rank's summed token loss (float64) and the global target count, as tensors (no host
+    sync). `accumulating`: the step in backward's context (frugal.StepInBackward.accumulating) for
+    every micro-batch but the last, whose backward then updates on the summed gradients."""
     from train_utils.distributed import is_ddp
 
     loss_fn = loss_fn or token_loss_sum
     device = accelerator.device
-    # Every micro-batch goes to the device first (non-blocking copies from pinned memory) and the
-    # targets are counted there: counting on the host and copying that scalar over would be a
-    # blocking copy, a second host sync per step. (The token ids of a step are a few KiB.)
+    # Targets counted on the device: a host count copied over would be a second host sync per step.
     moved = [to_device(batch, device) for batch in batches]
     n_global = accelerator.reduce(sum(count_targets(labels) for _, labels in moved), reduction="sum")
     scale = accelerator.num_processes / n_global.float()  # ranks' gradients are averaged; x world makes it a sum
@@ -179,10 +158,9 @@ class NonFiniteError(FloatingPointError):
 
 
 def grad_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """The global gradient norm (`frugal.grad_norm`: float32 per-tensor norms in the order of `params`,
-    the formula of the step inside backward too; identical on every rank after DDP's all-reduce; FSDP2's
-    shards reduced with one all-reduce); clips the gradients to `max_norm` in place when it is set. No
-    host sync."""
+    """The global gradient norm (`frugal.grad_norm`: fp32 per-tensor norms in the order of `params`, as
+    the step inside backward sums them; FSDP2's shards all-reduced); clips in place to `max_norm` when
+    set. No host sync."""
     norm = frugal.grad_norm(params)
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
@@ -253,14 +231,9 @@ def compile_model(model):
 
 
 def _install_forward(block) -> None:
-    """A compiled block's forward, checkpointed outside the compiled graph when checkpointing is on.
-
-    transformers checkpoints inside the class's `forward`, and only when that is the outermost
-    forward of the block's class. A compiled forward is an instance attribute holding the class's
-    forward of the moment, so under FSDP2 (which swaps the block's class for a subclass) that check
-    fails and nothing is checkpointed; without FSDP2 the checkpoint lands inside the compiled graph,
-    whose partitioner keeps more activations (twice as many bytes in a tiny LLaMA). So here our own
-    non-reentrant checkpoint wraps the compiled forward, and transformers' is switched off."""
+    """A compiled block's forward, checkpointed outside the compiled graph when checkpointing is on:
+    transformers' own checkpoint is skipped under FSDP2 (which swaps the block's class) and inside the
+    compiled graph keeps more activations, so our non-reentrant checkpoint wraps the compiled forward."""
     compiled = block.__dict__.get("_compiled_forward")
     if compiled is None:  # eager: transformers' per-block checkpointing works, FSDP2 included
         return

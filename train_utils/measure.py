@@ -1,24 +1,11 @@
 """What a training row measures besides the loss: time, data wait, throughput, MFU, peak memory.
 
-Throughput is counted two ways, named so: `scored_tokens_per_s` counts the targets the loss scores
-(non-pad tokens after each row's first: what the paper's token budgets count), `positions_per_s`
-every position the model computes (pads included: what the hardware does).
-
-MFU (model FLOPs utilisation, GPUs only) = achieved model FLOPs / the devices' peak. Model FLOPs
-per position are those of a training step of a dense decoder (the PaLM paper, appendix B; also
-nanoGPT's estimate): 6 x N for the weight matmuls, N the parameters except the input embeddings
-(the output head counts even when tied), plus 12 x layers x hidden x seq_len for attention scores
-and values. The peak is the dense (no sparsity) bf16 tensor-core figure of the device's data sheet,
-looked up by its CUDA device name in PEAK_FLOPS (`device_peak`: H100 SXM, PCIe and NVL differ by up
-to 24%), or `train.peak_flops` (FLOP/s per device), which overrides the table; without either, MFU
-is not logged.
-
-Optimizer-state bytes are those of the whole run: under FSDP2 each rank holds its shards, so the
-ranks' figures are summed (one scalar all-reduce per row); replicas (DDP) hold the same, one counts.
-
-Peak memory is the peak since the previous row: CUDA's allocator peak (reset every row), or on
-CPU the process's peak resident set size (Linux resets it through /proc/self/clear_refs; elsewhere
-it is the peak since start).
+Throughput: `scored_tokens_per_s` counts the targets the loss scores (what token budgets count),
+`positions_per_s` every position computed, pads included. MFU (GPUs) = model FLOPs (6N + 12 x layers
+x hidden x seq_len per position, PaLM appendix B; N without the input embeddings, a tied head counted)
+/ the dense bf16 peak of PEAK_FLOPS or `train.peak_flops`; without either no MFU. Optimizer-state
+bytes are the whole run's (FSDP2 ranks summed). Peak memory since the previous row: CUDA's allocator
+peak, or on CPU the peak RSS (reset through /proc/self/clear_refs on Linux).
 """
 from __future__ import annotations
 
@@ -32,9 +19,8 @@ import torch.distributed as dist
 
 import frugal
 
-# Dense bf16 tensor-core peaks (FLOP/s, without sparsity) from NVIDIA's data sheets, by a pattern of
-# the CUDA device name (torch.cuda.get_device_name; case-insensitive; the first match wins, so the
-# form-factor variants come before their family). The SXM H100 reports itself as "H100 80GB HBM3".
+# Dense bf16 tensor-core peaks (FLOP/s) from NVIDIA's data sheets, by a case-insensitive pattern of the
+# CUDA device name; the first match wins (variants before their family; SXM H100 is "H100 80GB HBM3").
 PEAK_FLOPS = (
     (r"GH200", "GH200", 989e12),
     (r"H100.*NVL", "H100 NVL", 835e12),
@@ -82,11 +68,9 @@ INPUT_SAFETY = 2.0  # cluster cores, real text and a compiled model differ from 
 
 
 def input_demand(source: str, num_workers: int, flops: float, peak: float | None) -> dict:
-    """Can the input pipeline keep one device fed? The device consumes peak x INPUT_MFU / (FLOPs per
-    position) positions per second; the workers needed are INPUT_SAFETY x that / one worker's rate,
-    rounded up to a power of two (so data.readers=64 stays a multiple of GPUs x workers). Returns the
-    start row's entries, with `input_warning` when data.num_workers is below the need. Without a
-    peak (CPU, an unknown GPU without train.peak_flops) there is no demand to size from."""
+    """Can the input pipeline keep one device fed? Demand = peak x INPUT_MFU / FLOPs per position;
+    workers = INPUT_SAFETY x demand / one worker's rate, rounded up to a power of two. Returns the start
+    row's entries (`input_warning` when data.num_workers is short); {} without a peak."""
     rate = WORKER_POSITIONS_PER_S.get(source)
     if not peak or not rate or not flops:
         return {}
@@ -105,9 +89,8 @@ def input_demand(source: str, num_workers: int, flops: float, peak: float | None
 
 
 def workers_needed(cfg, device: torch.device) -> int:
-    """DataLoader workers per rank this device's demand needs (input_demand, from the model's FLOPs
-    per position on the meta device: no memory, no weights), 1 without a peak to size from (CPU,
-    an unknown GPU without train.peak_flops). For data.num_workers=auto (data.auto_workers)."""
+    """DataLoader workers per rank this device's demand needs (input_demand, the model on the meta
+    device), 1 without a peak; for data.num_workers=auto (data.auto_workers)."""
     peak = peak_flops(device, cfg.train.peak_flops)
     if not peak or cfg.data.name not in WORKER_POSITIONS_PER_S:
         return 1
@@ -191,10 +174,8 @@ class Interval:
 
 
 class StateBytes:
-    """The logged rows' `optimizer_state_bytes`, re-counted only when the state can have changed
-    size: at the first read and after `stale()` (a window switch or an optimizer event, the same
-    steps on every rank). Sharded, a count is an all-reduce and a host read: once per change, not
-    once per logged row."""
+    """The rows' `optimizer_state_bytes`, re-counted only at the first read and after `stale()` (a switch
+    or optimizer event, the same steps on every rank): sharded, a count is an all-reduce."""
 
     def __init__(self, optimizer, sharded: bool, device: torch.device):
         self.optimizer, self.sharded, self.device, self.value = optimizer, sharded, device, None

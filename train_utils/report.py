@@ -1,10 +1,6 @@
-"""What a run tells metrics.jsonl and the console when it starts, after each step, when it stops for
-a signal and when it ends.
-
-train.py calls these at those points with the run record (train_utils/run.py: config, processes,
-model, optimizer, metrics, console) and, as arguments, what only the caller knows (the step, the
-tokens so far, the last evaluation): no loop variables are read from outside, so each can be read,
-tested and forked on its own.
+"""What a run tells metrics.jsonl and the console at its start, after each step, on a signal and at
+its end. train.py passes the run record (train_utils/run.py) and what only it knows (step, tokens, last
+evaluation): no loop variables are read from outside.
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ from train_utils.state_free_comm import label as state_free_comm_label
 
 
 def density_message(report: dict) -> str | None:
-    """What the console says about `optimizer.density_report()`: whole blocks (columns, ...) are
-    state-full or not, so the realised share is rounded; a note when it differs from the request, a
-    warning beyond half a selection unit. None when they agree."""
+    """The console's note when `optimizer.density_report()`'s realised (whole blocks) share differs from
+    the request; a warning beyond half a selection unit. None when they agree."""
     gap = abs(report["realised"] - report["requested"])
     if gap <= 1e-3 or not report["unit"]:  # nothing selectable (signSGD alone: every tensor state-free)
         return None
@@ -41,9 +36,8 @@ def density_message(report: dict) -> str | None:
 
 
 def start_settings(run, resumed_from: str | None) -> dict:
-    """The start row's account of how the run trains: what, on which processes and device, in which
-    batches and precision, resumed from which checkpoint, and what the loop switched on. `cpu_capability`
-    is ATen's CPU kernel set (DEFAULT, AVX2, AVX512...): sign-based runs differ by it (docs/mini_repro.md)."""
+    """The start row's account of how the run trains (what, where, batches, precision, resume, the loop's
+    switches). `cpu_capability`: ATen's CPU kernel set, by which sign-based runs differ (docs/mini_repro.md)."""
     cfg, tc = run.cfg, run.tc
     return {"optimizer": cfg.optimizer.name, "optimizer_option": optimizer_option(cfg),
             "model": cfg.model.name, "debug": debug_option(), "loss_floor": run.dm.loss_floor,
@@ -59,8 +53,7 @@ def start_settings(run, resumed_from: str | None) -> dict:
 
 
 def no_switch_message(run, density: dict | None) -> str | None:
-    """A note when the run is shorter than one subspace window (optimizer.update_gap >= train.steps)
-    while part of the subspace is state-full: no switch will happen (a toy run of a Table 15 cell)."""
+    """A note when update_gap >= train.steps while part of the subspace is state-full: no switch happens."""
     gap, steps = run.opt_cfg.get("update_gap"), run.tc.steps
     if not density or not isinstance(gap, int) or gap < steps or not 0 < density.get("realised", 0) < 1:
         return None
@@ -69,12 +62,9 @@ def no_switch_message(run, density: dict | None) -> str | None:
 
 
 def log_start(run, plan: dict, *, step: int, resumed: dict | None, memory: dict) -> dict:
-    """The start row (what this run is: sizes, the optimizer's realised density, the memory
-    estimates, the loop's settings, the memory check's `memory` entries, the input pipeline's
-    demand on this device) and the console's notes on a resume
-    (`plan`, resume.plan's; `resumed`, resume.restore's, None for a fresh start): settings changed on
-    purpose, optimizer state that starts fresh, another process count; then the console's first
-    lines (`start_block`) and wandb's note. Returns the row."""
+    """Log and return the start row (sizes, realised density, memory estimates, settings, the memory
+    check's `memory`, input demand); say the notes on a resume (`plan`: resume.plan's; `resumed`:
+    resume.restore's, None when fresh), then `start_block` and wandb's note."""
     metrics, say, model, optimizer = run.metrics, run.say, run.raw_model, run.optimizer
     changes, world = plan["changes"], run.world
     data_cfg = run.cfg.data
@@ -133,9 +123,8 @@ def finished_message(plan: dict, steps: int) -> str:
 
 
 def continue_hint(run_dir: str) -> str:
-    """How to continue a stopped run: the same command in the same run dir, or, for a job of a sweep,
-    the same -m command in the same sweep dir (its finished jobs end at once, this one resumes, the
-    ones after it start)."""
+    """How to continue a stopped run: the same command (for a sweep's job, the same -m command) in the
+    same run (sweep) dir."""
     from train_utils.naming import is_multirun
 
     if is_multirun():
@@ -155,8 +144,7 @@ def _size(n: float) -> str:
 
 
 def start_block(row: dict, run_dir: str, steps: int, tokens_per_step: int) -> str:
-    """The console's first lines, from the start row: where the run writes, what it trains with what,
-    the batch as micro-batch x accumulation x processes, the device and the planned memory."""
+    """The console's first lines, from the start row: run dir, model and optimizer, batch, device, memory."""
     gib = 2.0 ** 30
     option = row.get("optimizer_option") or row.get("optimizer")
     density = ""
@@ -200,8 +188,7 @@ def eval_line(step: int, steps: int, ev: dict) -> str:
 
 
 class EvalProgress:
-    """The data module as `evaluate` sees it, with a progress bar over the validation batches (a 10M-token
-    evaluation takes minutes); everything else is the data module's own."""
+    """The data module with a progress bar over the validation batches (`evaluate` takes minutes)."""
 
     def __init__(self, dm, enabled: bool):
         self._dm, self._enabled = dm, enabled
@@ -217,31 +204,25 @@ class EvalProgress:
 
 
 def training_row(step: int, totals, lr: float, tokens: int, interval: dict, state_bytes: int, hooks) -> dict:
-    """The training row of metrics.jsonl and wandb, the one place it is assembled: the step's totals
-    (train_utils.loop.StepTotals), its lr, the tokens so far, the interval's pace and peak memory
-    (measure.Interval.row), the optimizer state's size, and what the optimizer reports through its
-    hooks adapter (its state-full share; any `log_metrics()` it has: one method adds a metric)."""
+    """The training row of metrics.jsonl and wandb, assembled only here: the step's totals (StepTotals),
+    lr, tokens, the interval's pace and peak memory, the state's size and the optimizer hooks' metrics."""
     return {"step": step, "loss": totals.loss, "lr": lr, "grad_norm": totals.grad_norm, "tokens": tokens,
             **interval, "optimizer_state_bytes": state_bytes, "state_full_fraction": hooks.state_full_fraction(),
             **hooks.metrics()}
 
 
 class StepLog:
-    """What the loop logs and says after each step: the training row every train.log_every steps and
-    at the last (loss, lr, gradient norm, tokens, the interval's pace and peak memory, the optimizer
-    state's size and state-full share), the progress bar (main process, train.progress_bar, on a terminal), one
-    warning three steps in if the measured pace makes the plan absurd for this device, and a
-    progress line every 5% of the run in train.log (on the console too when there is no bar). Events
-    (window switches, schedule changes, data events) go through `event`: the state's size may follow.
-    Made right before the loop: its clock (`started`) and the interval's peak memory start there."""
+    """What the loop logs and says after each step: the training row every train.log_every steps and at
+    the last, the progress bar (main process, on a terminal), one warning three steps in if the pace makes
+    the plan absurd here, and a progress line every 5% in train.log (on the console too without a bar).
+    Events go through `event` (the state's size may follow). Its clock starts when it is made."""
 
     def __init__(self, run, step: int):
         self.run, self.first_step, self.every = run, step, max(1, run.tc.steps // 20)
         self.interval = Interval(run.device, run.flops_per_position, run.peak_flops, run.world)
         self.started = time.perf_counter()
         self.state_size = StateBytes(run.optimizer, run.sharded, run.device)  # sharded: an all-reduce per change
-        # The bar only on a terminal: redirected (a SLURM log, `> file`), its redraws would fill the file;
-        # there the console gets the progress lines instead, as train.log always does.
+        # The bar only on a terminal: redirected (a SLURM log), its redraws would fill the file.
         self.shown = run.is_main and run.tc.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(total=run.tc.steps, initial=step, unit="step", dynamic_ncols=True, disable=not self.shown)
 
@@ -251,9 +232,8 @@ class StepLog:
 
     def step(self, step: int, totals, lr: float, tokens: int, positions: int, seconds: float,
              data_wait: float) -> None:
-        """After step `step` (its `totals`: train_utils.loop.StepTotals; the lr it used; the tokens
-        scored so far), `positions` read on all ranks, its wall time and the part spent waiting for
-        data. Sharded, the row's state size may be an all-reduce: every rank calls this every step."""
+        """After step `step`: `positions` read on all ranks, its wall time and data wait. Sharded, the
+        state size may be an all-reduce: every rank calls this every step."""
         run, steps, loss = self.run, self.run.tc.steps, totals.loss
         self.interval.add(totals.targets, positions, seconds, data_wait)
         if step % run.tc.log_every == 0 or step == steps:
@@ -275,9 +255,8 @@ class StepLog:
 
 def finish(run, eval_dm, *, step: int, tokens: int, last_eval: dict | None, started: float,
            adamw_bytes: int) -> dict:
-    """The end of a run: the final evaluation on `eval_dm` (unless an earlier attempt logged it, as
-    `last_eval`), the end row (`started`: when this attempt's loop started; `adamw_bytes`: the start
-    row's AdamW estimate), the loss plot and the console's summary. Returns the end row."""
+    """The final evaluation (unless `last_eval`, from an earlier attempt, has it), the end row (returned),
+    the loss plot and the console's summary. `started`: this attempt's loop start."""
     tc, metrics, optimizer, accelerator, sharded = run.tc, run.metrics, run.optimizer, run.accelerator, run.sharded
     if last_eval is None or last_eval["step"] != step:
         last_eval = {"step": step, **evaluate(run.raw_model, eval_dm, tc.eval_tokens, tc.precision, accelerator,

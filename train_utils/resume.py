@@ -1,29 +1,14 @@
-"""Continuing a run: which checkpoint, whether this config still describes its run, and restoring it.
+"""Continuing a run: which checkpoint, whether this config still describes its run, and restoring it
+(docs/reliability.md).
 
-Which checkpoint. `train.resume=auto` takes the newest checkpoint of the run dir that passes its
-manifest check (checkpoint.find_intact); damaged ones are renamed `<name>.damaged` and reported with
-the reason. `train.resume=<dir>` takes a checkpoint directory (verified; a damaged one is an error,
-since it was chosen by name) or the newest intact checkpoint of a run dir. `never` starts over.
-
-Same run. A resumed run is the run its checkpoint describes. The checkpoint's resolved config is
-compared with the current one, key by key. Keys that only change what is logged, evaluated or
-checkpointed, or how fast it runs (FREE_TO_CHANGE) may differ. Any other difference stops the run
-with the list of keys, unless each differing key is named in `train.resume_changes` (a list of
-dotted keys; a name also covers the keys under it, e.g. `schedule`). Named changes are applied for
-real: the model, data and optimizer are built from the current config, the optimizer's param groups
-take the current hyperparameters (the moments and step counters come from the checkpoint), and the
-schedule is rebuilt at the checkpoint's step. The run logs a `resume_changes` event listing them.
-
-Another number of processes. Weights and optimizer state are the same on every rank (DDP), or are
-resharded by torch.distributed.checkpoint (FSDP2, train_utils/sharded_checkpoint.py, which also says
-what starts fresh), so they load on any number of processes; the schedule depends on the step only;
-the global batch (and so the
-math of a step) stays `train.batch_size`, split differently (only the float summation order
-changes). The data stream continues from the global position stored by `data.merge_states`
-(exactly: the order of the global micro-batches does not depend on the process count, see
-data/stream.py). Not exact: each rank's
-dropout stream (a rank that did not exist before starts a fresh one) and the float rounding of
-sums over ranks. On the same number of processes a resume is bitwise exact on CPU.
+`train.resume=auto` takes the run dir's newest checkpoint that passes its manifest check (damaged ones
+are renamed `<name>.damaged` and reported); `train.resume=<dir>` a checkpoint (verified; damaged is an
+error, since it was chosen by name) or a run dir's newest intact one; `never` starts over. The saved
+config is compared key by key: keys outside FREE_TO_CHANGE may differ only when named in
+`train.resume_changes` (a name covers the keys under it), and named changes are applied for real (new
+hyperparameters on the checkpoint's moments, the schedule rebuilt at its step). Another process count:
+weights, state, schedule and the global data position are exact (sharded state: sharded_checkpoint.py);
+per-rank dropout streams and float summation order are not. Same process count: bitwise on CPU.
 """
 from __future__ import annotations
 
@@ -40,10 +25,8 @@ from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError, seed_dropout
 from train_utils.metrics import read_metrics
 
-# Settings that only change what is logged, evaluated or checkpointed, or how fast the run goes
-# without changing its numbers: activation checkpointing recomputes the same activations, the worker
-# count and pinning leave the batches as they are (data/stream.py). train.compile and train.tf32 are
-# not here: they change the floating-point results, so a resume must name them.
+# Settings that change only what is logged, evaluated or checkpointed, or the speed, not the numbers.
+# Not train.compile, train.tf32: they change the floating-point results.
 FREE_TO_CHANGE = (
     "train.eval_every", "train.eval_tokens", "train.require_eval_tokens", "train.log_every",
     "train.progress_bar", "train.plot", "train.resume", "train.resume_changes", "train.collective_timeout_s",
@@ -100,11 +83,9 @@ def _has_checkpoints(root: str) -> bool:
 
 def choose_checkpoint(resume: str, ckpt_root: str | None, key: str = "train.resume") -> tuple[str | None, list[str]]:
     """The verified checkpoint to resume from (None: start fresh) and notes on what was passed over.
-    `resume` is auto, never or a checkpoint/run directory (the value of setting `key`). Main process
-    only: it reads (and for `auto` sets aside damaged checkpoints in) the run dir."""
+    `resume`: auto, never or a checkpoint/run dir (setting `key`'s value). Main process only."""
     if resume == "never":
-        # Starting over in a directory that holds checkpoints would mix two runs' metrics and let a
-        # later resume=auto pick up the old run's weights.
+        # Starting over there would mix two runs' metrics and let resume=auto pick up the old weights.
         if _has_checkpoints(ckpt_root):
             raise ConfigError(f"train.resume=never, but {ckpt_root} already holds checkpoints (latest: "
                               f"{ckpt.latest(ckpt_root)}); use a new hydra.run.dir, train.resume=auto to "
@@ -155,10 +136,8 @@ def _newer_intact(ckpt_root: str, found: str) -> str | None:
 
 
 def plan(cfg, ckpt_root: str, metrics_path: str, accelerator) -> dict:
-    """Decide how this run starts (collective: call on every rank). The main process chooses the
-    checkpoint and compares configs; every rank gets the same plan, or raises the same error:
-    {"ckpt_dir": checkpoint or None, "notes": what was skipped and why, "step": its step,
-     "changes": {key: (old, new)} named in train.resume_changes, "finished": nothing left to do}."""
+    """Decide how this run starts (collective; the main process decides, every rank gets the same plan
+    or error): {"ckpt_dir" (None: fresh), "notes", "step", "changes" {key: (old, new)}, "finished"}."""
     from train_utils.distributed import on_main
 
     return on_main(accelerator, lambda: _plan(cfg, ckpt_root, metrics_path), (ConfigError, ckpt.CheckpointError))
@@ -185,8 +164,8 @@ def _plan(cfg, ckpt_root: str, metrics_path: str) -> dict:
 
 
 def _has_end_row(metrics_path: str, step: int) -> bool:
-    """The run's end row (written after its final checkpoint) is there: a kill between the two
-    leaves the run to write its final evaluation and end row when started again."""
+    """The run's end row (written after its final checkpoint) is there: else the run writes its final
+    evaluation and end row when started again."""
     try:
         rows = read_metrics(metrics_path)
     except (OSError, ValueError):
@@ -195,17 +174,11 @@ def _has_end_row(metrics_path: str, step: int) -> bool:
 
 
 def save_checkpoint(run, step: int, tokens: int, extra: dict | None = None) -> str | None:
-    """Write `run`'s training state after `step` (collective: call on every rank): weights, optimizer
-    state, schedule, data position, RNG states, `tokens` so far, the resolved config and `extra`
-    (the loop's own entries of trainer.pt), keeping checkpoint.keep checkpoints in run.ckpt_root.
-
-    Non-finite weights or optimizer state are never written (NonFiniteError naming the tensor and
-    the last checkpoint, which is then the last finite one). Every rank's data position and RNG
-    state go into `trainer.pt`; `data.merge_states` makes the stored data position from the ranks'
-    states. Replicated (DDP) weights and optimizer state are written by the main process; sharded
-    (FSDP2) ones by every rank, through torch.distributed.checkpoint
-    (train_utils/sharded_checkpoint.py). A failed write (CheckpointError) stops every rank with the
-    writer's message. Returns the checkpoint's path on the main process."""
+    """Write `run`'s training state after `step` (collective): weights, optimizer state, schedule, merged
+    data position, every rank's RNG state, `tokens`, the resolved config and `extra` (loop entries of
+    trainer.pt), keeping checkpoint.keep. Non-finite state is never written (NonFiniteError). DDP: the
+    main process writes; FSDP2: every rank (sharded_checkpoint.py). A failed write stops every rank with
+    the writer's message. Returns the checkpoint's path on the main process."""
     from accelerate.utils import gather_object
 
     from train_utils.distributed import is_sharded, on_main
@@ -249,17 +222,11 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 
 
 def restore(run, plan: dict) -> dict:
-    """Load the checkpoint resume.plan chose (`plan`) into the freshly built `run`: weights,
-    optimizer state, the data position, this rank's RNG state; `run.scheduler` is rebuilt at the
-    checkpoint's step. Returns what the loop continues from: {"step", "tokens", "active_blocks" (the
-    optimizer's window, None without), "world_size" (the processes that wrote it), "fresh_state"
-    (how many tensors' per-rank optimizer state had to start fresh, sharded_checkpoint: column/row/
-    randk state of a sharded run continued on another process count; 0 otherwise)}.
-
-    Optimizer keys named in train.resume_changes: the current config's hyperparameters replace the
-    checkpoint's (the state, moments and step counters, is the checkpoint's). Model or optimizer keys
-    named there: a checkpoint that does not load is the user's change (one clear line); otherwise a
-    failure to load is a bug and keeps its traceback.
+    """Load `plan`'s checkpoint into the freshly built `run` (weights, optimizer state, data position,
+    this rank's RNG; the schedule rebuilt at its step). Returns {"step", "tokens", "active_blocks",
+    "world_size" (of the writer), "fresh_state" (tensors whose per-rank state starts fresh)}. Optimizer
+    keys in train.resume_changes: the current hyperparameters replace the checkpoint's. Model or
+    optimizer keys there: a checkpoint that does not load is a ConfigError; otherwise it keeps its traceback.
     """
     ckpt_dir, model, optimizer, rank, world = plan["ckpt_dir"], run.raw_model, run.optimizer, run.rank, run.world
     trainer = ckpt.load(ckpt_dir, "trainer")
@@ -286,8 +253,7 @@ def restore(run, plan: dict) -> dict:
             raise
         raise ConfigError(f"cannot apply train.resume_changes to {ckpt_dir}: the checkpoint's weights or optimizer "
                           f"state do not fit this config ({str(err).splitlines()[0]})") from err
-    # The schedule from the current config, at the checkpoint's step: identical to the stored one
-    # when nothing changed (LambdaLR computes base_lr x multiplier(step) afresh every step).
+    # LambdaLR recomputes base_lr x multiplier(step): identical to the stored schedule when nothing changed.
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.scheduler.lr_lambdas, last_epoch=step - 1)
     if isinstance(trainer["data"], list):  # one position per rank: written before data.merge_states
         raise ConfigError(f"checkpoint {ckpt_dir} stores its data position in an older format (one per rank) that "

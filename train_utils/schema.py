@@ -1,18 +1,9 @@
-"""The config keys a run accepts: those its YAML files declare.
-
-Every key is declared once, in a YAML file: configs/config.yaml declares the sections train, wandb,
-checkpoint and paper; an option file of configs/<group>/ (model, data, schedule, optimizer) declares
-the keys of its node, following same-group parents named in its own defaults list (frugal_lion.yaml:
-`- frugal`). The optimizer's files list every key of their frugal registry entry, written by
-scripts/write_optimizer_configs.py. Nothing here lists keys by hand and nothing is registered at import:
-configs/ composes with plain Hydra.
-
-Hydra accepts a key nothing declares when it is forced in (`+train.stepz=10`, or a preset setting
-it), and a plain override of an undeclared key (`optimizer.densty=0.3`) stops Hydra with advice to
-append it with `+`. train.py therefore hands Hydra every plain key override as a force-add
-(`force_add_key_overrides`), so that both reach `unknown_keys`, which the start-up check
-(validation.check_known_keys) reports in one line: the key, the valid keys of its node and the
-closest one.
+"""The config keys a run accepts: those its YAML files declare, each once (configs/config.yaml the
+sections train, wandb, checkpoint, paper; an option file of configs/<group>/ its node's keys, following
+same-group parents in its defaults list; the optimizer's files are written from the frugal registry by
+scripts/write_optimizer_configs.py). Nothing lists keys by hand; configs/ composes with plain Hydra.
+train.py hands Hydra plain key overrides as force-adds (`force_add_key_overrides`), so an undeclared
+key reaches `unknown_keys` and the start-up check names it, its node's valid keys and the closest one.
 """
 from __future__ import annotations
 
@@ -162,11 +153,9 @@ _SWEEP_FUNCTIONS = ("choice(", "range(", "interval(", "glob(", "tag(", "sort(", 
 
 
 def bad_group_choice(argv: list[str]) -> str | None:
-    """One line for the first override of argv that chooses an option a config group does not have
-    (`model=llama_70m`, a value of a sweep `optimizer=adamw,frugall`): the group, the closest and the
-    valid options (`group_option_error`); None when every choice exists. train.py, eval.py and the
-    memory planner check their command lines with it before Hydra composes anything (Hydra's own
-    error is 17 lines, exit 1), so a sweep with a bad value stops before its first job."""
+    """One line for the first override of argv (a sweep's values too) that chooses an option a config
+    group does not have (`group_option_error`), else None. Checked before Hydra composes anything
+    (Hydra's own error is 17 lines, exit 1), so a sweep with a bad value stops before its first job."""
     for arg in argv:
         if "=" not in arg or arg.startswith(("-", "~")):
             continue
@@ -201,12 +190,10 @@ _KEY_OR_GROUP = re.compile(r"[A-Za-z_][\w-]*(/[\w-]+)*")
 
 
 def force_add_key_overrides(argv: list[str]) -> list[str]:
-    """train.py's command line with every plain key override that might name an undeclared key
-    (`optimizer.densty=0.3`) written as a force-add (`++optimizer.densty=0.3`: set if present, added if
-    not), so that Hydra composes it and `unknown_keys` reports an undeclared one with the node's valid
-    keys and exit code 2, instead of Hydra's advice to append it with `+`. Keys the node has whatever
-    its option (`train.steps`, `optimizer.lr`), group choices (`optimizer=adamw`), `hydra.*` keys, `+`,
-    `++` and `~` overrides and flags (with the values of those that take one) are left as they are."""
+    """train.py's command line with every plain key override that might name an undeclared key written as
+    a force-add (`++optimizer.densty=0.3`), so `unknown_keys` reports it (exit 2) instead of Hydra's
+    advice to append it with `+`. Keys every option of the node has, group choices, `hydra.*`, `+`, `++`,
+    `~` overrides and flags (with their values) are left as they are."""
     groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
     takes_value = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
                    "-cd", "--config-dir", "--experimental-rerun"}

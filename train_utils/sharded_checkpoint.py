@@ -1,34 +1,16 @@
 """Checkpoints of a sharded (FSDP2) run: every rank writes its shards, any process count reads them.
 
-Layout (inside the usual atomic checkpoint directory of train_utils/checkpoint.py):
-
-    step_00000100/  dcp/.metadata  dcp/__0_0.distcp  dcp/__1_0.distcp ...   weights + optimizer state
-                    rank00000.pt  rank00001.pt ...     per-rank optimizer state (column/row/randk only)
+    step_00000100/  dcp/.metadata  dcp/__<rank>_0.distcp ...   weights + optimizer state (DCP)
+                    rank00000.pt ...    per-rank optimizer state (column/row/randk only)
                     trainer.pt  config.yaml  manifest.json
 
-Weights and optimizer state go through `torch.distributed.checkpoint` (DCP): each rank writes the
-shards it holds, and a later run on another number of processes reads the slices its own shards
-cover, so a run can continue on any process count. The usual promises hold: the temporary
-directory is renamed into place only when every rank's files and then the manifest (each file's
-size and SHA-256; every rank hashes the files it wrote) are complete; a failed write on any rank
-removes it and names the previous, intact checkpoint; non-finite shards on any rank stop the save
-(resume.save_checkpoint). DCP needs a file system that every rank sees (one node, or a
-cluster's shared file system).
-
-FRUGAL's column/row/randk state under FSDP2 is per rank: each rank selects coordinates inside its
-own shard (DESIGN invariant 10), so its reduced moments and indices describe that shard only and
-cannot be resharded. They are kept out of DCP and saved per rank (`rank<r>.pt`). A resume on the
-same number of processes restores them exactly; on another number the shards differ, so these
-tensors start from fresh state (as at a subspace change with reset_state="reset"), and the run logs
-an `optimizer_state_reset` event naming how many. Block projection state, AdamW's and the
-non-projectable tensors' state are DTensors and reshard exactly.
-
-Reading is data only. DCP's own reader unpickles `dcp/.metadata` with `pickle.load` and loads every
-non-tensor item with `torch.load(weights_only=False)`: a hand-made checkpoint could run code there.
-Every read here goes through `_SafeReader` (the metadata unpickled with an allow-list of DCP's own
-metadata classes, torch sizes, dtypes and layouts; the files it names must be files of this `dcp/`
-directory) and `_SafePlanner` (non-tensor items with `torch.load(weights_only=True)`); anything else
-is refused with one line naming the file (checkpoint.RefusedFile), before any of it runs.
+Same promises as checkpoint.py (atomic rename after every rank's files and the manifest; a failed write
+on any rank names the intact previous checkpoint). DCP needs a file system every rank sees. Column/row/
+randk state is per rank (coordinates inside each shard, DESIGN invariant 10): restored exactly on the
+same process count, fresh on another (an `optimizer_state_reset` event). Reads are data only: DCP's
+reader would unpickle `.metadata` and `torch.load(weights_only=False)` other items, so `_SafeReader`
+(an allow-list, files of this `dcp/` only) and `_SafePlanner` (weights_only=True) refuse anything else
+with checkpoint.RefusedFile (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -50,9 +32,8 @@ from train_utils.hooks import OptimizerHooks
 SHARDED_DIR, is_sharded = ckpt.SHARDED_DIR, ckpt.is_sharded  # also reached as sharded_checkpoint.*
 
 
-# What DCP's `.metadata` pickle may name: its metadata records, a path, sizes; dtypes, layouts and
-# memory formats are checked by type below. Nothing that runs code (no functions besides torch's
-# layout lookup by name, no builtins).
+# What DCP's `.metadata` pickle may name (dtypes, layouts, memory formats are checked by type below):
+# nothing that runs code besides torch's layout lookup by name.
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -181,10 +162,9 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_sd = get_model_state_dict(model)
-    # An optimizer without state (signSGD, SGD) and without gradients gets one step at lr 0 from
-    # get_optimizer_state_dict (torch initialises "lazy" state that way). The weights do not move,
-    # but the step counter (and the opt-in window clock) would: keep checkpointing from changing a run.
-    # The step counter is in every group (FRUGAL), the clock in the first.
+    # get_optimizer_state_dict gives a stateless optimizer without gradients one lr-0 step (torch's lazy
+    # state init): the weights stay, but the step counter (every FRUGAL group) and window clock (first
+    # group) would move. Restored, so checkpointing never changes a run.
     kept = [{k: copy.deepcopy(g[k]) for k in ("step", "clock") if k in g} for g in optimizer.param_groups]
     optim_sd = get_optimizer_state_dict(model, optimizer)
     if any(g.get(k) != v for g, saved in zip(optimizer.param_groups, kept) for k, v in saved.items()):
@@ -259,8 +239,7 @@ def load(ckpt_dir: str, *, model, optimizer, step: int, rank: int, same_world_si
 
     OptimizerHooks(optimizer).materialize_state(step)  # FRUGAL: which tensors hold state depends on the window
     model_sd, optim_sd, fresh = _state_dicts(model, optimizer)
-    # Checkpoints of earlier versions keep FRUGAL's step counter in the first group only: load that
-    # one, and FRUGAL.load_state_dict gives every group the same count.
+    # Older checkpoints keep the step counter in the first group only; FRUGAL.load_state_dict shares it.
     for group_sd in optim_sd["param_groups"][1:]:
         group_sd.pop("step", None)
     _read({"model": model_sd, "optim": optim_sd}, ckpt_dir)

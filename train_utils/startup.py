@@ -1,12 +1,8 @@
-"""A training run's start-up and its command line: everything train.py does before its first step,
-and the translation of its errors into messages and exit codes.
+"""Everything train.py does before its first step, and its errors as messages and exit codes.
 
-`start` takes the config through every check once (the loop's settings, the micro-batch chosen for
-this device, the whole config, the toy rewrite of `debug=toy`), makes the run record with its run dir
-and lock, and plans the resume (which checkpoint continues the run). `build` then builds the run's
-parts in order (data, the memory check, model, optimizer and schedule, the one-bit vote), restores the
-checkpoint and opens the logs; it returns where the loop starts. `cli` runs train.py's Hydra main
-with the project's exit codes: 0 done, 1 a run error, 2 a config error, 75 stopped by a signal.
+`start`: the config checked once, the run record with its run dir and lock, the resume plan. `build`:
+data, memory check, model, optimizer and schedule, the vote, the checkpoint restored, the logs opened;
+returns where the loop starts. `cli`: exit codes 0 done, 1 run error, 2 config error, 75 stopped.
 """
 from __future__ import annotations
 
@@ -132,11 +128,9 @@ def check_memory(run: Run) -> dict:
 
 
 def build_model(run: Run) -> tuple:
-    """(raw_model, loss_fn, model): the model itself (activation checkpointing, pure bf16 as set), the
-    compiled blocks' loss (None when eager; blocks compile at their first call), and what forward/
-    backward calls: under ddp the DDP wrapper (or raw_model alone), under fsdp raw_model itself,
-    sharded in place. Built from the same seed on every rank (identical initial weights); after it,
-    every rank seeds its own dropout masks."""
+    """(raw_model, loss_fn, model): the model (checkpointing, pure bf16 as set), the compiled loss (None
+    when eager), and what forward/backward calls (DDP's wrapper, or raw_model; under fsdp raw_model
+    sharded in place). Same seed on every rank (identical weights), then each rank its dropout masks."""
     tc = run.tc
     pure_bf16 = run.precision == "bf16"  # built in bf16: a 7B model never exists in fp32
     raw_model = models.build_model(run.cfg.model, vocab_size=run.dm.vocab_size,
@@ -149,9 +143,8 @@ def build_model(run: Run) -> tuple:
 
 
 def build_optimizer(run: Run) -> tuple:
-    """(optimizer, hooks, scheduler, in_backward) for the built model: `hooks` gives any torch
-    optimizer FRUGAL's loop hooks (no-ops where it has none); a bad schedule value is a config error
-    naming its group; `in_backward` is the step inside backward (train.optimizer_in_backward), else None."""
+    """(optimizer, hooks (FRUGAL's loop hooks, no-ops elsewhere), scheduler, in_backward (the step inside
+    backward, else None)); a bad schedule value is a config error naming its group."""
     optimizer = frugal.build_optimizer(run.raw_model, **run.opt_cfg)
     in_backward = None
     if run.tc.optimizer_in_backward:
@@ -165,9 +158,8 @@ def build_optimizer(run: Run) -> tuple:
 
 
 def stopped_during_startup(run: Run, step: int) -> bool:
-    """Whether a stop signal came during start-up, on any rank (collective: every rank votes). If
-    so: say there is nothing new to save and how to continue, let a submitit job requeue, and leave
-    before step `step` + 1."""
+    """Whether a stop signal came during start-up on any rank (collective); if so say how to continue,
+    let a submitit job requeue, and leave before step `step` + 1."""
     votes = torch.tensor([float(STOP.received is not None)], device=run.device)
     if not run.accelerator.reduce(votes, "sum").item():
         return False
@@ -200,9 +192,8 @@ def run_job(train: Callable[[DictConfig, str], int], cfg: DictConfig, run_dir: s
         status = train(cfg, run_dir)
     except CONFIG_ERRORS + RUN_ERRORS as err:  # expected failures: a clear message, no traceback
         timeout = isinstance(err, distributed.CollectiveTimeout)
-        # Kept in train.log too (not a refused second writer's: that train.log is the holder's); a
-        # collective timeout is reported by every rank that saw it (rank 0 may be the one that froze),
-        # the rest by rank 0 (stop_with_error).
+        # Also in train.log (not a refused second writer's: it is the holder's); a timeout by every rank
+        # that saw it (rank 0 may be the one that froze), the rest by rank 0.
         logged = (rank == 0 or timeout) and not isinstance(err, run_lock.RunDirInUse)
         Console(run_dir, enabled=logged)(f"error: {err}", error=True, console=timeout and rank != 0)
         stop_with_error(err, 2 if isinstance(err, CONFIG_ERRORS) else 1)
@@ -214,10 +205,9 @@ def run_job(train: Callable[[DictConfig, str], int], cfg: DictConfig, run_dir: s
 
 
 def cli(main: Callable[[], None]) -> None:
-    """train.py's command line: a wrong group choice refused before Hydra composes (or a sweep launches)
-    anything; a plain override of a key no YAML declares (optimizer.densty=0.3) reaching the start-up
-    check, which names the valid keys (exit 2), instead of stopping Hydra with advice to append it with +;
-    a sweep stopped by a job's error exiting with that job's code; the process group left last."""
+    """train.py's command line: a wrong group choice refused before Hydra composes anything; an override
+    of an undeclared key reaching the start-up check (exit 2) instead of Hydra's advice to append it with
+    +; a sweep stopped by a job's error exiting with its code; the process group left last."""
     bad_choice = schema.bad_group_choice(sys.argv[1:])
     if bad_choice:
         print(f"error: {bad_choice}", file=sys.stderr)

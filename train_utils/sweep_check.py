@@ -1,40 +1,16 @@
-"""Check a whole sweep before its first job: every job's config, composed and checked as its run would.
+"""Check a whole sweep before its first job: every job's config, composed and checked as its run would
+(docs/configuration.md, "Checks at start-up and before a sweep").
 
-A multirun (`python train.py -m ...`) used to meet a bad value only when the job holding it started:
-`optimizer.density=0.25,1.5` trained job #0 for its full length, then stopped at #1 (and on SLURM, every
-job was already queued). `SweepCheck`, a Hydra callback (configs/config.yaml, hydra.callbacks), runs in
-`on_multirun_start`, which Hydra calls in the launching process before the sweeper creates the sweep
-dir or the launcher starts, queues or submits anything. For the basic sweeper (the only one this
-repository configures: presets sweep with `hydra.sweeper.params`) it:
-
-- lists the jobs as the sweeper will (`hydra.sweeper.params`, then the command line's overrides, their
-  cartesian product; `sweep_jobs`), and composes each job's config as its launcher will
-  (`load_sweep_config`: the sweep's own hydra overrides plus the job's);
-- checks each one with what train() checks at start-up before it reads data (`check_job`): the loop's
-  settings, `train.precision`, `train.micro_batch_size=auto` resolved for the job's device, every key
-  and value (validation.validate_config, the optimizer's through its registry), the memory check
-  (memory_check.check: analytic, the model on the meta device, nothing allocated), the model's values
-  and the schedule's;
-- stops at the first job that fails, before any job starts and with nothing written: one line,
-  `error: sweep not started: job #<n> (<its overrides>): <the line its run would print>`, exit code 2.
-
-Where a job runs decides its processes and device (`job_processes`): the basic launcher runs each job in
-this process on this machine's device; hydra/launcher=local (submitit_local) on this machine with
-nodes x tasks_per_node processes, on the GPU when gpus_per_node > 0; SLURM with nodes x tasks_per_node
-processes on nodes this process cannot see, so a SLURM job's values and batch split are checked here
-but its memory check (and `micro_batch_size=auto`) wait for the job's own start-up, which still runs
-every check itself. Not checked here, for cost or because only the job can know: the data (a path, a
-tokenizer, the validation set: building it reads files or the Hub), the run dir (its lock, a
-checkpoint to resume), and, where the data decides the vocabulary from files (`data=tokens`,
-`data.vocab_from=tokenizer`), the memory plan uses the model's vocabulary size. Remove the check with
-`~hydra.callbacks.sweep_check`.
-
-Cost, measured on a shared 2-core CPU: 0.12-0.15 s per job, most of it Hydra composing the job's config
-(which the sweeper's batch validation and the launcher then copy instead of composing it twice more:
-`ComposedOnce`, ~1 s less for an 8-job toy sweep); the checks, memory plan included, add a few tens of
-milliseconds. A 20-job sweep (5 densities x 4 update gaps, debug=toy or llama_130m / llama_1b at paper
-scale) checked in 2.5-2.9 s of CPU. Once per sweep, the first model on the meta device imports transformers' model code
-(~2-3 s), which a basic launcher's first job would import anyway.
+`SweepCheck`, a Hydra callback (configs/config.yaml, hydra.callbacks), runs in `on_multirun_start`,
+before the sweep dir exists or anything is launched, queued or submitted. For the basic sweeper it lists
+the jobs as the sweeper will (`sweep_jobs`), composes each as its launcher will, checks it with train()'s
+start-up checks that need no data (`check_job`: loop settings, precision, micro_batch_size=auto, every
+key and value, the memory check, model and schedule values), and stops at the first failing job:
+`error: sweep not started: job #<n> (<its overrides>): <its run's line>`, exit code 2.
+`job_processes` decides each job's processes and device from its launcher; a SLURM job's memory check
+waits for its own start-up. Not checked here: the data, the run dir, a vocabulary read from files.
+Remove with `~hydra.callbacks.sweep_check`. Cost: 0.12-0.15 s per job on 2 CPU cores, mostly composing
+(done once per job: `ComposedOnce`), plus ~2-3 s once to import the model code.
 """
 from __future__ import annotations
 
@@ -101,11 +77,10 @@ def job_processes(job_cfg) -> tuple[int, object | None]:
 
 
 def check_job(cfg, world: int, device, debug: str | None = None) -> dict:
-    """Run train()'s start-up checks that need no data on the composed config `cfg` of a job of
-    `world` processes on `device` (None: not this machine's, so no memory check), in train()'s order;
-    raise the error its run would stop with. `debug`: the job's configs/debug option. Returns the
-    memory check's entries ({} when it was not made here). Changes `cfg` as train() does (precision,
-    micro-batch): pass a copy you can spare."""
+    """Run train()'s start-up checks that need no data, in its order, on the composed config of a job of
+    `world` processes on `device` (None: not this machine's, no memory check); raise the error its run
+    would stop with. Returns the memory check's entries ({} if not made). Changes `cfg` as train()
+    does (precision, micro-batch): pass a copy you can spare."""
     from omegaconf import OmegaConf
 
     from frugal import HyperparameterError
@@ -158,8 +133,7 @@ def _shown(overrides: list[str]) -> str:
 
 def check_sweep(config, config_loader) -> str | None:
     """The one line (without `error: `) for the first job of the multirun `config` whose run would stop
-    at start-up with a config error, None when every job passes (or the sweeper is not the basic
-    one). `config_loader`: Hydra's, which composes each job's config as its launcher will."""
+    at start-up with a config error; None when all pass (or the sweeper is not the basic one)."""
     from .distributed import torchrun_multirun_error
     from .naming import debug_option
     from .schema import bad_group_choice
@@ -188,11 +162,9 @@ def check_sweep(config, config_loader) -> str | None:
 
 
 class ComposedOnce:
-    """`load_sweep_config` of one multirun's config loader, each job composed once: Hydra composes every
-    job three times in the launching process (this check, the basic sweeper's `validate_batch_is_legal`
-    and the launcher), ~0.1 s each. The same master config and overrides give the same config, so the
-    second and third calls get a deep copy of the first's (~6 ms; a copy, since the launcher writes
-    hydra.job.id/num into its config). At most MAX_JOBS configs are kept; later jobs compose as before."""
+    """`load_sweep_config` composing each job once: Hydra composes every job three times in the launching
+    process (this check, the sweeper's batch validation, the launcher), ~0.1 s each. Later calls get a
+    deep copy (the launcher writes hydra.job.id/num into its config); at most MAX_JOBS are kept."""
 
     MAX_JOBS = 256
 

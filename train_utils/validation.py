@@ -1,14 +1,9 @@
 """Start-up validation of a composed config, and how an expected error ends a run.
 
-`validate_config` runs before a model is built or a step is lost: keys that nothing declares (see
-schema.py), then the loop's own settings; every error names the key, the value and what is valid.
-Model, optimizer and data values are checked by `models`, `frugal` and `data` when they are built, and
-unknown config-group options (`optimizer=adamx`) by Hydra, which lists the available ones.
-
-`stop_with_error` is the one-line ending of an expected error (a ConfigError, a non-finite loss): a
-message on stderr and an exit code for a plain run; inside a Hydra multirun job (basic, local or SLURM
-launcher) a compact Hydra error instead, which the job hands back to the launching process and Hydra
-prints there as the last line of the sweep's output rather than a traceback of the job runner.
+`validate_config` runs before a model is built: undeclared keys (schema.py), then the loop's settings;
+every error names the key, the value and what is valid. Model, optimizer and data values are checked
+when built, unknown group options by Hydra. `stop_with_error` ends an expected error in one line: on
+stderr with an exit code, or in a multirun job as a compact Hydra error the sweep prints last.
 """
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ class ConfigError(ValueError):
 
 
 class JobError(CompactHydraException):
-    """An expected error of a multirun job; Hydra prints its message alone. `exit_code` is the
-    code the job would have had alone (2: a config error); the sweep exits with it (train.py's
-    __main__), not with Hydra's 1."""
+    """An expected error of a multirun job; Hydra prints its message alone. The sweep exits with
+    `exit_code` (what the job would have had alone; train.py's __main__), not Hydra's 1."""
     exit_code = 1
 
 
@@ -52,11 +46,9 @@ def check_precision(precision, allow_auto: bool = False) -> None:
 
 
 def native_bf16(device) -> bool:
-    """Does `device` compute bf16 matmuls natively: a CUDA GPU that supports bf16, or a CPU with
-    AVX512-BF16 or AMX (Linux's cpu flags) whose bf16 matmuls go to oneDNN (torch's own check, which
-    honours ONEDNN_MAX_CPU_ISA: `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` makes such a CPU
-    compute as an AVX2-only one, docs/measurements.md). Elsewhere bf16 is emulated: on an AVX2 CPU a
-    bf16-mixed step of llama_tiny took ~6x an fp32 one, a 512x512 bf16 matmul ~70x."""
+    """Does `device` compute bf16 matmuls natively: a CUDA GPU with bf16, or a CPU with AVX512-BF16 or
+    AMX whose bf16 matmuls go to oneDNN (torch's check, honouring ONEDNN_MAX_CPU_ISA; docs/measurements.md).
+    Elsewhere bf16 is emulated (an AVX2 CPU: a llama_tiny bf16-mixed step ~6x an fp32 one)."""
     import torch
 
     device = torch.device(device)
@@ -78,11 +70,9 @@ def native_bf16(device) -> bool:
 
 
 def resolve_precision(precision, device, debug: str | None = None) -> str:
-    """train.precision `auto` (the CPU quickstart's default): bf16-mixed where the device computes
-    bf16 natively (`native_bf16`), fp32 elsewhere; any other value is checked and kept. The paper
-    presets set bf16-mixed themselves; under `debug=toy` their bf16-mixed is taken as `auto` too (a
-    toy job runs in about a minute on any CPU), while pure bf16 and fp32 cells keep theirs (Tables 3
-    and 10 stay sweeps of different regimes)."""
+    """train.precision `auto`: bf16-mixed where the device computes bf16 natively, fp32 elsewhere; other
+    values are checked and kept. Under `debug=toy` bf16-mixed counts as `auto` too (pure bf16 and fp32
+    cells keep theirs: Tables 3 and 10 stay sweeps of different regimes)."""
     check_precision(precision, allow_auto=True)
     if precision == "bf16-mixed" and debug == "toy":
         precision = AUTO
@@ -92,9 +82,8 @@ def resolve_precision(precision, device, debug: str | None = None) -> str:
 
 
 def check_known_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError naming every key no YAML file declares, the valid keys of its node and the
-    closest one (one line). The optimizer also takes the options of the rules that the modules in
-    `optimizer.plugins` register (imported here: one that does not import is a HyperparameterError)."""
+    """Raise ConfigError naming every key no YAML file declares, its node's valid keys and the closest
+    (one line). The optimizer also takes the options of rules its `optimizer.plugins` register."""
     from frugal import registry
 
     registry.load_plugins(OmegaConf.select(cfg, "optimizer.plugins", default=None))
@@ -109,9 +98,7 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 
 def check_loop_settings(tc) -> None:
-    """The loop's own keys (train.collective_timeout_s, resume_changes, peak_flops, require_eval_tokens,
-    activation_checkpointing, parallelism, compile, tf32, memory_check), checked before the process
-    group exists (its timeout is one of them); `validate_config` checks the rest once it does."""
+    """The loop's own keys, checked before the process group exists (its timeout is one of them)."""
     timeout = tc.collective_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"train.collective_timeout_s={timeout!r} is invalid: expected a number of seconds > 0")
@@ -145,9 +132,8 @@ def check_auto_batch(cfg: DictConfig, world_size: int) -> int:
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> int:
-    """Check the run's config; return the number of gradient-accumulation micro-steps (1 for a
-    train.micro_batch_size still `auto`: train.py resolves it first, with
-    memory_check.auto_micro_batch)."""
+    """Check the run's config; return the gradient-accumulation micro-steps (1 while
+    train.micro_batch_size is `auto`: train.py resolves it first, memory_check.auto_micro_batch)."""
     check_known_keys(cfg)
     if cfg.train.micro_batch_size == AUTO:
         cfg = OmegaConf.merge(cfg, {"train": {"micro_batch_size": check_auto_batch(cfg, world_size) // world_size}})
@@ -174,8 +160,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
         raise ConfigError(f"train.grad_clip={clip!r} is invalid: expected null (no clipping) or a number >= 0")
     growth = OmegaConf.select(cfg, "optimizer.update_gap_growth", default=None)
     if OmegaConf.select(cfg, "train.parallelism") == "fsdp" and isinstance(growth, (int, float)) and growth > 1.0:
-        # Its windows depend on the losses seen, and a sharded checkpoint is loaded into state shaped
-        # by the window (FRUGAL.materialize_state), which is not known before loading: refuse up front.
+        # Its windows depend on the losses; a sharded load needs the window's state shape before loading.
         raise ConfigError(f"optimizer.update_gap_growth={growth} (the plateau-growing update gap) cannot resume from "
                           f"sharded checkpoints; with train.parallelism=fsdp keep update_gap_growth=1.0, or use "
                           f"train.parallelism=ddp")
@@ -189,8 +174,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> int:
 
 
 def check_optimizer_values(cfg: DictConfig) -> None:
-    """The optimizer's keys and values, checked by the registry before anything uses them (the memory
-    planner would otherwise meet a bad value first, and skip its check with a warning)."""
+    """The optimizer's keys and values, checked by the registry before the memory planner meets them."""
     from frugal import registry
 
     opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
@@ -247,12 +231,9 @@ def _check_frugal_based(cfg: DictConfig, setting: str, instead: str) -> None:
 
 
 def stop_with_error(err: BaseException, exit_code: int, in_job: bool | None = None) -> None:
-    """End the run on an expected error with its message as the last line (never returns).
-
-    In a multirun job: raise JobError, which Hydra's job runner records as the job's failure and the
-    launching process prints alone (exit status 1 for the sweep). Otherwise: print `error: <message>`
-    on rank 0 and exit with `exit_code`. `in_job`: whether this is a multirun job (default: Hydra's
-    config says); False for the launching process of a sweep (sweep_check.py).
+    """End the run on an expected error, its message the last line (never returns): in a multirun job
+    (`in_job`, default Hydra's config; False for a sweep's launcher) raise JobError; else print
+    `error: <message>` on rank 0 and exit with `exit_code`.
     """
     if is_multirun() if in_job is None else in_job:
         JobError.exit_code = exit_code
