@@ -4,21 +4,14 @@
                    [train.eval_tokens=N] [train.micro_batch_size=N] [train.precision=fp32] [eval.mode=authors]
                    [out=<file>]
 
-Arguments have the training command line's key=value form, but the base config is the one saved
-with the checkpoint (its resolved config.yaml), not configs/config.yaml: the model is rebuilt exactly
-as trained. `data=<option>` swaps in a data config from configs/data/ (e.g. score a model trained on
-one corpus on another); dotted keys override single values and must already exist. A run directory
-means its latest checkpoint.
-
-Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes it to
-<checkpoint>/eval.json (or to out=). Progress goes to stderr, so stdout stays that one object: what is
-evaluated, then a bar on a terminal, or a line at each quarter of the validation batches otherwise (a
-10M-token evaluation takes minutes). The loss is token-weighted over the same fixed validation set and
-with the same code as train.py's evaluations, so the two agree. `eval.mode=authors` evaluates as the
-paper's code did instead (C4 only: the validation split shuffled with seed 42, the mean of per-batch
-mean losses; data/stream.py, EVAL_MODES), to compare a checkpoint with the paper's numbers. Runs under
-torchrun too (the ranks split the validation set). A checkpoint of a sharded run
-(train.parallelism=fsdp) is read whole into each process, on any number of processes.
+Arguments have the training command line's key=value form, but the base config is the checkpoint's
+own (its resolved config.yaml), so the model is rebuilt exactly as trained. `data=<option>` swaps in a
+data config from configs/data/; dotted keys override existing values. A run directory means its
+latest checkpoint. Prints one JSON object {"val_loss", "val_ppl", "val_tokens", "step", ...} and writes
+it to <checkpoint>/eval.json (or out=); progress goes to stderr. The loss is train.py's evaluation
+(token-weighted, same validation set and code); `eval.mode=authors` evaluates as the paper's code did
+(C4 only; data/stream.py, EVAL_MODES). Runs under torchrun too (the ranks split the validation set);
+a sharded (fsdp) checkpoint is read whole into each process, on any number of processes.
 
 Exit codes: 0 done; 2 bad arguments (a mistyped key, section, argument or data option is named with
 the valid ones and the closest), or a missing or damaged checkpoint (verified against its manifest; a

@@ -7,33 +7,26 @@
     torchrun --standalone --nproc_per_node 8 train.py train.parallelism=fsdp     # FSDP2: sharded
     python train.py hydra.run.dir=<run dir>              # continue a stopped run (train.resume=auto)
 
-It reads top to bottom: the start-up (train_utils/startup.py: the config checked once, the run dir and
-its lock, which checkpoint continues the run; then data, the memory check, model, optimizer, the
-restored checkpoint and the start row), the loop, the final evaluation and summary. What start-up
-builds goes into the run record (train_utils/run.py), which the helpers that log, checkpoint and
-restore the run take whole; what changes every step (step, tokens, the last evaluation) stays in the
-loop's variables. A step: fetch the micro-batches (timed: data wait), forward/backward with gradient
-accumulation, one global gradient norm (frugal.grad_norm; also used for clipping when train.grad_clip
-is set), then one host sync for the loss, the norm and the ranks' stop votes. A non-finite loss or
-norm stops the run before the update is applied, and no checkpoint with non-finite weights or state
-is ever written.
+It reads top to bottom: the start-up (train_utils/startup.py), the loop, the final evaluation and
+summary. What start-up builds is the run record (train_utils/run.py), which the helpers take whole;
+what changes every step stays in the loop's variables. A step: the micro-batches (timed: data wait),
+forward/backward with accumulation, one global gradient norm (clipping when train.grad_clip is set),
+one host sync for loss, norm and stop votes. A non-finite loss or norm stops the run before the
+update, and no checkpoint with non-finite weights or state is ever written.
 
-Exit codes: 0 done (also when the run had already finished: nothing is written then); 1 error,
-e.g. a non-finite loss (the message names the step and the last checkpoint, which is finite), a
-checkpoint that cannot be written (the previous one is intact), a rank that stopped answering;
-2 invalid configuration, a setting that differs from the checkpoint's, or a run the memory planner
-says cannot fit (the message gives the planned and available memory); 75 (EX_TEMPFAIL, "try
-again") stopped by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2, after writing a checkpoint (or during
-start-up, before any step): rerun the same command with the same run dir to continue (in a
-submitit job, submitit requeues it: train_utils/slurm.py).
+Exit codes: 0 done (also when the run had already finished); 1 error, e.g. a non-finite loss (the
+message names the step and the last, finite checkpoint), a failed checkpoint write (the previous one is
+intact), a rank that stopped answering; 2 invalid configuration, a setting that differs from the
+checkpoint's, or a run the memory planner says cannot fit; 75 (EX_TEMPFAIL) stopped by SIGTERM, SIGINT,
+SIGUSR1 or SIGUSR2 after writing a checkpoint (or during start-up): rerun the same command with the same
+run dir to continue (a submitit job is requeued: train_utils/slurm.py).
 """
 from __future__ import annotations
 
 import os
 
-# Idle OpenMP threads sleep instead of spinning: on a CPU shared with other processes (a laptop, CI,
-# several jobs per node) spinning threads of a 2-thread torch were measured 10x+ slower than one
-# thread; sleeping ones cost little when the machine is idle. Must be set before torch loads.
+# Idle OpenMP threads sleep instead of spinning (spinning ones were measured 10x+ slower on a shared
+# CPU). Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if __name__ == "__main__":  # a stop signal while the libraries below import: remembered, not fatal

@@ -1,25 +1,13 @@
 """Divergence: which checkpoint is from before the loss blew up, kept, and named when the run stops.
 
-A non-finite loss is the end of a divergence, not its start: with `optimizer.lr=1e6` the first
-update already sends the weights to ~1e6, the losses computed with them are finite but huge, and a
-few steps later they are NaN. Every checkpoint written in between is finite (non-finite state is
-never written) and useless: resuming from it fails again at the same step, whatever the remedy.
-
-A checkpoint's weights are judged by the first loss computed with them, the next step's (before
-that step's update). That loss is healthy when it is finite and at most SPIKE_FACTOR times the
-median of the last WINDOW healthy losses (spikes do not enter the window, so a diverging run cannot
-raise its own bar). A checkpoint whose next loss is healthy becomes `last_good` (a pointer beside
-`latest`, checkpoint.LAST_GOOD): `checkpoint.keep` rotation never removes it, so at most `keep` + 1
-checkpoints remain. The window starts empty when a run starts (the first loss is taken as it is). A
-run resumed from one of its own checkpoints rebuilds it on the main process (the one that moves
-`last_good`; the window plays no other part) by judging the training losses metrics.jsonl logged up
-to that checkpoint's step in order, as the run did: with `train.log_every=1` (the default) it is the
-window the uninterrupted run had, so a spike right after a resume is caught at the same step; with a
-larger `log_every` it is the median of the logged losses only. When the loss or gradient norm turns
-non-finite, the run stops before applying it and the message names `last_good`, the step the loss
-first spiked, and a command that continues from there with a lower learning rate (the one
-`last_good` was trained with, when it was lower), or, with no checkpoint from before the
-divergence, how to start over.
+A non-finite loss ends a divergence that began steps earlier with finite, huge losses, and the
+(finite) checkpoints between are useless. A checkpoint is judged by the next step's loss: healthy when
+finite and at most SPIKE_FACTOR x the median of the last WINDOW healthy losses (spikes stay out of the
+window). Then it becomes `last_good` (checkpoint.LAST_GOOD, never rotated away: `keep` + 1 may remain).
+The window starts empty; a run resumed from its own checkpoint rebuilds it on the main process from
+metrics.jsonl's training losses up to that step (exact with train.log_every=1). On a non-finite loss
+or gradient norm the message names `last_good`, the step of the first spike, and a command continuing
+from there with a lower learning rate, or how to start over (docs/reliability.md).
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""Start-up memory check: refuse, with the figures, a run that cannot fit, before anything large exists.
-
-A process that needs more memory than the machine has is killed by the kernel with no output (or
-dies in CUDA's allocator after the first steps). train.py asks the memory planner
-(train_utils/memory_plan.py: the model on the meta device, nothing allocated) first:
-
-- GPU: the planned per-rank peak plus the CUDA context and fragmentation allowance must fit the
-  device's memory; and every process of the node builds its model in fp32 on the host before moving
-  it to the GPU, so local processes x 4 bytes per parameter (+ PROCESS_BYTES each) must fit the
-  host's available RAM.
-- CPU: local processes x (planned peak + PROCESS_BYTES) must fit the host's available RAM.
-
-`train.memory_check=false` skips the check (e.g. when the planner is known to be conservative for a
-setup). The planner covers the LLaMA and GPT-2 families and the registry's optimizers; if it cannot
-plan a run, the check says so and the run goes on.
+"""Start-up memory check: refuse, with the figures, a run that cannot fit, before anything large exists
+(else the kernel kills it with no output). Asks the memory planner (memory_plan.py, nothing allocated):
+GPU: the planned per-rank peak plus allowance must fit the device, and local processes x (4 bytes per
+parameter, the fp32 model built on the host, + PROCESS_BYTES) the host's available RAM; CPU: local
+processes x (planned peak + PROCESS_BYTES) the host's RAM. `train.memory_check=false` skips it; a run
+the planner cannot plan is said and goes on.
 """
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
 """How a run is named: unique run directories, the optimizer option chosen, wandb names and groups.
 
-Run directories. `outputs/<date>/<time>` alone is shared by two runs started in the same second, which
-then append to one metrics.jsonl. configs/config.yaml names them
-`outputs/${launch_time:%Y-%m-%d}/${launch_time:%H-%M-%S}-<model>-<optimizer option>-${launch_id:}`
-(`12-00-00-llama_60m-frugal-3fa1b2c4`: readable, and unique with the time), two resolvers registered
-here. Hydra resolves the run dir in every process before train() runs, so under torchrun (or a SLURM
-step of several tasks) every rank must compute the same name on its own:
-
-    launch_id    TORCHELASTIC_RUN_ID (torchrun: a uuid with --standalone, the --rdzv-id otherwise),
-                 (8 hex digits of a --standalone uuid), else the SLURM job (array task, step) id, else 8
-                 random hex digits (two launches in the same second share a directory with probability
-                 1 in 2**32; with 4 digits it was 1 in 65,536)
-    launch_time  for ranks of one launch, the start time of their parent (the torchrun agent or the
-                 SLURM step daemon of the node); otherwise the first call's time in this process
-
-Ranks on several nodes started at different times may still disagree on the time: pass
-`hydra.run.dir` for multi-node runs (train.py also broadcasts rank 0's directory). Both resolvers are
-cached in the config, so a sweep's jobs (which Hydra composes from the launching process's config and
-cache) keep its directory.
-
-Names. `optimizer.name` is the registry entry (frugal for both `frugal` and `frugal_rho0`); the option
-chosen is Hydra's `runtime.choices.optimizer`. `run_name` is `<model>-<option>` followed by the values
-the multirun sweeps (`llama_60m-frugal-density=0.125-update_gap=100`), or by the run directory's name
-for a single run; `run_group` gathers a sweep's jobs under one wandb group.
+configs/config.yaml names run dirs `outputs/${launch_time:%Y-%m-%d}/${launch_time:%H-%M-%S}-<model>-
+<optimizer option>-${launch_id:}` (two runs started in the same second must not share metrics.jsonl).
+Hydra resolves it in every process, so every rank of a launch computes the same name on its own:
+`launch_id` is torchrun's run id (8 hex digits of a --standalone uuid), else the SLURM job (array task,
+step) id, else 8 random hex digits; `launch_time` is the start time of the ranks' parent (torchrun agent,
+SLURM step daemon), else the first call's. Multi-node runs should pass `hydra.run.dir` (train.py also
+broadcasts rank 0's). Both are cached in the config, so a sweep's jobs keep its directory.
+`optimizer_option` is Hydra's choice (frugal_rho0), `optimizer.name` the registry entry (frugal);
+`run_name` is `<model>-<option>` plus the swept values or the run dir's name; `run_group` gathers a
+sweep's jobs under one wandb group.
 """
 from __future__ import annotations
 

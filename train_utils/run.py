@@ -1,18 +1,9 @@
 """The run record: what train.py builds for one training run, passed whole to the helpers that log,
-checkpoint, restore and end it (report.py, resume.py).
-
-Why one record: the start row, a checkpoint, a restore and the end row each need most of the run's
-parts (config, processes, data, model, optimizer, schedule, metrics). Handed over one by one they
-made calls of 11 to 18 arguments that changed together whenever a part was added; handed over as
-`run`, each helper takes the run and only what it alone needs (the step, the tokens so far, ...).
-
-What it holds: the run's fixed parts. The first are known before anything is built; the others
-(from `dm` on) are None until train() builds them, top to bottom, and are set once (except
-`scheduler`, which resume.restore rebuilds at the checkpoint's step). Filled in place rather than
-made at the end, so that train()'s clean-up sees whatever exists when a step fails (the DDP wrapper
-it must keep alive). What the properties give is derived from these. What changes every step
-(step, tokens, the active blocks, the last evaluation) is not here: it stays in train()'s loop as
-local variables, where a reader sees it change, and is passed to the helpers explicitly.
+checkpoint, restore and end it (report.py, resume.py), which take it and only what they alone need
+(handed over one by one, the parts made calls of 11 to 18 arguments). The first fields are known
+before anything is built; the others (from `dm` on) are None until train() builds them, and are set
+once (except `scheduler`, rebuilt by resume.restore), in place, so the clean-up sees whatever exists
+when a step fails. What changes every step stays in train()'s loop and is passed explicitly.
 """
 from __future__ import annotations
 
@@ -134,14 +125,11 @@ class Session:
 
 @contextlib.contextmanager
 def session(cfg: DictConfig, run_dir: str, stop) -> Iterator[Session]:
-    """Everything around the training story in `train()`: on the way in, the loop's own settings checked
-    (train_utils.validation.check_loop_settings), the stop-signal handler
-    (`stop`: train_utils.signals.STOP; from here on a signal ends the run cleanly), the processes
-    (accelerate, NCCL or gloo, SLURM tasks without torchrun), TF32, `train.precision=auto` resolved for
-    this device; on the way out, whatever happened: a collective
-    timeout named with the rank that stopped answering, a full disk as one line, the progress bar and
-    the metrics closed, the run dir's lock released, the signal handler restored, the ranks leaving
-    together, the process group destroyed."""
+    """Everything around the training story in `train()`. In: the loop's settings checked, the stop
+    handler (`stop`: signals.STOP) installed, the processes (accelerate; SLURM tasks without torchrun),
+    TF32, `train.precision=auto` resolved. Out, whatever happened: a collective timeout naming the rank
+    that stopped answering, a full disk as one line, the bar, metrics and lock closed, the handler
+    restored, the ranks leaving together, the process group destroyed."""
     from train_utils import checkpoint as ckpt
     from train_utils import distributed
     from train_utils.loop import allow_tf32

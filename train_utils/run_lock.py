@@ -1,32 +1,13 @@
-"""One run per run directory: an exclusive lock held for the run's life.
+"""One run per run directory: an exclusive lock held for the run's life (docs/reliability.md).
 
-Two `train.py` processes writing one run directory (a second launch, or the ranks a killed
-torchrun left running) would interleave `metrics.jsonl` rows and replace each other's checkpoints.
-The main process (rank 0: the one that writes the run directory; other ranks write sharded
-checkpoint files only into the temporary directory rank 0 creates) takes `fcntl.flock(LOCK_EX)` on
-`<run dir>/run.lock` before anything in the directory is read or written, and writes who holds it
-(pid, host, start time) into the file. A second writer is refused with one line naming the holder
-(RunDirInUse, exit 2).
-
-The kernel releases a flock when its process ends, however it ends (SIGKILL, OOM kill, a crash), so
-a lock is never stale: the file a dead run leaves behind is taken over by the next run. The lock
-belongs to the open file, which a forked child would share and keep locked after the run died (a
-DataLoader worker lives ~5 s past a SIGKILLed parent): every child forked while the lock is held
-closes its copy at once (`os.register_at_fork`), so the run's own process alone holds it.
-
-Hydra writes `<run dir>/.hydra/` (config.yaml, hydra.yaml, overrides.yaml) before train() runs: a
-refused second writer would have rewritten the holder's files with its own. `EarlyLock`, a Hydra
-callback (configs/config.yaml, hydra.callbacks), takes the lock in `on_run_start`, which Hydra calls
-before it creates or writes anything in the run directory; a refused run exits 2 there, having
-changed nothing. train()'s own `hold` then shares the lock this process already holds (one flock per
-process and lock file: a second open file description would conflict with the first). A multirun's
-jobs are not covered (Hydra writes a job's `.hydra/` before any callback of that job); their
-directories are new per sweep.
-
-`release` unlocks explicitly, so a run that returns (an in-process caller) frees the directory at once. On a
-cluster file system, flock works across nodes where the file system supports it (NFSv4, Lustre
-with `flock` mounted, GPFS); where it does not, the lock protects against a second run on the same
-node only.
+The main process takes `fcntl.flock(LOCK_EX)` on `<run dir>/run.lock` before anything there is read
+or written and writes its pid, host and start time into it; a second writer is refused with one line
+naming the holder (RunDirInUse, exit 2). The kernel drops a flock when its process ends, so a lock is
+never stale; children forked while it is held close their copy at once (`os.register_at_fork`: a
+DataLoader worker outlives a SIGKILLed parent by ~5 s). `EarlyLock`, a Hydra callback, takes it in
+`on_run_start`, before Hydra writes `.hydra/`; train()'s `hold` then shares it (one flock per process
+and file). A multirun's jobs are not covered (their `.hydra/` comes first). `release` unlocks at once.
+On cluster file systems the lock is as good as their flock support (else same-node only).
 """
 from __future__ import annotations
 

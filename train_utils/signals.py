@@ -1,17 +1,10 @@
 """Stop signals become a flag that the training loop reads at step boundaries.
 
-SIGTERM is what `scancel` and preemption send (to every process of the job, DataLoader workers
-included: those ignore it, see data/); SLURM's warning before the time limit is SIGUSR1
-(ops/sbatch_train.sh) or SIGUSR2 (submitit); SIGINT is Ctrl-C. Whichever arrives first, the run
-writes a checkpoint after the current step and exits with 75; a second Ctrl-C stops at once.
-
-`STOP` is the process's one flag. train.py installs it before its heavy imports when run as a
-script (loading this module by its path: it imports nothing but `signal`, and importing the
-train_utils package would import torch first), so a signal during start-up is remembered too (the
-run then stops before its first step, with a message); when the script is done it ignores them
-(`ignore`: a signal during the interpreter's shutdown changes no exit code). `train.train()`
-installs it if nobody has and restores the previous handlers when it returns, so in-process
-callers (tests, notebooks) get their handlers back.
+SIGTERM (scancel, preemption; DataLoader workers ignore it), SIGUSR1/SIGUSR2 (SLURM's time-limit warning)
+and SIGINT (Ctrl-C): the run writes a checkpoint after the current step and exits with 75; a second
+Ctrl-C stops at once. `STOP` is the process's one flag: train.py installs it before its heavy imports
+(this module imports only `signal`), so a signal during start-up is remembered, and ignores signals
+once done (`ignore`). `train.train()` installs it if nobody has and restores the previous handlers.
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """SLURM glue for train.py: the DDP rendezvous from the job's environment, and requeue after preemption.
 
-Rendezvous. A SLURM job started by hydra-submitit-launcher (or by `srun python train.py`) runs one
-process per task, but torch.distributed / accelerate read MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-and LOCAL_RANK, which only torchrun sets. `export_distributed_env()` derives them from the job (through
-submitit's JobEnvironment in a submitit job, else from SLURM_* variables) and must run before
-accelerate initialises. Under torchrun (RANK already set), with a single task, or outside SLURM it
-does nothing, so train.py can call it unconditionally.
-
-Requeue. SLURM signals the job `signal_delay_s` before the time limit (or on preemption):
-SIGUSR2 for submitit jobs (submitit's default; it avoids USR1, which NCCL may use), SIGUSR1 in
-ops/sbatch_train.sh. train.py must handle both: it turns them into a flag, writes a checkpoint at the next step
-boundary and stops. In a submitit job that
-is not enough: train.py's handler replaced submitit's, so nobody requeues the job. `requeue(handler)`
-hands over to submitit's handler after the checkpoint: on global rank 0 it pickles the same Hydra job,
-runs `scontrol requeue` and exits; the requeued job starts again in the same run directory and resumes
-(train.resume=auto). Outside submitit it does nothing (ops/sbatch_train.sh requeues by itself).
+`export_distributed_env()` sets the env:// variables only torchrun sets (MASTER_ADDR, RANK, ...) from
+the job (submitit's JobEnvironment, else SLURM_*), before accelerate initialises; a no-op under
+torchrun, with one task or outside SLURM. SLURM warns `signal_delay_s` before the time limit or on
+preemption (SIGUSR2 for submitit, SIGUSR1 in ops/sbatch_train.sh); train.py checkpoints at the next
+step and stops. Its handler replaced submitit's, so `requeue(handler)` hands over to submitit's after
+the checkpoint (rank 0 requeues the same Hydra job, which resumes in the same run dir); outside
+submitit it does nothing (ops/sbatch_train.sh requeues by itself).
 """
 from __future__ import annotations
 
@@ -84,12 +76,9 @@ def submitit_signal() -> int:
 
 def requeue(previous_handlers: dict, signal_name: str | None) -> None:
     """After the preemption checkpoint: let submitit requeue the job (rank 0 exits inside this call).
-
-    `previous_handlers` maps each signal train.py handles to what `signal.signal` returned when it
-    installed its own handler; in a submitit job the entry of `submitit_signal()` is submitit's
-    `checkpoint_and_try_requeue`, which re-submits the same Hydra job, runs `scontrol requeue` and
-    exits on global rank 0 (other ranks return and stop). Only SIGUSR1/SIGUSR2 (time limit,
-    preemption) requeue; SIGTERM (scancel) means stop. Outside a submitit job: no-op.
+    `previous_handlers`: what `signal.signal` returned for each signal train.py handles (in a submitit
+    job, submitit's `checkpoint_and_try_requeue`). Only SIGUSR1/SIGUSR2 requeue; SIGTERM (scancel)
+    means stop. Outside a submitit job: no-op.
     """
     if signal_name not in ("SIGUSR1", "SIGUSR2") or not in_submitit_job():
         return

@@ -1,15 +1,11 @@
 """train.state_free_comm: how data parallelism communicates FRUGAL's state-free part.
 
-`exact` (the default): DDP's own all-reduce of every gradient, and the sign of the mean (the paper's
-algorithm). `vote`: frugal.comm's DDP communication hook: the state-free tensors' signs on the wire,
-one bit each, and their majority vote; the state-full and split tensors keep the exact all-reduce;
-the clipping norm never reads the votes (frugal/comm.py, docs/communication.md).
-
-Refused in one line (at start-up, with the valid choices: validation.check_state_free_comm): FSDP2,
-the step inside backward and optimizers not built on FRUGAL. On one process there is nothing to
-communicate: the run is said to be exact's and is, bit for bit. A vote run says so in its run name,
-its first lines, its summary and in metrics.jsonl (the start and end rows' `state_free_comm`; every
-training row's bytes sent per rank by the hook, `comm_bytes_per_rank` and its parts).
+`exact` (default): DDP's all-reduce and the sign of the mean (the paper). `vote`: frugal.comm's DDP
+hook sends the state-free tensors' signs, one bit each, and takes their majority; the rest keep the
+exact all-reduce; the clipping norm never reads the votes (docs/communication.md). Refused at start-up
+(validation.check_state_free_comm) with FSDP2, the step inside backward and non-FRUGAL optimizers.
+On one process a run is exact's, bit for bit. A vote run says so in its name, first lines, summary and
+metrics.jsonl (`state_free_comm`; each training row's `comm_bytes_per_rank`).
 """
 from __future__ import annotations
 

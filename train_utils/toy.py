@@ -1,29 +1,14 @@
-"""debug=toy keeps a sweep's meaning: the update gaps fitted to the toy run's length.
+"""debug=toy keeps a sweep's meaning: the update gaps fitted to the toy run's length (docs/reproducing.md).
 
-configs/debug/toy.yaml shrinks a run to 200 steps (and each model to its toy shape, a ladder looked up by
-model.name there). A FRUGAL-family optimizer changes its state-full subspace every `optimizer.update_gap`
-steps (window = step // T, steps counted from 0), so a run of S steps switches (S - 1) // T times: at 200
-steps the paper's T = 200, 500, 1000 never switch and T = 100 once, and Table 15's sweep would be one run
-three times. Under debug=toy train() therefore runs every update gap of a sweep divided by one whole
-factor k and rounded up, toy gap = ceil(T / k), where
-
-- k is the smallest factor with which the sweep's largest gap switches at least twice in the run
-  (ceil(T_max / k) <= (S - 1) // 2): the cells keep their order and, as far as whole steps allow, their
-  ratios; a gap that already switches twice stays as it is (k = 1);
-- if two distinct gaps of the sweep would meet at that k, k is lowered until they stay apart, and the run
-  is lengthened to 2 x (largest toy gap) + 1 steps so that the largest still switches twice (not when
-  train.steps is given on the command line: that length is kept, and the run says when it never switches,
-  report.no_switch_message).
-
-The sweep is optimizer.update_gap's values in the launch's sweep (a preset's `hydra.sweeper.params`,
-overlaid by the command line's, as Hydra's basic sweeper takes them) with this run's own gap; a single run
-of a preset takes the preset's sweep, so that a cell run alone gets the toy gap it has in its table.
-Table 15 (T = 10 ... 1000, 200 steps): k = 11, toy gaps 1, 2, 5, 10, 19, 46, 91 (switching 199 ... 2
-times); a preset's single T = 200 (Table 2's FRUGAL, GaLore, BAdam): k = 3, 67 (2 switches).
-
-What the run trains is what it records: the main process writes the toy values (the update gap, the
-steps, the model's shape resolved) into the run's saved config (`.hydra/config.yaml`, which
-scripts/make_tables.py labels rows from), and the console says what changed.
+A run of S steps switches its subspace (S - 1) // T times, so at toy length (200 steps) the paper's
+T = 200..1000 would never switch. Every gap of the sweep becomes ceil(T / k), k the smallest whole
+factor with which the sweep's largest gap switches at least twice (ceil(T_max / k) <= (S - 1) // 2;
+k = 1 when it already does); if two distinct gaps would meet, k is lowered until they stay apart and
+the run lengthened to 2 x (largest toy gap) + 1 steps (not when train.steps is on the command line).
+The sweep is the launch's optimizer.update_gap values (preset params overlaid by the command line's)
+with this run's own; a preset's single run takes the preset's sweep. Table 15 (T = 10..1000): k = 11,
+toy gaps 1, 2, 5, 10, 19, 46, 91; a lone T = 200: k = 3, 67. The main process writes the toy values
+into `.hydra/config.yaml` (what scripts/make_tables.py labels rows from) and the console says them.
 """
 from __future__ import annotations
 
