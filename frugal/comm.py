@@ -1,49 +1,26 @@
 """The state-free part on the wire as one bit per element: a majority vote under DDP (opt-in).
 
-FRUGAL's state-free rule signSGD updates a coordinate by ``sign(g)``; data-parallel FRUGAL normally
-all-reduces every gradient in full precision and takes the sign of the mean (``exact``). With the
-vote, each rank sends only the signs of its state-free gradient, packed 8 to a byte, and the update
-is the majority vote ``sign(sum_i sign(g_i))`` (signSGD with majority vote, Bernstein et al., 2019);
-the state-full and split tensors keep the exact all-reduce.
-
-    from frugal.comm import attach_vote
+With the vote, each rank sends only the signs of its state-free gradient, packed 8 to a byte, and
+the update is ``sign(sum_i sign(g_i))`` (signSGD with majority vote, Bernstein et al., 2019) instead
+of the sign of the exact all-reduced mean; state-full and split tensors keep the exact all-reduce.
 
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     optimizer = frugal.FRUGAL(model, lr=1e-3, density=0.25)
-    vote = attach_vote(ddp, optimizer)                      # DDP's communication hook (None on one process)
-    ...
-    loss.backward()                                          # the hook votes, bucket by bucket
-    norm = vote.clip_grad_norm_(model.parameters(), 1.0)     # never reads the votes (see below)
-    optimizer.step()                                         # refused if the roles changed since
+    vote = frugal.comm.attach_vote(ddp, optimizer)  # DDP's communication hook (None on one process)
+    loss.backward()                                  # the hook votes, bucket by bucket
+    norm = vote.clip_grad_norm_(model.parameters(), 1.0)  # never reads the votes
+    optimizer.step()                                 # refused if the roles changed since
 
-Definitions (``majority_vote`` is the one-process reference of all of them; docs/communication.md,
-"What is voted, and how", gives the reasons and the measurements):
-
-- A rank's sign of an element is +1 where its gradient is > 0 and -1 elsewhere (a zero or a NaN sends
-  -1: one bit has no room for sign(0) = 0), so the vote is never 0. A tie (an even number of ranks)
-  takes the sign sent by rank (i + k) mod W for element i (flat index) of the parameter at position k
-  among the optimizer's (``tie_ranks``): it depends on the element alone, not on DDP's buckets (which
-  DDP rebuilds after the first iteration), so a resumed run votes as the uninterrupted one.
-- Voted: the tensors wholly state-free in this step's window (``FRUGAL.next_roles()``) whose rule is
-  ``signsgd``. The others are reduced as DDP's built-in reduction does it (x 1/W, summed), copied into
-  one buffer where a bucket mixes both (bit for bit DDP's at 2 ranks; the last bit may differ at 3+).
-- The exchange, per bucket: the n voted elements padded to W chunks of e elements (e a multiple of 8);
-  an all-to-all of the packed signs gives each rank every rank's bits of its own chunk, which it counts,
-  and an all-gather of the packed votes gives everyone every chunk: (W-1) e/8 bytes per rank and phase.
-  DDP calls the hook once per optimizer step (``no_sync`` micro-batches accumulate locally).
-- The written gradient of a voted tensor is the vote (+-1), which must never enter a clipping norm:
-  ``grad_norm`` is sqrt(exact part's norm^2 + B^2), B the mean over ranks of each rank's local norm of
-  its voted gradients (one scalar all-reduce); B bounds the norm of the mean gradient, and a NaN on any
-  rank makes every rank's norm non-finite at the same step. Clipping scales the exact tensors only.
-- Roles: the optimizer's step pre-hook refuses (``RoleMismatchError``) a step whose roles differ from
-  those the hook voted with, or whose voted gradients did not pass the hook.
-- Bytes: ``VoteHook.last`` (``CommStats``) counts what this rank sent in the last step, by the
-  collectives' algorithms (``ring_bytes``; an all-to-all or ring all-gather of W chunks of c bytes
-  sends (W-1) c).
-
-Not here: FSDP2 (its reduce-scatter has no hook of this kind), the step inside backward (it steps
-each tensor before DDP reduces it), optimizers that are not FRUGAL, error feedback (a full-size
-buffer per rank is not state-free). On one process ``attach_vote`` returns None and nothing changes.
+docs/communication.md, "What is voted, and how", defines it all; ``majority_vote`` is the
+one-process reference. In brief: a rank's sign is +1 where its gradient is > 0 and -1 elsewhere
+(zero, NaN), so the vote is never 0; a tie takes the sign of rank (i + k) mod W for element i of
+the optimizer's parameter k (``tie_ranks``: independent of DDP's buckets). Voted: tensors wholly
+state-free in the step's window (``FRUGAL.next_roles()``) with rule ``signsgd``; the others are
+reduced as DDP does (x 1/W, summed). Per bucket, an all-to-all of packed signs and an all-gather of
+packed votes, (W-1) e/8 bytes per rank and phase. ``grad_norm`` is sqrt(exact norm^2 + B^2), B the
+mean of the ranks' local norms of their voted gradients. The step pre-hook raises
+``RoleMismatchError`` when the roles differ from those voted with. ``VoteHook.last`` (``CommStats``)
+counts the bytes sent. Not here: FSDP2, the step inside backward, non-FRUGAL optimizers, error feedback.
 """
 from __future__ import annotations
 

@@ -1,36 +1,21 @@
 """How the state-full subspace is chosen.
 
-Every selection here is a pure function of ``(seed, window, parameter identity)`` drawn from a
-local ``torch.Generator``: the global RNG is never read or advanced. That is what lets every
-data-parallel rank pick the same subspace without communication, and a resumed run pick the
-subspace the uninterrupted run would have picked (``window = step // update_gap``).
+Every selection is a pure function of ``(seed, window, parameter identity)`` drawn from a local
+``torch.Generator`` (the global RNG is never touched): data-parallel ranks and resumed runs pick the
+same subspace without communication. Three kinds of projection:
 
-Projections fall into three kinds, which the optimizer treats differently:
+* ``block``: whole tensors are state-full or state-free; nothing is projected.
+* coordinate (``column``, ``row``, ``randk``, ``randperm``): coordinates along one dimension (or of
+  the flattened tensor: ``randk``); projecting is a gather, lifting a scatter, the state reduced.
+* matrix (``svd``, ``random``, ``power``): ``Q`` (``s x r``, orthonormal columns) on the smaller side
+  ``s`` of the logical ``m x n`` weight (GaLore's ``std``): ``G @ Q`` for ``m >= n``, else ``Q^T @ G``.
+  ``power`` starts from the SVD and is tracked by ``frugal.state_management``.
 
-* ``block``: whole tensors are state-full or state-free. Nothing is projected at all.
-* coordinate projections (``column``, ``row``, ``randk``, ``randperm``): a set of coordinates
-  along one dimension (or of the flattened tensor, for ``randk``) is state-full. Projecting is a
-  gather, projecting back a scatter, and the state lives in the gathered (reduced) shape.
-* matrix projections (``svd``, ``random``, ``power``): a semi-orthogonal matrix ``Q`` (``s x r``,
-  orthonormal columns) on the smaller side ``s`` of the (logical) ``m x n`` weight, as in GaLore's
-  ``std`` mode: for ``m >= n`` the reduced gradient is ``G @ Q`` (``m x r``), otherwise ``Q^T @ G``
-  (``r x n``). ``power`` (LDAdam's) starts from the SVD basis and then tracks it with one
-  warm-started block power iteration per window (``frugal.state_management``); here it is the SVD.
-
-SVD bases have a fixed sign per column (largest-magnitude entry positive): singular vectors are
-defined up to sign, LAPACK, cuSOLVER and different dtypes pick different ones, and a method that keeps
-moments across a change of basis (GaLore's and Fira's ``keep``) reads them in the new basis, so
-without a fixed sign its trajectory would depend on the backend.
-
-Full float32: every matrix-projection computation (SVD, QR of random bases, power iteration, the
-projections and lifts, moment re-projection) runs inside ``full_fp32()``, which turns TF32 (and
-bf16) matmuls off for its duration whatever the global settings (``torch.backends.cuda.matmul.
-allow_tf32``, ``torch.set_float32_matmul_precision``, ``train.tf32``) and restores them after. The
-authors ran torch 2.1, where fp32 matmuls were full precision, and a basis or a lift computed with a
-10-bit mantissa would be another algorithm.
-
-"Logical" orientation: a GPT-2 ``Conv1D`` weight is stored ``(in, out)``; with ``transposed=True``
-it is treated as its transpose so that ``column`` means an input feature, as for ``nn.Linear``.
+SVD bases have a fixed sign per column (largest-magnitude entry positive), so methods that keep
+moments across a change of basis do not depend on the backend's sign choice. Every matrix-projection
+computation runs inside ``full_fp32()`` (no TF32/bf16 matmuls whatever the global settings, as on the
+authors' torch 2.1). "Logical" orientation: with ``transposed=True`` (GPT-2 ``Conv1D``, stored
+``(in, out)``) the weight is read as its transpose, so ``column`` is an input feature.
 """
 from __future__ import annotations
 
@@ -64,13 +49,8 @@ def _switches() -> list[tuple]:
 @contextlib.contextmanager
 def full_fp32():
     """float32 matmuls at full precision inside (no TF32, no bf16), the global settings restored on
-    exit. Nothing is touched when they already are full precision.
-
-    The switches are changed through the API the caller's settings are readable with: torch >= 2.9
-    refuses to read the legacy ones (RuntimeError "mix of the legacy and new APIs") once a setting made
-    with ``allow_tf32`` / ``set_float32_matmul_precision`` is changed through the per-backend
-    ``fp32_precision``, and cuBLAS reads them before an fp32 matmul: a loop that sets
-    ``allow_tf32 = True`` (train.tf32 does) would stop at the first projection on a GPU (tested)."""
+    exit; nothing is touched when they already are. Switches change through the API the caller's
+    settings are readable with (``_switches``): torch >= 2.9 refuses to mix the legacy and new APIs."""
     switches = _switches()
     saved = [read() for read, _, _ in switches]
     if all(value == full for value, (_, _, full) in zip(saved, switches)):
@@ -109,13 +89,9 @@ def generator(seed: int, window: int, ident: int = -1, *, device=None, shard=())
 
 
 def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k distinct indices of range(n), sorted, uniform over the k-subsets, on ``gen``'s device.
-
-    No permutation of all n elements (a CPU randperm of one LLaMA-1B MLP weight takes seconds):
-    draw indices with replacement until k distinct ones have appeared and keep the first k distinct
-    values drawn (for an i.i.d. uniform sequence those form a uniform k-subset). For k <= n/2 about
-    -n ln(1 - k/n) <= 0.7 n draws suffice; for k > n/2 the n - k left-out indices are drawn instead.
-    """
+    """k distinct indices of range(n), sorted, uniform over the k-subsets, on ``gen``'s device, without
+    a permutation of all n: the first k distinct values of i.i.d. uniform draws (about -n ln(1 - k/n)
+    <= 0.7 n draws for k <= n/2; for k > n/2 the n - k left-out indices are drawn instead)."""
     device = gen.device
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=device)
@@ -138,18 +114,11 @@ def random_subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def block_count(num_blocks: int, density: float, granularity: str = "layer") -> int:
-    """How many of the L blocks are state-full.
-
-    ``layer``: k = round-half-up(density * L) (the paper, Appendix D: "we take round(rho * L)
-    layers"; half-up so that e.g. 1/8 of 12 layers is 2, as people read the paper's round).
-    ``tensor``: k = Python's ``round(density * L)`` over the L single weight tensors, banker's
-    rounding included, because that is the count of the authors' code, whose blocks are single
-    tensors (for LLaMA-130M's 84 tensors: 1/16 -> 5, 1/8 -> round(10.5) = 10, 1/4 -> 21, 1/3 -> 28,
-    1/2 -> 42; the paper's Table 16 densities are these counts).
-    ``layer_floor``: k = int(density * L) whole layers, the count of the badam package's blocks as the
-    authors' code sets them for BAdam (``int(args.density * num_layers)`` layers per block; it refuses an
-    L that k does not divide, where the walk here wraps around).
-    """
+    """How many of the L blocks are state-full: ``layer``: round-half-up(density * L) (Appendix D's
+    "round(rho * L) layers": 1/8 of 12 is 2); ``tensor``: Python's ``round`` over single weight tensors,
+    banker's rounding included, as the authors' code (LLaMA-130M's 84: 1/8 -> 10; Table 16's
+    densities); ``layer_floor``: ``int(density * L)`` layers, the badam package's blocks as the authors
+    set them (the package refuses an L that k does not divide; the walk here wraps around)."""
     if granularity == "layer_floor":
         k = int(density * num_blocks)
     else:
@@ -159,24 +128,12 @@ def block_count(num_blocks: int, density: float, granularity: str = "layer") -> 
 
 def select_blocks(order: str, num_blocks: int, density: float, window: int, seed: int,
                   offset: int | None = None, granularity: str = "layer") -> list[int]:
-    """Positions (0..L-1) of the state-full blocks in ``window``; k = ``block_count``.
-
-    Positions are the blocks in module order: layers, or with granularity ``tensor`` the weight
-    tensors in their param groups' order: the model's registration order by default (transformers'
-    LLaMA: q, k, v, o, gate, up, down of layer 0, then layer 1, ...), or with the registry's
-    ``tensor_order="authors"`` (set by ``setup/algorithm=authors``) the order of the authors' own
-    model (q, k, v, o, gate, down, up: ``grouping.AUTHORS_TENSOR_ORDER``). The paper's default order
-    is ``descending`` (its scripts; Table 14 compares random, ascending and descending): the walk starts at the last
-    block, the one nearest the output, and takes the next k blocks down at every window, wrapping
-    around cyclically.
-
-    ascending: window w holds {(w*k + j) mod L : j < k}; descending: the same counted from the
-    top (position L-1 down); mirror: the same walk over the sequence 0, L-1, 1, L-2, ... so that
-    blocks come in pairs from both ends (an odd k simply takes one more element of the walk);
-    random: k distinct blocks drawn from a generator seeded by (seed, w). ``offset`` replaces
-    ``w*k`` as the walk's start (a density that changes between windows: the sum of the earlier
-    windows' k, so the walk still visits every block in turn).
-    """
+    """Positions (0..L-1, module order; granularity ``tensor``: the param groups' tensor order,
+    ``grouping.AUTHORS_TENSOR_ORDER`` with ``tensor_order="authors"``) of the state-full blocks in
+    ``window``; k = ``block_count``. ascending: window w holds {(w*k + j) mod L : j < k}; descending
+    (the paper's; Table 14): the same from the top (L-1 down, nearest the output first); mirror: the
+    walk over 0, L-1, 1, L-2, ...; random: k blocks drawn from (seed, w). ``offset`` replaces ``w*k``
+    as the walk's start (a changing density: the sum of earlier windows' k)."""
     if order not in BLOCK_ORDERS:
         raise ValueError(f"Unknown block_order {order!r}; valid choices: {', '.join(BLOCK_ORDERS)}")
     L = num_blocks

@@ -1,27 +1,13 @@
 """The paper's update rules: state-full ``adamw``, ``lion``, ``sgdm`` and state-free ``signsgd``, ``sgd``,
 ``none``; what a rule declares (``StateFullRule``, ``StateFreeRule``) and how it registers.
 
-Every rule has two forms over the same math:
-
-- ``foreach``: in place over parallel tensor lists, the fast path. State-full rules update their
-  ``targets`` (the parameter itself for block projection and non-projectable tensors, or a reduced
-  tensor the optimizer writes back afterwards) with decoupled weight decay
-  ``t <- t * (1 - lr * weight_decay)``. State-free rules update whole parameters,
-  ``p <- p * decay - lr * d(g)``, with the decay factor given by the optimizer (optional: without
-  it, the direction runs one tensor at a time).
-- ``direction``: one tensor, returns the update direction ``d`` (``p <- p - lr * d``) and advances
-  the state in place. This is the readable single-tensor reference (``FRUGAL(foreach=False)``) the
-  fast path is tested against, and the path of bf16 weights with stochastic rounding.
-
-The AdamW rule runs torch's fused multi-tensor kernel where it exists (about 5x faster than the
-foreach path on CPU, at memory speed): the step is memory-bound, so passes over memory count.
-State-free rules own no state by construction. signSGD is the state-free rule of choice because
-its update has Adam's magnitude (Section 4 of the paper).
-
-Every other rule lives in a module of its own that registers itself at import (``register_state_full``,
-``register_state_free``), as a researcher's would (docs/library.md, "Writing a rule"): Muon
-(``frugal.muon``), Fira's residual rule and Hugging Face's AdamW (``frugal.fira``), AdaMeM's Adafactor
-with momentum and one-sided Adafactor (``frugal.factored``). ``frugal/__init__.py`` imports them.
+Every rule has two forms over the same math (docs/library.md, "Writing a rule"): ``foreach``, in
+place over tensor lists (the fast path; state-full: targets with decoupled weight decay, state-free:
+``p <- p * decay - lr * d(g)``), and ``direction``, one tensor: returns ``d`` (``p <- p - lr * d``) and
+advances the state (the single-tensor reference, ``FRUGAL(foreach=False)``). AdamW runs torch's fused
+kernel where it exists (the step is memory-bound). State-free rules own no state by construction.
+Other rules live in modules that register themselves at import (``frugal.muon``, ``frugal.fira``,
+``frugal.factored``; ``frugal/__init__.py`` imports them).
 """
 from __future__ import annotations
 
@@ -125,32 +111,24 @@ class StateFullRule:
     shapes: Callable | None = None  # target shape -> {state name: shape}; None: all the target's
     matrix_only: bool = False  # needs 2-D targets (Adafactor's factors)
     decays_after: bool = False  # weight decay after the update (Hugging Face's AdamW), not before
-    # Its own hyperparameters with their defaults (Muon's ns_steps, ...): keywords of FRUGAL(...), of
-    # build_optimizer and of the configs (optimizer.<key>=), passed to foreach and direction as keywords.
+    # Its own hyperparameters with defaults (Muon's ns_steps): keywords of FRUGAL, foreach and direction.
     options: dict[str, Any] = field(default_factory=dict, compare=False)
     group_keys: tuple[str, ...] = ()  # group keys it also reads as keywords (Muon: transposed)
     gathers: bool = False  # takes whole FSDP2 DTensors (not local shards) and gathers what it needs
     check: Callable | None = None  # group -> None, raises HyperparameterError for what it cannot update
-    # Its state may be updated a slice at a time (frugal.state_precision: low-precision moments).
-    elementwise: bool = False
+    elementwise: bool = False  # its state may be updated a slice at a time (frugal.state_precision)
     nonnegative: tuple[str, ...] = ()  # moments that are never negative (8-bit: the unsigned map)
     default_momentum: float = 0.9  # what momentum=None means for it (the paper's SGDM 0.9; torch's Muon 0.95)
-    # Target-sized tensors its foreach update allocates for a whole bucket at once (the memory planner):
-    # Lion's update direction (torch._foreach_lerp returns a new tensor per target); the fused AdamW none.
-    bucket_temporaries: int = 0
-    # Adam's two moments, which LDAdam's moment transport and error feedback are written for.
-    adam_moments: bool = False
+    bucket_temporaries: int = 0  # target-sized tensors foreach allocates per bucket (the planner): Lion's 1
+    adam_moments: bool = False  # Adam's two moments (what LDAdam's transport and error feedback need)
     validate_options: Callable | None = None  # hparams -> hparams: checks and normalises its own options
-    # (rule, why): what the non-projectable tensors take instead where the groups are built from a model
-    # (`frugal.describe` prints why): Muon's AdamW
+    # (rule, why): what the non-projectable tensors of a model take instead (Muon's AdamW; frugal.describe)
     rest: tuple[str, str] | None = None
 
     def init_state(self, state: dict, like: Tensor, shape=None, group: dict | None = None) -> None:
-        """Add the missing state tensors (zeros of ``shape``, default ``like``'s) to ``state``.
-        A fresh moment restarts the step count. ``like`` may be a DTensor (FSDP2 shard): the
-        moments are then DTensors too, so torch.distributed.checkpoint can save and reshard them.
-        ``group``: a whole tensor's group, whose ``state_precision`` stores the moments
-        (``frugal.state_precision``); without it, the moments take ``like``'s dtype."""
+        """Add the missing state tensors (zeros of ``shape``, default ``like``'s; DTensors for an FSDP2
+        shard) to ``state``; a fresh moment restarts the step count. ``group``: a whole tensor's group,
+        whose ``state_precision`` stores the moments; without it they take ``like``'s dtype."""
         shapes = None if self.shapes is None else self.shapes(like.shape if shape is None else shape)
         for name in self.state_names:
             if name not in state:
@@ -231,35 +209,25 @@ class SplitContext(NamedTuple):
 
 @dataclass(frozen=True)
 class StateFreeRule:
-    # foreach(params, grads, *, lr, decay, ...): p <- p * decay - lr * d(g) over tensor lists, the fast path;
-    # None: the direction, one tensor at a time (``step_``).
+    # foreach(params, grads, *, lr, decay, ...): p <- p * decay - lr * d(g); None: direction per tensor.
     foreach: Callable | None = None
     direction: Callable[[Tensor], Tensor] | None = None  # None: no update besides weight decay
-    # Rules that read the split run per split tensor, with their own state created by
-    # init_state(state, residual-shaped tensor, reduced_dim). Either
-    # contextual (AdaMeM): (residual, state, FreeContext) -> the direction of the residual, or
-    # split_step (Fira): (param, state, SplitContext) -> None, the tensor's whole step (state-full
-    # part and weight decay included): the optimizer then runs no other phase on that tensor.
+    # Rules that read the split, per tensor, with state from init_state(state, residual-like, reduced_dim):
+    # contextual (AdaMeM): (residual, state, FreeContext) -> direction; split_step (Fira): (param, state,
+    # SplitContext) -> None, the tensor's whole step (no other phase runs on it).
     contextual: Callable | None = None
     init_state: Callable | None = None
     split_step: Callable | None = None
-    # The update is the same for c * g as for g (any c > 0): gradient clipping cannot change it, so
-    # with the step inside backward it runs as soon as the gradient is complete (frugal.in_backward).
+    # d(c g) = d(g) for c > 0: clipping cannot change it (frugal.in_backward steps it early).
     scale_invariant: bool = False
-    # Bytes of the state init_state gives one split tensor: (elements of the side the projection did not
-    # reduce, element size) -> bytes (the memory estimate, frugal.memory).
+    # (elements of the side the projection did not reduce, element size) -> bytes of init_state's state.
     state_bytes: Callable[[int, int], int] | None = None
-    # Bytes its update allocates for one tensor at a time: (param group, elements, element size) ->
-    # bytes (the memory planner): signSGD's sign(g) where the compiled single pass does not run.
+    # (param group, elements, element size) -> bytes its update allocates per tensor (the planner).
     temporary_bytes: Callable[[dict, int, int], int] | None = None
-    # Its own hyperparameters with their defaults, passed to foreach and direction as keywords (as
-    # StateFullRule's), and the check of their values.
-    options: dict[str, Any] = field(default_factory=dict, compare=False)
+    options: dict[str, Any] = field(default_factory=dict, compare=False)  # as StateFullRule's
     validate_options: Callable | None = None
-    # d(g) of each element depends on that element alone (sign, identity): the fast path may hand it the
-    # whole gradient of a coordinate projection (phase 5 overwrites the state-full coordinates) and the
-    # single-tensor path may update a tensor a chunk at a time. Not declared: it gets the residual (zero
-    # on the state-full coordinates) of every split tensor and whole tensors at once.
+    # d(g) of each element depends on that element alone (docs/library.md, "Writing a rule"); not
+    # declared: it gets the residual of every split tensor, and whole tensors at once.
     elementwise: bool = False
 
     @property
@@ -316,9 +284,8 @@ def option_defaults() -> dict[str, Any]:
 
 
 def register_state_full(name: str, rule: StateFullRule) -> None:
-    """Make ``rule`` the state-full rule ``name`` (``FRUGAL(state_full=name)``, the registry, the configs'
-    ``optimizer.state_full``): what it declares is all the optimizer, its checks, the memory estimate
-    and the planner read. A rule in its own module registers itself at import."""
+    """Make ``rule`` the state-full rule ``name`` (``FRUGAL(state_full=name)``, the registry, the configs):
+    what it declares is all the optimizer, its checks, the estimate and the planner read."""
     _register(STATE_FULL, "state_full", name, rule, StateFullRule)
 
 
