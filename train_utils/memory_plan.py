@@ -1,39 +1,14 @@
 """Per-rank peak device memory of a training run, planned before anything is allocated.
 
     plan = plan_memory(model_cfg, {"name": "frugal", "density": 0.0}, micro_batch_size=8, seq_len=256)
-    print(plan.format(DEVICES["a100-80gb"]))
     micro, plan = largest_micro_batch(model_cfg, opt_cfg, device_bytes=DEVICES["a100-80gb"], seq_len=256)
 
-The model is built on the meta device (no memory, ~4 s for 7B), so the training loop can call this at
-start-up to refuse a run that cannot fit. What the planner counts, per rank (docs/memory_plan.md has
-the derivations and the validation against measured peaks):
-
-- weights, gradients: every parameter in its storage dtype (fp32 master weights for bf16-mixed);
-  sharded by the world size under FSDP.
-- communication buffers: DDP with ``gradient_as_bucket_view=True`` keeps the gradients inside its
-  buckets, so the buckets cost nothing extra (without it they are a second gradient copy). FSDP2:
-  the unsharded bf16 gradients of the block in backward and two fp32 reduce-scatter inputs in flight.
-- optimizer state: ``frugal.estimate_state_bytes`` (the layout the optimizer really holds) plus the
-  transient inside the step (a block switch: one block above the steady state; gathered coordinates
-  or projected gradients of column/randk/svd projections; Lion's out-of-place update direction; Muon's
-  orthogonalisation of one whole matrix at a time, not sharded by FSDP: `_muon_step`).
-- working weights: the bf16 copies bf16 autocast makes of every matmul weight (cached from their first
-  use until the forward exits, and saved for backward without checkpointing); FSDP2: the unsharded
-  root (embeddings, head) and two all-gathered blocks (the current one and the prefetched one).
-- activations: what the autograd graph of a transformers block (SDPA attention) saves, per layer and
-  token, term by term, from the kinds of parts its family declares (``models.Activations``: the norm,
-  the MLP, the position encoding; `_layer_terms`, checked against the saved tensors by the tests);
-  with activation checkpointing, each block's input plus one block recomputed in backward.
-- logits and loss: the logits, and the fp32 log-softmax, its gradient and the gradient it produces
-  at the start of backward (14 bytes per token and vocabulary entry in bf16-mixed); with the loop's
-  compiled loss (train.compile) the logits and their gradient (4 bytes).
-- not in the total but in ``allowance``: the CUDA context, NCCL and cuBLAS workspaces (a fixed
-  2 GiB) and the caching allocator's fragmentation (5% of the peak).
-
-The peak is the largest of several moments of a step (``MemoryPlan.phases``): the start of backward,
-the head's backward, a block's backward, the end of the forward pass (checkpointing), the optimizer
-step. Gradients are counted as resident in all of them: true under DDP (they live in the buckets) and
-whenever there is gradient accumulation (the paper's 512-sequence batch on a few GPUs).
+The model is built on the meta device (no memory), so the loop can refuse at start-up a run that cannot
+fit. Counted per rank (sharded by the world size under FSDP): weights, gradients, communication buffers,
+optimizer state and its in-step transient, bf16 working weights, activations (`_layer_terms`), logits
+and loss; `allowance` (2 GiB context + 5% fragmentation) is on top of the total. The peak is the largest
+of the step's moments (``MemoryPlan.phases``), gradients resident in all. Derivations and the
+validation against measured peaks: docs/memory_plan.md, "What is counted".
 """
 from __future__ import annotations
 
@@ -138,24 +113,10 @@ _ROUNDED_FULL, _ROUNDED_FREE = 21, 19
 
 
 def _optimizer_transient(model: nn.Module, optimizer) -> int:
-    """Bytes `optimizer.step()` allocates on top of the state it holds, at its peak.
-
-    Read from the FRUGAL optimizer itself, built on the meta-device model (no memory): its param groups
-    carry every hyperparameter and the FRUGAL group keys. The step (frugal/optimizer.py) runs the
-    wholly state-full and state-free tensors as one batch, then the split tensors (column, row, randk,
-    svd, random, ...) a batch of at most 8 at a time, whose temporaries are freed before the next:
-
-    - whole tensors: a block switch (the optimizer's contract: resting state + at most one block; it
-      frees what leaves before it allocates what enters, so it stays at or below that); what the
-      state-free rule allocates per tensor (``StateFreeRule.temporary_bytes``: signSGD's sign(g) where
-      the compiled single pass does not run); the state-full rule's bucket temporaries
-      (``StateFullRule.bucket_temporaries``: Lion's update direction, a new tensor per target).
-    - a batch of split tensors: the gathered reduced weights and gradients (coordinate projections;
-      randk also its indices as int64), or the projected gradient, the update and the residual
-      gradient (matrix projections) of every tensor of the batch; at a window change the draw of one
-      tensor's randk coordinates (_DRAW_BYTES per draw), svd's decomposition of one gradient, or
-      re-projected moments; the state-full rule's bucket temporaries per reduced target.
-    Torch's fused AdamW allocates nothing."""
+    """Bytes `optimizer.step()` allocates on top of the state it holds, at its peak, read from the FRUGAL
+    optimizer built on the meta-device model: the larger of the whole tensors' batch (a block switch at
+    the contract, state-free and bucket temporaries) and one batch of at most 8 split tensors
+    (docs/memory_plan.md, "Optimizer transient"). Torch's fused AdamW allocates nothing."""
     from frugal import projections as proj
     from frugal import state_precision
     from frugal.optimizer import _BATCH_TENSORS
@@ -259,14 +220,10 @@ def _optimizer_transient(model: nn.Module, optimizer) -> int:
 
 
 def _muon_step(model: nn.Module, optimizer) -> tuple[tuple[int, int], int]:
-    """What a state-full rule that orthogonalises whole matrices (Muon, frugal/muon.py) adds to the
-    step: ((peak temporaries unsharded, under FSDP), bf16 bytes all-gathered per step under FSDP).
-
-    One matrix at a time (m x n, s = min(m, n)): the Nesterov mix (fp32, the parameter's size; under
-    FSDP the local shard), the bf16 input, its normalised copy and the next iterate (3 x 2mn), the
-    Gram matrix and the polynomial of it (2 x 2s^2); under FSDP also the gathered bf16 matrix (2mn),
-    full size on every rank. Only the state-full matrices are orthogonalised, so what is gathered
-    per step is 2 bytes per element of the active blocks (plus Muon on non-projectable matrices)."""
+    """What a rule orthogonalising whole matrices (Muon) adds to the step: ((peak temporaries unsharded,
+    under FSDP), bf16 bytes all-gathered per step under FSDP). One matrix (m x n, s = min(m, n)) at a
+    time: the fp32 Nesterov mix, 3 x 2mn bf16 iterates, 2 x 2s^2 for the Gram matrix and its polynomial;
+    under FSDP also the gathered bf16 matrix (2mn) on every rank. Only state-full matrices are gathered."""
     from frugal import projections as proj
     from frugal.rules import STATE_FULL
 
@@ -399,13 +356,9 @@ class _Regime:
 
 
 def _layer_terms(f: _Facts, tokens: int, seq_len: int, r: _Regime) -> tuple[dict, dict]:
-    """(bytes saved per transformer block, bytes saved outside the blocks), as named terms.
-
-    Derived from the saved tensors of transformers' blocks with SDPA attention (flash kernel: q, k, v,
-    output and a fp32 logsumexp per head and token), part by part as the family declares them
-    (``models.Activations``: LlamaDecoderLayer is RMSNorm, SwiGLU and rotary positions, GPT2Block
-    LayerNorm, gelu_new and learned positions); tests check every term against the tensors the
-    autograd graph really saves. T = tokens, h = hidden, f = MLP width.
+    """(bytes saved per transformer block, bytes saved outside the blocks), as named terms: transformers'
+    blocks with SDPA (flash: q, k, v, output, fp32 logsumexp), part by part as ``models.Activations``
+    declares them (docs/memory_plan.md's table); tests check every term against the saved tensors.
     """
     T, h, inter, a = tokens, f.hidden, f.intermediate, f.heads
     kv = f.kv_heads * (h // a)
@@ -523,19 +476,13 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
                 grad_clip: bool = False, accumulation: int = 1) -> MemoryPlan:
     """Plan the per-rank peak memory of training `model_cfg` with `optimizer_cfg` (module docstring).
 
-    `model_cfg`: a configs/model node (dict or DictConfig) as `models.build_model` takes it
-    (`gradient_checkpointing: true` in it counts as activation checkpointing); `optimizer_cfg`: the
-    resolved optimizer config, `{"name": ..., **hyperparameters}` as `frugal.build_optimizer` takes
-    it. `vocab_size` overrides the model's (the loop passes the data's). `device_type="cpu"` models
-    CPU autocast (used to validate against CPU measurements; no context allowance).
-    `gradient_as_bucket_view=False` models DDP keeping its buckets beside the gradients;
-    `autocast_cache=False` models `torch.autocast(cache_enabled=False)`, which stops the forward pass
-    from keeping every bf16 weight copy when blocks are checkpointed. `compiled_loss=True` models the
-    loop's compiled loss (train.compile): no fp32 log-softmax tensors, the logits' gradient directly.
-    `optimizer_in_backward=True` plans the step inside backward (frugal.in_backward): with one
-    micro-batch per step (`accumulation` 1) the only gradients held are one block's (applied together
-    when the block is complete) and those that wait for the clipping norm (`grad_clip`: the state-full
-    tensors; none without clipping); with accumulation every gradient is held, as in the ordinary step.
+    `model_cfg`: a configs/model node as `models.build_model` takes it (`gradient_checkpointing: true`
+    counts as activation checkpointing); `optimizer_cfg`: `{"name": ..., **hyperparameters}` as
+    `frugal.build_optimizer` takes it. `vocab_size` overrides the model's. `device_type="cpu"`: CPU
+    autocast, no allowance. `gradient_as_bucket_view=False`: DDP buckets beside the gradients;
+    `autocast_cache=False`: `torch.autocast(cache_enabled=False)`; `compiled_loss=True`: the loop's
+    compiled loss; `optimizer_in_backward=True`: the step inside backward, which with `accumulation` 1
+    holds one block's gradients plus those waiting for the clipping norm (`grad_clip`).
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     _check_int("accumulation", accumulation, 1)
@@ -616,25 +563,20 @@ def plan_memory(model_cfg, optimizer_cfg: Mapping[str, Any], *, micro_batch_size
     # Inside a block's backward: the residual gradient in and out, three MLP-wide gradients, a weight's.
     block_bwd = 2 * r.weight_bytes * T * h + 3 * cb * T * f.intermediate + layer_grad
 
+    inputs = L * act_input  # with checkpointing, what each block keeps: its input
+    saved = (inputs if ac else L * act_layer) + act_head
     phases: dict[str, dict] = {}
-    if not ac:
-        saved = L * act_layer + act_head
-        phases["loss backward"] = dict(working_weights=working["all"], activations=saved, logits_loss=loss_bwd)
-        phases["head backward"] = dict(working_weights=working["all"], activations=saved, logits_loss=head_bwd)
-        phases["last block backward"] = dict(working_weights=working["blocks"],
-                                             activations=L * act_layer + block_bwd, comm_buffers=comm)
-    else:
-        inputs = L * act_input  # what each checkpointed block keeps: its input
-        # The autocast cache keeps every weight's bf16 copy until the forward pass exits, even for
-        # checkpointed blocks whose saved tensors are dropped.
+    if ac:  # the autocast cache keeps every weight's bf16 copy until the forward exits, checkpointed or not
         cached = working["all"] if (autocast_cache or fsdp) else working["head"] + working["layer"]
-        phases["forward end"] = dict(working_weights=cached, activations=inputs + act_head, logits_loss=logits)
-        phases["loss backward"] = dict(working_weights=working["head"], activations=inputs + act_head,
-                                       logits_loss=loss_bwd)
-        phases["head backward"] = dict(working_weights=working["head"], activations=inputs + act_head,
-                                       logits_loss=head_bwd)
+        phases["forward end"] = dict(working_weights=cached, activations=saved, logits_loss=logits)
+    for name, loss in (("loss backward", loss_bwd), ("head backward", head_bwd)):
+        phases[name] = dict(working_weights=working["head" if ac else "all"], activations=saved, logits_loss=loss)
+    if ac:
         phases["block recompute"] = dict(working_weights=working["layer"], comm_buffers=comm,
                                          activations=inputs + act_layer - act_input + block_bwd)
+    else:
+        phases["last block backward"] = dict(working_weights=working["blocks"],
+                                             activations=L * act_layer + block_bwd, comm_buffers=comm)
     phases["optimizer step"] = dict(optimizer_transient=shard(f.optimizer_transient)
                                     + f.matrix_transient[1 if fsdp else 0])  # Muon: whole matrices
     for name, extra in phases.items():
@@ -714,10 +656,8 @@ def _stat(path: str, key: str) -> int:
 
 
 def cgroup_available(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """Memory this process's cgroups may still use (limit - usage + reclaimable inactive file cache,
-    as the kernel would reclaim it before killing; the tightest of the process's cgroup and its
-    ancestors, where SLURM sets a job's --mem), or None without a limit. Reads cgroup v2 (memory.max)
-    and v1 (memory.limit_in_bytes); inside a container the mounted root is the process's own cgroup.
+    """Memory this process's cgroups may still use (limit - usage + inactive file cache; the tightest of
+    its cgroup and ancestors, where SLURM sets --mem), or None without a limit. cgroup v2 and v1;
     MemAvailable alone ignores these limits."""
     try:
         with open(proc_cgroup) as f:
@@ -761,12 +701,9 @@ def micro_batch_candidates(global_batch: int | None, world_size: int, limit: int
 
 def largest_micro_batch(model_cfg, optimizer_cfg, *, device_bytes: int, seq_len: int, world_size: int = 1,
                         global_batch: int | None = 512, **kwargs) -> tuple[int | None, MemoryPlan]:
-    """The largest micro-batch whose plan (peak + allowance) fits `device_bytes`, and its plan.
-
-    Candidates are the divisors of global_batch / world_size (powers of two for the paper's 512), or
-    powers of two when `global_batch` is None. Returns (None, plan of the smallest candidate) when
-    nothing fits. Other keyword arguments go to `plan_memory` (with the step inside backward, each
-    candidate's own gradient accumulation: global_batch / (micro-batch x world size)).
+    """The largest micro-batch whose plan (peak + allowance) fits `device_bytes`, and its plan; (None,
+    plan of the smallest candidate) when nothing fits. Candidates: `micro_batch_candidates`. Other
+    keyword arguments go to `plan_memory` (the step inside backward gets each candidate's accumulation).
     """
     _check_int("device_bytes", device_bytes, 1)
     plan = None
