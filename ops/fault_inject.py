@@ -4,53 +4,21 @@ whether the resumed run is the uninterrupted one. Prints a table of trials and o
     python -m ops.fault_inject                      # modest counts, ~15 minutes on 2 shared CPU cores
     python -m ops.fault_inject --kills 20 --signals 8 --damage 16 --disk-full 4 --seed 1
 
-Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step)
-in its own run directory and compares the end with one uninterrupted reference run: the per-step
-losses and the final weights must be bitwise equal.
-
-  kill       SIGKILL at a random moment; half of the kills wait for a checkpoint write to be under
-             way (its temporary directory exists). The same command is then run again.
-  signal     SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 to the whole process group (DataLoader workers
-             included) after a random number of steps: expect exit 75, then resume.
-  damage     a finished run whose newest checkpoint (or its `latest` pointer) is damaged: flipped
-             bytes, random bytes, a truncated or missing file, a missing manifest, an empty or
-             garbled pointer. Run again: expect the damage to be named and skipped (or, for the
-             pointer alone, to cost nothing), and the same end.
-  disk-full  the process's file-size limit (RLIMIT_FSIZE) below a checkpoint's size, on a fresh run
-             and on one that already holds checkpoints: expect exit 1 with one line naming the file
-             and the intact previous checkpoint, no traceback; then continue without the limit.
-  early      SIGTERM 0-3 s after train.py's first line (its handler), while the libraries still
-             import: expect exit 75 and a message (never death by the signal), then the same end.
-  writer     a second train.py on a run directory whose run is under way (frozen by SIGSTOP): expect
-             exit 2 with one line naming the holder's pid; the first run then ends exactly as the
-             reference.
-  forged     a hand-made checkpoint whose pickle would create a file when loaded (in model.pt,
-             optimizer.pt or trainer.pt, manifest rewritten to match): expect exit 1 with one line
-             naming the file, and the file never created.
-  resize     DDP or FSDP2: half the run on 1 process, the rest under torchrun on 2: expect a
-             `world_size_changed` event, the first half bitwise, the rest within float rounding of
-             the reference (summation order and bf16 differ), and the end row.
-  dcp        a sharded (FSDP2) checkpoint whose `dcp/.metadata` pickle would create a file: expect
-             exit 1 with one line naming the file, and the file never created.
-  diverge    `optimizer.lr=1e6`: expect exit 1 naming the last checkpoint from before the
-             divergence and a command; the command, followed literally, trains to the end.
-  late       SIGTERM 0-1 s after a finished run wrote its end row (its summary, the interpreter's
-             shutdown): expect exit 0.
-  garbage    binary bytes in a text data file (data=local): expect exit 2 with one line naming it.
-  badline    a line that is not JSON in the middle of metrics.jsonl: expect exit 1 with one line
-             naming the file and the line.
-  stale      `latest` naming an older checkpoint than the newest intact one: expect a note naming
-             the newer one and how to take it, the run to continue from the one `latest` names (as
-             documented) and end as the reference, and the note's command to take the newer one.
-  fullmeta   the file-size limit reached by metrics.jsonl before any checkpoint (a full disk outside
-             a checkpoint write): expect exit 1 with one line naming metrics.jsonl, no traceback.
+Every trial trains the same tiny job (llama_tiny on the synthetic corpus, a checkpoint every step) in
+its own run directory and compares its per-step losses and final weights with one uninterrupted
+reference run, bitwise unless a trial says otherwise. The categories and what each expects (an exit
+code, one error line naming the file, the same end): docs/reliability.md, "Fault injection", and
+the `ok` condition of each trial below.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import resource
 import shutil
 import signal
@@ -62,6 +30,7 @@ import time
 import torch
 
 from train_utils import checkpoint as ckpt
+from train_utils.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,8 +72,6 @@ def logged_steps(run_dir: str) -> int:
 
 
 def losses(run_dir: str) -> dict:
-    from train_utils.metrics import read_metrics
-
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r}
 
 
@@ -174,24 +141,18 @@ def signal_trial(reference: str, run_dir: str, rng: random.Random, name: str) ->
             "ok": stopped and ok}
 
 
-def _flip(path: str, rng: random.Random, n: int = 64) -> None:
+def _overwrite(folder: str, name: str, rng: random.Random, n: int, flip: bool) -> None:
+    """n bytes at a random place of a file, flipped or replaced by random ones."""
+    path = os.path.join(folder, name)
     data = bytearray(open(path, "rb").read())
     at = rng.randrange(0, max(1, len(data) - n))
-    for i in range(at, at + n):
-        data[i] ^= 0xFF
-    open(path, "wb").write(bytes(data))
-
-
-def _random_bytes(path: str, rng: random.Random, n: int = 4096) -> None:
-    data = bytearray(open(path, "rb").read())
-    at = rng.randrange(0, max(1, len(data) - n))
-    data[at:at + n] = rng.randbytes(n)
+    data[at:at + n] = bytes(b ^ 0xFF for b in data[at:at + n]) if flip else rng.randbytes(n)
     open(path, "wb").write(bytes(data))
 
 
 DAMAGES = {
-    "64 flipped bytes in model.pt": lambda c, rng: _flip(os.path.join(c, "model.pt"), rng),
-    "4 KiB of random bytes in optimizer.pt": lambda c, rng: _random_bytes(os.path.join(c, "optimizer.pt"), rng),
+    "64 flipped bytes in model.pt": lambda c, rng: _overwrite(c, "model.pt", rng, 64, True),
+    "4 KiB of random bytes in optimizer.pt": lambda c, rng: _overwrite(c, "optimizer.pt", rng, 4096, False),
     "trainer.pt truncated": lambda c, rng: os.truncate(os.path.join(c, "trainer.pt"),
                                                        os.path.getsize(os.path.join(c, "trainer.pt")) // 2),
     "optimizer.pt missing": lambda c, rng: os.remove(os.path.join(c, "optimizer.pt")),
@@ -303,8 +264,6 @@ class _Payload:
 
 
 def _rehash(ckpt_dir: str) -> None:
-    import hashlib
-
     files = {}
     for folder, _, names in os.walk(ckpt_dir):
         for name in names:
@@ -339,8 +298,6 @@ def resize_trial(reference: str, run_dir: str, rng: random.Random, parallelism: 
                 os.path.join(REPO, "train.py"), *JOB, f"train.parallelism={parallelism}",
                 "train.resume_changes=[train.steps]", f"hydra.run.dir={run_dir}"]
     second = subprocess.run(torchrun, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
-    from train_utils.metrics import read_metrics
-
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if second.returncode == 0 else []
     mine, ref = losses(run_dir) if rows else {}, losses(reference)
     resized = any(r.get("event") == "world_size_changed" and r.get("from") == 1 and r.get("to") == 2 for r in rows)
@@ -359,8 +316,6 @@ def resize_trial(reference: str, run_dir: str, rng: random.Random, parallelism: 
 
 
 def dcp_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
-    import pickle
-
     first = run(run_dir, "train.parallelism=fsdp", "train.steps=2")
     newest = ckpt.latest(os.path.join(run_dir, ckpt.CHECKPOINT_DIR))
     path, marker = os.path.join(newest, "dcp", ".metadata"), os.path.join(run_dir, "PAYLOAD_RAN")
@@ -377,16 +332,12 @@ def dcp_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
 
 
 def diverge_trial(reference: str, run_dir: str, rng: random.Random, _arg) -> dict:
-    import re
-
     diverging = ["optimizer.lr=1e6", "checkpoint.keep=1", "train.steps=6"]  # NaN by step 3; 6 steps suffice
     proc = run(run_dir, *diverging)
     line = last_line(proc.stderr)
     found = re.search(r"run the same command with (.*?) \(", line)
     remedy = found.group(1).split() if found else []
     followed = run(run_dir, *diverging, *remedy) if remedy else None
-    from train_utils.metrics import read_metrics
-
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if followed and followed.returncode == 0 else []
     ok = (proc.returncode == 1 and "Traceback" not in proc.stderr and "Last checkpoint from before the divergence"
           in line and followed is not None and followed.returncode == 0 and rows and rows[-1].get("event") == "end"
@@ -508,13 +459,9 @@ ONE_EACH = ("dcp", "diverge", "late", "garbage", "badline", "stale", "fullmeta")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=6)
-    parser.add_argument("--signals", type=int, default=4)
-    parser.add_argument("--damage", type=int, default=8)
-    parser.add_argument("--disk-full", type=int, default=2)
-    parser.add_argument("--early", type=int, default=2)
-    parser.add_argument("--writers", type=int, default=1)
-    parser.add_argument("--forged", type=int, default=3)
+    for name, default in (("kills", 6), ("signals", 4), ("damage", 8), ("disk-full", 2), ("early", 2), ("writers", 1),
+                          ("forged", 3)):
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--resize", type=int, default=2, help="alternately DDP and FSDP2, 1 -> 2 processes")
     for kind in ONE_EACH:
         parser.add_argument(f"--{kind}", type=int, default=1, help=f"trials of the {kind} category")

@@ -4,26 +4,13 @@
     python -m ops.preflight --preset table2 --model llama_350m
     python -m ops.preflight --fast                            # tiny eager runs only (CPU CI)
 
-A few minutes on one node. It runs the real paths for a few steps and measures what they do:
-
-- the device, driver, torch, CUDA and NCCL versions; bf16 and TF32;
-- train.py on llama_tiny and on a preset's model (the preset's settings, its 512-sequence batch
-  included; 3 steps, no evaluation), under DDP and FSDP2 on every GPU of the node, compiled and eager:
-  step time, MFU, and the memory planner's peak against the measured one;
-- activation checkpointing measured effective (bytes autograd saves for backward, on vs off) for
-  eager and compiled blocks, alone, under DDP and under FSDP2;
-- the compiled sign update in use on DDP bucket views (not fallen back to eager ops);
-- a checkpoint written and resumed, under DDP and under FSDP2 (the sharded format): the resumed
-  steps equal the uninterrupted run's bitwise;
-- NCCL all-reduce bus bandwidth across the node's GPUs;
-- LLaMA-7B on one 24 GB GPU: two steps of bench/llama7b.py (FRUGAL rho=0 with the step inside
-  backward, pure bf16) with the process held to 24 GiB of the first GPU, its allocated and reserved
-  peaks against the plan (needs a GPU with at least 24 GiB).
-
-It prints one table (check | result | pass/FAIL/skip) and exits 1 if any check failed, so it can
-gate a SLURM sweep (`python -m ops.preflight && sbatch ...`). Without a GPU it runs what the CPU
-can (gloo with 2 processes) and marks the rest skipped with the reason. The training runs use the
-synthetic corpus (no data or tokenizer needed), so the preset's model has its vocabulary.
+A few minutes on one node: the real paths for a few steps (train.py on llama_tiny and on a preset's
+model under DDP and FSDP2, compiled and eager; activation checkpointing; the compiled sign update; a
+bitwise checkpoint resume; NCCL all-reduce bandwidth; LLaMA-7B held to 24 GiB of one GPU), what each
+check measures: docs/launching.md, "The preflight". It prints one table (check | result |
+pass/FAIL/skip) and exits 1 if any check failed, so it can gate a sweep (`python -m ops.preflight &&
+sbatch ...`). Without a GPU it runs what the CPU can (gloo, 2 processes) and says why it skips the rest.
+The training runs use the synthetic corpus: no data or tokenizer needed.
 """
 from __future__ import annotations
 
@@ -132,9 +119,8 @@ EXIT_GRACE_S = 60  # a run that wrote its end row but has not exited this much l
 
 
 def run_train(run_dir: str, overrides: list[str], nproc: int, timeout: float) -> tuple[int, list[dict], str]:
-    """train.py (under torchrun for several processes); (exit code, metrics rows, stderr). A run
-    that logged its end but hangs while tearing down its process group (seen with gloo on a loaded
-    CPU) is stopped after EXIT_GRACE_S and its stderr says so."""
+    """train.py (under torchrun for several processes): (exit code, metrics rows, stderr). A run that logged
+    its end but hangs tearing down its process group (gloo, loaded CPU) is stopped, its stderr says so."""
     import signal
 
     launcher = [sys.executable, "train.py"] if nproc == 1 else \
@@ -211,9 +197,8 @@ def check_training(table: Table, label: str, overrides: list[str], nproc: int, w
 
 def check_resume(table: Table, nproc: int, work: str, timeout: float,
                  straight: tuple[str, list[dict], list[str]] | None, parallelism: str) -> None:
-    """The eager llama_tiny run (`straight`: its run dir, rows and overrides) wrote a checkpoint at step 2;
-    a new run from that checkpoint with the same overrides must log the later steps bitwise equal. Under FSDP2 the
-    checkpoint is the sharded one (torch.distributed.checkpoint)."""
+    """A run resumed from the step-2 checkpoint of the eager llama_tiny run (`straight`: its run dir, rows and
+    overrides; under FSDP2 the sharded format) must log the later steps bitwise equal."""
     check = f"checkpoint + resume ({parallelism})"
     if straight is None:
         table.add(check, "the uninterrupted run (train llama_tiny ... eager) failed", "FAIL")
@@ -431,9 +416,8 @@ def main(argv=None) -> int:
         if not gpus:
             guarded(table, "bf16 autocast (CPU)")(check_bf16_cpu)(table)
 
-        # train.py on llama_tiny: each parallelism, eager and compiled. The eager run also writes a
-        # checkpoint at step 2 (at least 4 steps, a schedule that does not depend on their number): it is
-        # the uninterrupted run of the resume check below, which runs only the resumed half.
+        # train.py on llama_tiny, each parallelism, eager and compiled; the eager run (a checkpoint at step 2,
+        # a schedule independent of the step count) is the uninterrupted run of the resume check below
         batch = ["train.micro_batch_size=2", f"train.batch_size={2 * nproc}"]
         resumable = [f"train.steps={max(args.steps, 4)}", "schedule=cosine_restarts", "schedule.cycle_length=8",
                      "checkpoint.every=2"]

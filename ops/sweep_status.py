@@ -4,29 +4,21 @@
     python -m ops.sweep_status multirun/table15 --json           # the same as one JSON object
     python -m ops.sweep_status multirun/table15 --stale-after 90 # minutes without progress = stalled
 
-DIR is a sweep dir (`multirun/<date>/<time>-<launch id>/`, or the `hydra.sweep.dir` given), of any
-launcher: Hydra's basic one (jobs one after another), `hydra/launcher=local` or `hydra/launcher=slurm`
-(submitit). Each line gives the job number, the values it sweeps, its state and:
+DIR is a sweep dir (`hydra.sweep.dir`) of any launcher: Hydra's basic one, `hydra/launcher=local` or
+`hydra/launcher=slurm`. Each line gives the job number, the values it sweeps, its state and:
 
-    done     the end row of its metrics.jsonl: final step, validation loss and perplexity
-    running  step/total steps, the last training loss, an ETA at the recent step rate (training steps
-             only: evaluations and checkpoints are not counted)
-    stopped  stopped by a signal (preemption, SLURM's time limit) after writing a checkpoint: a requeued
-             SLURM job resumes by itself; otherwise rerun the sweep's -m command with hydra.sweep.dir=DIR
-    queued   known to the sweep (multirun.yaml: the preset's sweep and the command line's, expanded as
-             Hydra's basic sweeper does) with no run dir yet (a SLURM job still pending, or a job of the
-             basic launcher not reached yet)
-    stalled  no process known to hold the run and no progress (no write to metrics.jsonl or train.log) for
-             --stale-after minutes, or a live process with no progress for that long (a hang)
-    failed   its last error line and where the full output is: train.py's own `error: ...` record (in
-             train.log), else the exception submitit recorded for the job, else "ended without a record"
-             when its process is gone (a kill, an out-of-memory kill, a crash)
+    done     final step, validation loss and perplexity (the end row of its metrics.jsonl)
+    running  step/total steps, the last training loss, an ETA at the recent training step rate
+    stopped  stopped by a signal after a checkpoint: a requeued SLURM job resumes by itself; otherwise
+             rerun the sweep's -m command with hydra.sweep.dir=DIR
+    queued   in multirun.yaml's sweep (expanded as Hydra's basic sweeper does), no run dir yet
+    stalled  no write to metrics.jsonl or train.log for --stale-after minutes, by a dead or a live (hung)
+             process
+    failed   its last error line (train.py's `error: ...`, else submitit's exception, else "ended
+             without a record") and where the full output is
 
-Is the run's process alive? train.py holds `<run dir>/run.lock` (an flock, train_utils/run_lock.py) for
-the run's life and writes its pid and host into it. On the host named there the lock is looked up in
-/proc/locks (held by that pid) without touching it: taking the lock to test it, even for a moment,
-could refuse a job starting at that instant. On another host (a SLURM node) the process cannot be seen
-from here: the age of the run's last write tells running from stalled.
+A run's process is alive while it holds `<run dir>/run.lock` (train_utils/run_lock.py), looked up in
+/proc/locks on its own host without taking it; on another host only the age of its last write tells.
 
 Exit codes: 0 every job is done; 1 some job is still running, stopped or queued (none failed or
 stalled); 3 some job failed or stalled; 2 DIR does not exist or is not a sweep dir (one line).
@@ -107,9 +99,8 @@ def not_a_sweep_message(path: Path) -> str:
 
 
 def expected_overrides(hydra_cfg: dict) -> tuple[list[list[str]] | None, str | None]:
-    """Every job's override lines, in job-number order, as Hydra's basic sweeper makes them: the
-    preset's `hydra.sweeper.params` then the command line's overrides, their cartesian product. None
-    (and why) where that is not known in advance (another sweeper; a glob() sweep needs the configs)."""
+    """Every job's override lines in job-number order, the product of `hydra.sweeper.params` and the command
+    line's as the sweeper makes it; None (and why) where unknown in advance (another sweeper, a glob())."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra_plugins.frugal_sweeper.sweeper import CommandLineWinsSweeper
@@ -131,27 +122,22 @@ def expected_overrides(hydra_cfg: dict) -> tuple[list[list[str]] | None, str | N
 
 
 def find_run_dirs(sweep: Path) -> dict[int, tuple[Path, str | None, list[str]]]:
-    """{job number: (run dir, hydra.job.id, override lines)} of the jobs that have started: every
-    directory below the sweep dir holding Hydra's .hydra/hydra.yaml, whatever hydra.sweep.subdir is."""
+    """{job number: (run dir, hydra.job.id, override lines)}: every directory below the sweep dir holding
+    Hydra's .hydra/hydra.yaml (whatever hydra.sweep.subdir is); the newest per job number."""
     found: dict[int, tuple[Path, str | None, list[str]]] = {}
     for root, dirs, _ in os.walk(sweep):
         if ".hydra" in dirs:
             dirs[:] = []  # a run dir holds no other run dir (and its checkpoints are not walked)
-            job = read_job(Path(root))
-            if job is not None and (job[0] not in found or newer(Path(root), found[job[0]][0])):
-                found[job[0]] = (Path(root), job[1], job[2])
+            run_dir, job = Path(root), read_job(Path(root))
+            if job is not None and (job[0] not in found or run_dir.stat().st_mtime > found[job[0]][0].stat().st_mtime):
+                found[job[0]] = (run_dir, job[1], job[2])
         else:
             dirs[:] = [d for d in dirs if not d.startswith(".")]  # .submitit/
     return found
 
 
-def newer(a: Path, b: Path) -> bool:
-    return a.stat().st_mtime > b.stat().st_mtime
-
-
 def read_job(run_dir: Path) -> tuple[int, str | None, list[str]] | None:
-    """(hydra.job.num, hydra.job.id, the job's override lines) from its .hydra/hydra.yaml; None while
-    Hydra is still writing it."""
+    """(hydra.job.num, hydra.job.id, override lines) from .hydra/hydra.yaml; None while Hydra writes it."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # plain YAML: ${...} stays text
     try:
         hydra_cfg = yaml.load((run_dir / ".hydra" / "hydra.yaml").read_text(), Loader=loader)["hydra"]
@@ -172,16 +158,14 @@ def swept_keys(jobs: list[Job]) -> list[str]:
 
 
 def split_overrides(lines: list[str]) -> dict[str, str]:
-    """{key: value} of override lines; `+`/`++` (add, force-add: train.py writes keys a config may lack so)
-    are how a value was set, not part of the key."""
+    """{key: value} of override lines; `+`/`++` (add, force-add) are not part of the key."""
     pairs = (line.split("=", 1) if "=" in line else (line, "") for line in lines)
     return {key.lstrip("+"): value for key, value in pairs}
 
 
 # ---- one run dir: what it wrote, and whether its process is alive ---------------------------------------
 def tail_lines(path: Path) -> list[str]:
-    """The lines of a file's last TAIL_BYTES (metrics.jsonl and train.log grow all run long); a first line
-    read from its middle is dropped."""
+    """The lines of a file's last TAIL_BYTES; a first line read from its middle is dropped."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -206,10 +190,8 @@ def tail_rows(path: Path) -> list[dict]:
 
 
 def last_record(run_dir: Path) -> tuple[str, str] | None:
-    """("error" | "stopped", the line) of train.log's last error or stop, if no later attempt started after
-    it (a rerun's start block begins with `run dir ...`; the end summary's own line is indented).
-    train.py writes `error: ...` for every error it expects (config, non-finite loss, checkpoint write,
-    collective timeout...) and `stopped by <signal> ...` when a signal stops it after a checkpoint."""
+    """("error" | "stopped", the line) of train.log's last `error: ...` or `stopped by <signal> ...`, if no
+    later attempt started after it (a rerun's start block begins with `run dir ...`)."""
     lines = [line.split("] ", 1)[-1] for line in tail_lines(run_dir / LOG_FILE)]  # without the time stamp
     kinds = {"error: ": "error", "interrupted (": "error", "stopped by ": "stopped"}
     last = None
@@ -223,8 +205,8 @@ def last_record(run_dir: Path) -> tuple[str, str] | None:
 
 
 def lock_state(run_dir: Path) -> tuple[str, dict]:
-    """('held' | 'free' | 'unknown' | 'none', the holder's record {pid, host, started}) of the run's lock.
-    unknown: held on another host (or its holder has not written its name yet); none: no lock yet."""
+    """('held' | 'free' | 'unknown' (another host, or no name written yet) | 'none' (no lock yet), the
+    holder's record {pid, host, started}) of the run's lock."""
     try:
         text = (run_dir / LOCK_FILE).read_text()
     except FileNotFoundError:
@@ -255,9 +237,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def flock_held(path: Path, pid: int) -> bool | None:
-    """Whether process `pid` holds an flock on `path` (Linux's /proc/locks; None where it cannot be read).
-    A live pid alone is not enough: the basic launcher runs every job in the sweep's one process, which
-    releases a job's lock when the job ends, and a pid may be reused."""
+    """Whether process `pid` holds an flock on `path` (/proc/locks; None where it cannot be read). A live pid
+    is not enough: the basic launcher runs every job in one process, and a pid may be reused."""
     try:
         inode = path.stat().st_ino
         with open("/proc/locks") as f:
@@ -290,9 +271,8 @@ def submitit_paths(hydra_cfg: dict, sweep: Path, job_id: str | None) -> tuple[Pa
 
 
 def submitit_error(result: Path) -> str | None:
-    """Why a submitit job failed, from the result submitit writes when the job's first task ends (the
-    same file the local launcher's console reads; a traceback Hydra's job runner caught is only there):
-    None without a result or for a success."""
+    """Why a submitit job failed, from the result its first task wrote (where a traceback Hydra's job
+    runner caught is kept); None without a result or for a success."""
     if not result.is_file():
         return None
     try:
