@@ -1,20 +1,12 @@
 r"""Opt-in adaptations beyond the paper: a density schedule and an update gap that grows on plateaus.
 
-Both are off by default and are building blocks for the optimizer and the training loop (see
-docs/concurrent_methods.md for how they are wired); nothing here reads the global RNG or the host.
-
-Density schedule. The paper keeps :math:`\rho` fixed. :func:`scheduled_density` lets it decay from
-``start`` to ``end`` over ``steps`` (``linear``, ``cosine`` or a single ``step``); evaluated at the
-first step of each window, :math:`\rho_w = \rho(w T)`, it stays a pure function of the window, so
-data-parallel ranks and resumed runs agree without saving anything.
-
-Plateau-growing update gap (the AdaFRUGAL proposal). A longer gap :math:`T` costs nothing and lets
-the state-full rule's moments mature; a short one explores the space faster. :class:`PlateauGap`
-multiplies :math:`T` by ``factor`` (up to ``max_gap``) when the window's mean loss has not improved
-by a relative ``threshold`` for ``patience`` windows. Windows are then no longer ``step // T``:
-:class:`WindowClock` keeps the window index, its first step, the current gap and the losses seen in
-the window as plain numbers (``state_dict`` round-trips them), and decides each new window's gap
-when it starts.
+Both are off by default (wiring: docs/concurrent_methods.md); nothing here reads the global RNG or the host.
+:func:`scheduled_density` decays :math:`\rho` from ``start`` to ``end`` over ``steps`` (``linear``,
+``cosine``, ``step``), read at each window's first step, :math:`\rho_w = \rho(w T)`: a pure function of
+the window. :class:`PlateauGap` (AdaFRUGAL) multiplies :math:`T` by ``factor`` (up to ``max_gap``) when
+the window's mean loss has not improved by a relative ``threshold`` for ``patience`` windows; then
+:class:`WindowClock` keeps the window index, its first step, the gap and the window's losses as plain
+numbers (``state_dict`` round-trips them) and decides each new window's gap when it starts.
 """
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ of :math:`G^{\odot 2}` over rows and over columns,
     c_t = \hat\beta_{2,t} c_{t-1} + (1 - \hat\beta_{2,t})\,\mathrm{mean}_i(G^{\odot 2})_{i,:}
     \in \mathbb{R}^n,
 
-and reconstructs the second moment as the rank-one matrix :math:`\hat V_t = r_t c_t^\top /
-\mathrm{mean}(r_t)` (the I-divergence-optimal rank-one fit; means instead of the paper's sums give
-the same :math:`\hat V`). ``m + n`` floats replace ``m n``.
+and reconstructs the second moment as :math:`\hat V_t = r_t c_t^\top / \mathrm{mean}(r_t)` (means
+instead of the paper's sums give the same :math:`\hat V`): ``m + n`` floats replace ``m n``.
 
 One-sided Adafactor keeps only one of the two vectors: :math:`\hat V_{ij} = s_i` with
 :math:`s = \mathrm{EMA}(\mathrm{mean}_j G^{\odot 2}_{ij})` along the kept side. AdaMeM (Vyas,
@@ -26,15 +25,11 @@ one-sided Adafactor as the rule of the residual:
     u_{full} = \frac{\hat m_t}{\sqrt{\hat V_t} + \epsilon}, \qquad
     u_{free} = \frac{G_{free}}{\sqrt{\hat s_t} + \epsilon}.
 
-Decision (ours, written down): the one-sided statistic of the residual is kept along the side that
-is *not* projected (the rows of ``G Q`` when ``Q`` acts on the columns). A diagonal scaling on that
-side keeps the residual orthogonal to the state-full subspace, :math:`D (G - G Q Q^\top) Q = 0`,
-whereas a scaling on the projected side would leak the residual update back into it.
-
-Two decay schedules are offered: a constant :math:`\beta_2` with Adam's bias correction (the
-FRUGAL setup, ``beta2_decay=None``), or Adafactor's :math:`\hat\beta_{2,t} = 1 - t^{c}` (``c =
-beta2_decay``, -0.8 in the Adafactor paper), which needs no correction. Every function here is a
-pure function of tensors that updates its state in place; nothing reads the host (no ``.item()``).
+Decision (ours): the one-sided statistic of the residual is kept along the side that is *not*
+projected, so the residual stays orthogonal to the state-full subspace, :math:`D (G - G Q Q^\top) Q = 0`.
+Decay: a constant :math:`\beta_2` with Adam's bias correction (``beta2_decay=None``, the FRUGAL
+setup) or Adafactor's :math:`\hat\beta_{2,t} = 1 - t^{c}` (``c = beta2_decay``, -0.8 in its paper).
+Every function updates its state in place and never reads the host (no ``.item()``).
 """
 from __future__ import annotations
 

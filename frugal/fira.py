@@ -22,27 +22,16 @@ The step is :math:`\theta \leftarrow \theta - \eta (\mathrm{lift}(\psi(R)) + S)`
 What ``optimizer=fira`` runs is the ``fira`` package's step (``fira_step_``; the paper's Fira
 numbers come from that code), which differs from the equations above in four places:
 
-- the residual is ``G - alpha * lift(R)`` (``alpha`` = ``projectable_lr_scale``, GaLore's scale,
-  0.25 in Fira's scripts), so with ``alpha < 1`` it still holds ``(1 - alpha) lift(R)``;
+- the residual is ``G - alpha * lift(R)`` (``alpha`` = ``projectable_lr_scale``, 0.25 in Fira's scripts);
 - :math:`\phi` and the limiter see the *uncorrected* Adam ratio ``m / (sqrt(v) + eps)``; Adam's
   step-size factor ``sqrt(1 - beta2^t) / (1 - beta1^t)`` multiplies the whole update afterwards;
-- eps where the state-full rule puts it (``adamw_hf``, the registry's choice: on the uncorrected
-  ``sqrt(v)``, as the package's AdamW);
-- weight decay after the update (again as the state-full rule says: ``adamw_hf`` decays after).
+- eps and weight decay where the state-full rule puts them (``adamw_hf``: eps on the uncorrected
+  ``sqrt(v)``, decay after the update, as the package's AdamW).
 
-The exact-residual reading (the FRUGAL paper's appendix: residual ``G - lift(R)``, limiter on the
-applied update) is not kept as an option: no table ran it, and with ``alpha = 1`` the two agree
-on the residual.
-
-The same scaling works for FRUGAL's coordinate projections ``column`` and ``row`` (the reduced
-gradient is a set of columns or rows, and the scaling runs along the other dimension), but not for
-``block``: a tensor there is wholly state-full or wholly state-free, so there is no projected part of
-the same tensor to take norms from (the FRUGAL paper, Appendix "Comparison with Concurrent
-Methods").
-
-Which dimension: the norms are taken over the dimension the projection reduced (``reduced_dim``),
-giving one factor per index of the other one. For an ``m x n`` weight with ``Q`` on the columns
-(``G Q``, ``m x r``, GaLore's choice for ``m >= n``) ``reduced_dim=1``: one factor per row.
+The exact-residual reading (residual ``G - lift(R)``) is not kept (docs/concurrent_methods.md). The
+scaling also works for ``column`` and ``row``, not for ``block`` (no projected part of the same
+tensor). The norms are taken over the dimension the projection reduced (``reduced_dim``), one factor
+per index of the other (``G Q`` of an ``m x n`` weight: ``reduced_dim=1``, one factor per row).
 All functions here are tensor-only (no ``.item()``): the limiter decides with ``torch.where``.
 """
 from __future__ import annotations

@@ -14,22 +14,14 @@ complete, and the gradients are freed there, so the full set of gradients is nev
         print(float(stepper.grad_norm))     # the global norm before clipping (frugal.grad_norm's)
     stepper.remove()                        # back to the ordinary step
 
-What runs when (``StepInBackward``; docs/in_backward.md has the guarantees and the refusals):
-
-- **A block at a time.** A gradient that can be applied at once waits only for the rest of its block;
-  the block's tensors then take one call of the optimizer's phases (``FRUGAL._apply``, the ordinary
-  step's), and the block that completes last is applied when backward ends (an autograd engine
-  callback). Each tensor's role is fixed once per step, before its first update.
-- **Exact global clipping** (``max_norm``). Rules whose update ignores the gradient's scale
-  (``scale_invariant``: signSGD, ``none``) run at once; the others keep their gradient until
-  ``optimizer.step()``, which clips them with the global norm (``grad_norm``: one formula for both
-  schedules) and applies them.
-- **A non-finite gradient** is found with the next block's check (one host sync per block, the
-  tensors that wait included): from the block applied after it on, nothing of the step is applied,
-  and ``optimizer.step()`` raises ``NonFiniteGradientError`` naming the tensor and what had moved.
-- **Accumulation** (``accumulating()``) is exact: a tensor the last backward does not reach is
-  applied (and counted in the norm) by ``optimizer.step()``.
-- **Abandoning a step** after an error inside backward: ``abort()`` (``optimizer.zero_grad()`` calls it).
+What runs when (``StepInBackward``; docs/in_backward.md has the guarantees and the refusals): a
+block's tensors take one call of the optimizer's phases (``FRUGAL._apply``) once the block's gradients
+are complete, the last block when backward ends; each tensor's role is fixed once per step. With
+``max_norm``, ``scale_invariant`` rules run at once and the others wait for ``optimizer.step()``, which
+clips them with the exact global norm (``grad_norm``). A non-finite gradient is found by the next
+block's check (one host sync per block): nothing of the step is applied from then on and
+``optimizer.step()`` raises ``NonFiniteGradientError``. ``accumulating()`` is exact; ``abort()``
+(``optimizer.zero_grad()`` calls it) abandons a step after an error inside backward.
 """
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
 """Element-wise kernels of the step: the state-free sign update and stochastic rounding to bfloat16.
 
-The sign update ``p <- p * decay - lr * sign(g)`` is the whole cost of a state-free coordinate, and
-the step is memory-bound. Eager torch has no single kernel for it: ``mul_`` then ``add_(sign(g))``
-reads and writes the weights twice and allocates ``sign(g)``. One pass compiled by ``torch.compile``
-(inductor: C++/OpenMP on CPU, Triton on CUDA) reads ``p`` and ``g`` once and writes ``p`` once, about
-as fast as a plain ``p.add_(g)``. The compiled pass rounds exactly where the eager ops round (after
-the decay, after the update; ``lr`` rounded to the weight dtype as ``add_`` rounds ``alpha``), so both
-give bitwise the same weights (tested in fp32, bf16, fp16 and fp64).
+The sign update ``p <- p * decay - lr * sign(g)`` is memory-bound; eager torch reads and writes the
+weights twice and allocates ``sign(g)``, while one pass compiled by ``torch.compile`` reads ``p`` and
+``g`` once and writes ``p`` once. It rounds exactly where the eager ops round (``lr`` in the weight
+dtype, as ``add_`` rounds ``alpha``): bitwise the same weights (tested in fp32, bf16, fp16, fp64).
 
-``sign_update`` chooses the implementation:
-
-- ``"auto"`` (default): the compiled pass for tensors of at least ``AUTO_MIN_NUMEL`` elements on CPU
-  and CUDA, eager ops for smaller ones (there a compiled call's fixed cost, tens of microseconds,
-  exceeds the work). If compiling is impossible (no C++ compiler, no Triton), it warns once and
-  stays eager for that device type: ``"auto"`` never fails a run.
-- ``"compiled"``: the compiled pass for every tensor; an error if it cannot compile.
-- ``"eager"``: never compile.
-
-Compiled calls take ``PACK`` tensors at a time (one call per tensor would cost ~20 us of Python
-each, as much as the pass over a 1M-element tensor, and on a GPU more than the kernel itself).
-Two graphs (``PACK`` tensors, one tensor) serve every tensor size and storage offset (dynamic
-shapes on flat views that start their own storage: DDP bucket views and FSDP2 shards included),
-and ``lr`` and the decay enter as 0-d tensors, so LR schedules do not recompile. The first use
-compiles (seconds; inductor caches the result on disk for later processes).
+``sign_update``: ``"auto"`` (default) compiles for tensors of at least ``AUTO_MIN_NUMEL`` elements on
+CPU and CUDA, eager below; where compiling is impossible it warns once and stays eager for that
+device type (never fails a run). ``"compiled"``: every tensor, an error if it cannot compile.
+``"eager"``: never compile. Compiled calls take ``PACK`` tensors at a time; two graphs (``PACK``
+tensors, one tensor) with dynamic shapes serve every size and storage offset, and ``lr`` and the decay
+are 0-d tensors, so LR schedules do not recompile.
 """
 from __future__ import annotations
 

@@ -1,34 +1,22 @@
 """Optimizer-state memory: measured (`state_bytes`) and predicted (`estimate_state_bytes`).
 
-The paper's claim is about memory, so both numbers are first-class. `state_bytes` counts every
-tensor the optimizer holds in `optimizer.state` (moments, projection matrices, index tensors, step
-counters). `estimate_state_bytes` is the analytic count of Appendix D, computed from parameter
-shapes alone, so it works on a model built on the `meta` device (a 7B model costs nothing):
+`state_bytes` counts every tensor in `optimizer.state` (moments, projection matrices, indices, step
+counters). `estimate_state_bytes` is Appendix D's analytic count from parameter shapes alone (a model
+on the `meta` device costs nothing):
 
-- AdamW: two moments per parameter (8 bytes/param in fp32); Lion, SGDM and Muon (beyond the
-  paper; ``frugal/muon.py``) one buffer per state-full element, and no step counter for Muon.
+- AdamW: two moments per state-full element; Lion, SGDM and Muon one buffer (Muon: no step counter).
 - blockwise: the non-projectable tensors' moments plus those of round(density * L) whole layers.
-- column / row / randk / randperm: per projectable matrix, the moments of round(density * k)
-  columns (rows; elements for randk), and their indices (randk's, int32, are half the moments'
-  size: the paper counts a seed, the implementation keeps the indices, see below).
-- the concurrent methods add their own state: AdaMeM's Adafactor factors replace the second moment
-  (one row and one column vector of the reduced state) and its residual rule keeps one vector per
-  matrix; Fira keeps one scalar per matrix (the limiter's previous norm); LDAdam's error-feedback
-  buffer holds one value per weight entry of every split matrix.
-- svd / random / power (GaLore-like): per matrix of logical shape m x n with r = round(density * min(m, n)),
-  Appendix D's layout: the projection matrix on the larger side (max(m, n) x r) and the moments on
-  the smaller side (min(m, n) x r), 26/24 = 13/12 of the coordinate projections' cost for LLaMA.
-  This is the layout behind Table 2's GaLore column. (galore-torch and `frugal.FRUGAL` follow
-  GaLore's code instead, which keeps the projection on the smaller side and the moments on the
-  larger: pass `svd_layout="implementation"` to count that, e.g. 0.57 GiB instead of Table 2's
-  0.54 GiB for GaLore on LLaMA-130M.)
+- column / row / randk / randperm: the moments of the selected coordinates and their indices
+  (randk's int32, half the moments' size: the paper counts a seed).
+- concurrent methods: AdaMeM's factors replace the second moment and its residual rule keeps one
+  vector per matrix; Fira one scalar per matrix; LDAdam's error buffer one value per weight entry.
+- svd / random / power: Appendix D's layout, the projection on the larger side (max(m, n) x r) and the
+  moments on the smaller (Table 2's GaLore column); `svd_layout="implementation"` counts GaLore's code
+  and `frugal.FRUGAL` instead (projection on the smaller side: 0.57 GiB, not 0.54, on LLaMA-130M).
 
-Everything is counted in the parameter dtype (fp32 in the paper's mixed-precision setup), except
-under ``master_weights`` with bf16/fp16 weights: each whole state-full tensor then holds a float32
-copy of its weights and float32 moments (the badam package's pure-bf16 BAdam). The
-bookkeeping tensors of the implementation (step counters, coordinate indices) are counted exactly
-too, so that on a real model `state_bytes(opt)` after the first step equals the estimate for every
-projection; step counters and column/row indices are far below Table 2's 0.01 GiB resolution.
+Everything is in the parameter dtype, except under ``master_weights`` with bf16/fp16 weights (a
+float32 copy and float32 moments per whole state-full tensor). Bookkeeping tensors are counted
+exactly, so `state_bytes(opt)` after the first step equals the estimate for every projection.
 """
 from __future__ import annotations
 

@@ -17,15 +17,10 @@ with ``adjust`` from ``adjust_lr_fn``: ``"original"`` (Keller Jordan's ``sqrt(ma
 AdamW, Muon and sign parts). ``A x B`` is the logical shape (a GPT-2 ``Conv1D`` weight, stored
 ``(in, out)``, is read as its transpose). State: ``momentum_buffer`` (torch's name), no step counter.
 
-Inside FRUGAL (docs/muon.md) the rule runs on whole matrices (the active blocks of
-``projection="block"``, and the 2-D tensors of groups given explicitly; groups built from a model give
-the other tensors AdamW: ``REST``) and on the ``A x k`` (``k x B``) matrix of the columns (rows) a
-``column`` (``row``) projection selects; every other projection is refused (``check_group``). At
-density 1 it is ``torch.optim.Muon`` + ``torch.optim.AdamW`` (tests/test_muon.py).
-
-FSDP2: the buffer and the Nesterov mix are element-wise, on the local shard; only the matrix that is
-orthogonalised is all-gathered (in bfloat16, the iteration's dtype), every rank runs the iteration on
-the whole matrix and applies its own shard. Only active blocks are gathered (``gathered_bytes()``).
+Inside FRUGAL (docs/muon.md) it runs on whole matrices (``projection="block"``; groups built from a
+model give the other tensors AdamW: ``REST``) and on the columns (rows) a ``column`` (``row``)
+projection selects; other projections are refused (``check_group``). FSDP2: only the orthogonalised
+matrix of an active block is all-gathered (bfloat16; ``gathered_bytes()``), each rank applies its shard.
 """
 from __future__ import annotations
 

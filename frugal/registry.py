@@ -1,27 +1,16 @@
 """The optimizer registry: `build_optimizer(model, name, **hparams)` for every optimizer of the paper.
 
-Most entries are presets of FRUGAL, because the paper's baselines are points of its design space;
-`_ENTRIES` below lists each with its preset and a line of what it is. Beyond the presets: `badam` as
-the authors ran it (the badam package, configs/setup/algorithm_optimizer/authors_badam.yaml) adds
-reset_state="reset_everything", window_offset=1, master_weights=True; `adamw` is torch.optim.AdamW,
-fused where the device has the fused kernel (CPU and CUDA do), otherwise foreach; `fira` is the `fira`
-package's step (frugal/fira.py lists what that means); `ldadam` keeps its error-feedback buffer in the
-optimizer state (one value per weight entry); `apollo` and `adam_mini` wrap their packages
-(frugal/external.py).
+Most entries are presets of FRUGAL (`_ENTRIES`: a preset and a line each; docs/library.md, "Methods"):
+a baseline then differs from FRUGAL only in its configuration, with one update rule per method, and
+every FRUGAL hyperparameter may still be overridden (galore with state_full="lion": Table 12).
+`adamw` is torch.optim.AdamW (fused where the device has the kernel); `apollo` and `adam_mini` wrap
+their packages (frugal/external.py). signsgd, sgd, lion and sgdm put all parameters in one group, so
+they work on any model.
 
-signsgd, sgd, lion and sgdm put all parameters in one group, so they work on any model, not only
-on models whose transformer blocks `param_groups` recognises.
-
-Going through FRUGAL keeps one update rule per method (decoupled weight decay, the same Lion and
-SGDM code whether a rule runs alone or inside FRUGAL), so a baseline differs from FRUGAL only in
-its configuration. The presets of galore and badam are defaults: every FRUGAL hyperparameter may
-still be overridden (e.g. galore with state_full="lion" for Table 12's GaLore+Lion).
-
-Accepted keys, decided once here: `defaults(name)` lists every key entry `name` takes with its
-default, and is the one source the training configs are generated from. A key that does not apply
-(e.g. `density` for adamw) is an error, so a sweep cannot silently run something other than what
-its config says. `lr`, `weight_decay` and `seed` are accepted by every entry so a training loop can
-forward them uniformly (`seed` is ignored where nothing is random).
+`defaults(name)` lists every key entry `name` takes with its default, the one source the training
+configs are generated from. A key that does not apply (`density` for adamw) is an error, so a sweep
+cannot run something other than its config says; `lr`, `weight_decay` and `seed` are accepted by
+every entry (`seed` is ignored where nothing is random).
 """
 from __future__ import annotations
 
@@ -81,10 +70,8 @@ _ENTRIES: dict[str, _Entry] = {
                    ("betas",) + IMPLEMENTATION_KEYS, "all_state_full"),
     "sgdm": _Entry("frugal", "SGD with momentum on every parameter", {"state_full": "sgdm"},
                    ("momentum",) + IMPLEMENTATION_KEYS, "all_state_full"),
-    # The concurrent methods of the paper's Appendix "Comparison with Concurrent Methods", as the
-    # FRUGAL instances it describes (docs/concurrent_methods.md).
-    # Fira as the `fira` package runs it (the paper's Fira numbers come from that code): its AdamW
-    # (Hugging Face's form, eps 1e-6 its default) on every tensor, residual G - alpha * lift(R).
+    # The concurrent methods (the paper's Appendix; docs/concurrent_methods.md). Fira as the `fira`
+    # package runs it: its AdamW (Hugging Face's form, eps 1e-6) on every tensor, residual G - alpha * lift(R).
     "fira": _Entry("frugal", "Fira: SVD + AdamW, residual with norm-based scaling and the norm-growth limiter",
                    {"projection": "svd", "state_free": "fira", "reset_state": "keep", "state_full": "adamw_hf",
                     "eps": 1e-6, "projectable_lr_scale": 0.25, "update_gap": 200, "svd_signs": "raw",
@@ -96,9 +83,7 @@ _ENTRIES: dict[str, _Entry] = {
                      {"projection": "svd", "state_full": "adafactor_momentum",
                       "state_free": "one_sided_adafactor", "update_gap": 200},
                      rest={"state_full": "adamw"}),
-    # Muon as the state-full rule (frugal/muon.py). The non-projectable tensors (embeddings, norms,
-    # output layer) keep AdamW, as Muon's authors and torch's docs prescribe: param_groups decides it
-    # (StateFullRule.rest), as for FRUGAL(model, state_full="muon").
+    # Muon as the state-full rule (frugal/muon.py); the non-projectable tensors keep AdamW (StateFullRule.rest).
     "muon": _Entry("frugal", "Muon on the transformer blocks' Linear weights, AdamW on the rest",
                    {"state_full": "muon", "projection": "block", "density": 1.0, "momentum": 0.95},
                    ("betas", "eps", "momentum", "state_free_modules", "target_modules", "tensor_order")

@@ -1,27 +1,17 @@
 """How the state-full rule's moments are stored: in the weights' dtype (``param``, the default),
 in bfloat16 (``bf16``) or in 8 bits (``8bit``).
 
-Low-precision moments are decoded to float32 for the update and encoded back after it, a chunk of
-``CHUNK`` elements at a time, so the float32 copies never exceed a few MB whatever the tensor; the
-update itself is the rule's own (``rules.STATE_FULL``), so every elementwise rule (AdamW, Lion,
-SGDM) takes it unchanged.
+Low-precision moments are decoded to float32 for the rule's own update (``rules.STATE_FULL``) and
+encoded back, ``CHUNK`` elements at a time (float32 copies of a few MB at most). 8 bits are
+bitsandbytes' blockwise dynamic quantisation (Dettmers et al., 2022): blocks of 256 elements with a
+float32 absolute maximum each, a signed map (unsigned for the rule's ``nonnegative`` moments); codes
+in ``state[name]`` (uint8), scales in ``state[name + "_absmax"]``, so ``state_dict()`` round-trips.
+Tensors under ``MIN_8BIT_NUMEL`` elements stay in the weights' dtype (bitsandbytes' ``min_8bit_size``);
+bitsandbytes is imported only when 8-bit state is asked for. Whole tensors only (``check``).
 
-8 bits are bitsandbytes' blockwise dynamic quantisation, the format of its 8-bit optimizers (Dettmers
-et al., 2022): blocks of 256 elements, each with its float32 absolute maximum, and a dynamic map
-(signed, or unsigned for the moments a rule declares ``nonnegative``, e.g. AdamW's second moment).
-The codes are ``state[name]`` (uint8) and the scales ``state[name + "_absmax"]`` (float32), plain
-tensors, so ``state_dict()`` round-trips. Tensors under ``MIN_8BIT_NUMEL`` elements keep their
-moments in the weights' dtype, as bitsandbytes' default ``min_8bit_size`` does. bitsandbytes is
-imported only when 8-bit state is asked for (the library stays torch-only otherwise).
-
-Low precision applies to whole tensors (block projection and the non-projectable tensors): moments
-that projections move between subspaces (column, svd, ...) stay in the weights' dtype (``check``).
-
-The other way round, ``master_weights=True`` gives a bfloat16/float16 tensor, while it is
-state-full, a float32 copy of its weights (``state["master"]``, made from the weights by ``master``)
-and float32 moments: the state-full rule updates the copy with the gradient in float32, and the
-weights are the copy rounded to nearest (the ``badam`` package's mixed precision: an fp32 copy of
-the trained tensors, made at every block switch). Whole tensors and elementwise rules only (``check``).
+``master_weights=True``: a bf16/fp16 tensor, while state-full, holds a float32 copy of its weights
+(``state["master"]``, made by ``master``) and float32 moments; the rule updates the copy and the
+weights are it rounded to nearest (the ``badam`` package). Whole tensors, elementwise rules (``check``).
 """
 from __future__ import annotations
 

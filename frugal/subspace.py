@@ -27,16 +27,11 @@ With :math:`a_t` the gradient plus the error buffer, one step is
         \big(\text{lift}_{Q_{t-1}}(m_{t-1}) - \text{lift}_{Q_t}(\tilde m_{t-1})\big)
         &&\text{(generalized error feedback)}
 
-with hats the bias-corrected moments. The variance transport treats :math:`v` as
-:math:`\mathrm{Var} + \mathrm{mean}^2` per coordinate: the variance part moves through
-:math:`R \odot R` (exact for independent coordinates), the squared mean is recomputed from the
-transported mean, and the absolute value keeps the estimate non-negative. The first basis is the
-top-``r`` singular subspace of :math:`a_1` (there is nothing to warm-start from). LDAdam's
-published defaults: :math:`\beta_1 = \rho = 0.908`, :math:`\beta_2 = 0.99`, :math:`\epsilon = 10^{-8}`.
-
-The FRUGAL paper's Appendix C proposes the same kind of re-projection for first moments
-(:func:`reproject_momentum` with ``preserve_norm=True``: Flora's Algorithm 2 plus a rescale that
-keeps the momentum's norm); it is used by the toy of Figure 3.
+with hats the bias-corrected moments; :math:`v` moves as :math:`\mathrm{Var} + \mathrm{mean}^2`
+(variance through :math:`R \odot R`, the absolute value keeps it non-negative). The first basis is
+the top-``r`` singular subspace of :math:`a_1`. Defaults: :math:`\beta_1 = \rho = 0.908`,
+:math:`\beta_2 = 0.99`, :math:`\epsilon = 10^{-8}`. :func:`reproject_momentum` (``preserve_norm=True``)
+is Appendix C's first-moment re-projection (Flora's Algorithm 2 plus a norm rescale; Figure 3's toy).
 """
 from __future__ import annotations
 
