@@ -1,13 +1,9 @@
 """Everything the training loop eats besides the optimizer: ``build_data(cfg, ...) -> DataModule``.
 
-Sources (``cfg.name``): ``c4`` (Hub or local shards, T5 tokenizer), ``local`` (your .txt/.jsonl/
-.json.gz files), ``synthetic`` (a seeded Markov language with a known loss floor; the quickstart
-default) and ``tokens`` (pre-tokenized files from ``scripts/pretokenize.py``). ``data/rows.py`` says
-what a source gives and how documents become rows, ``data/stream.py`` how batches, logical readers
-and exact resume work for all of them; docs/data_pipeline.md has the whole picture.
-
-Expected problems (a bad path, value or tokenizer, an unreachable Hub, an empty validation set) are
-raised as ``DataConfigError`` (a ValueError; ``DataFileNotFoundError`` is also a FileNotFoundError).
+Sources (``cfg.name``): ``c4``, ``local``, ``synthetic`` and ``tokens``; the contract and rows in
+``data/rows.py``, batches, readers and exact resume in ``data/stream.py``; docs/data_pipeline.md.
+Expected problems raise ``DataConfigError`` (a ValueError; ``DataFileNotFoundError`` is also a
+FileNotFoundError).
 """
 from __future__ import annotations
 
@@ -24,11 +20,8 @@ __all__ = ["build_data", "build_source", "DataModule", "DataConfigError", "DataF
 
 SOURCES = ("c4", "local", "synthetic", "tokens")
 
-# Each source's settings when a mapping leaves them out (library use: build_data({"name": ...})). The
-# configs/data/<source>.yaml files state every one of them, with the same values, so a run's config
-# shows its whole data setup; tests/test_data.py::test_yaml_files_state_the_code_defaults keeps the
-# two in agreement. One deliberate difference: num_workers, 0 here (batches built in the calling
-# process), the training runs' worker counts in the yaml files (docs/data_pipeline.md).
+# Each source's settings when a mapping leaves them out; configs/data/<source>.yaml states the same values
+# (test_yaml_files_state_the_code_defaults), except num_workers: 0 here, the runs' worker counts there.
 _COMMON = {"seq_len": 256, "packing": False, "truncation": "reference", "readers": DEFAULT_READERS,
            "num_workers": 0, "pin_memory": "auto", "shuffle": True}
 DEFAULTS = {
@@ -102,13 +95,9 @@ def build_data(cfg: Mapping[str, Any], *, micro_batch_size: int, rank: int = 0, 
                max_positions: int | None = None, eval_mode: str = "tokens") -> DataModule:
     """Build this rank's DataModule from one ``configs/data/*.yaml`` node.
 
-    ``model_vocab_size``: the model's embedding size; token ids are guaranteed below it (T5 sentinel
-    ids are mapped to unk; an incompatible tokenizer raises) unless the data decides the vocabulary
-    (``DataModule.vocab_size``: the synthetic language, ``data.vocab_from=tokenizer``).
-    ``max_positions``: the model's position limit; a longer ``seq_len`` is refused here rather than
-    as an index error mid-run. ``seed`` drives the training order (file order, windows,
-    permutations); validation never depends on it. ``eval_mode``: eval.mode, which validation set
-    and averaging evaluations use (data/stream.py, EVAL_MODES).
+    Token ids stay below ``model_vocab_size`` unless the data decides the vocabulary; a ``seq_len``
+    over ``max_positions`` is refused here, not mid-run. ``seed`` drives the training order only.
+    ``eval_mode``: eval.mode (data/stream.py, EVAL_MODES).
     """
     _source_name(cfg)
     seq_len = int(_get(cfg, "seq_len"))

@@ -1,31 +1,15 @@
 """C4 (allenai/c4, "en") streamed through Hugging Face ``datasets``: from the Hub or local shards.
 
-``path: null`` streams ``load_dataset("allenai/c4", "en", streaming=True)``. ``path: <dir>`` reads the
-original-format shards ``c4-train.XXXXX-of-01024.json.gz`` / ``c4-validation.XXXXX-of-00008.json.gz``
-(in ``<dir>/en/`` or ``<dir>/`` itself) through the same streaming code
-(``load_dataset("json", data_files=..., streaming=True)``): most clusters keep C4 on a shared disk.
+``path: null`` streams ``load_dataset("allenai/c4", "en", streaming=True)``; ``path: <dir>`` reads the
+original shards ``c4-{train,validation}.XXXXX-of-NNNNN.json.gz`` (in ``<dir>/en/`` or ``<dir>/``)
+through the same streaming code (``load_dataset("json", ...)``).
 
-Readers and files. With ``F`` shard files and ``R`` logical readers, ``g = gcd(F, R)`` groups of
-readers share ``g`` groups of files: reader ``r`` reads the files of group ``r % g`` and, inside each
-file, every ``R/g``-th document (``member = r // g``). C4's 1024 files with R = 64 give every reader
-16 whole files per epoch; a directory with fewer files makes readers share them (each parses the
-whole file and tokenizes only its own documents, the expensive part).
-
-Shuffling, designed for exact resume. ``datasets``' ``.shuffle(buffer_size=...)`` cannot be resumed
-exactly (its buffer is not checkpointed; documents are lost). Instead:
-
-1. the order of the shard files is a permutation seeded by ``(seed, epoch)``;
-2. a reader takes its documents of a file in windows of ``shuffle_window`` and permutes every window
-   with a generator seeded by ``(seed, epoch, file, window, member)``.
-
-A position is then ``[epoch, file slot, index among the reader's documents of that file]``; resuming
-re-opens that file, skips to the window start (``IterableDataset.skip``), re-derives the permutation
-and continues at the same index: no replay, no skip. C4's files are themselves random samples of the
-crawl, so file order plus window shuffling decorrelates as well as a buffer would.
-
-Memory per reader: one open stream (``datasets`` reads 1 MB JSON chunks here instead of its 10 MB
-default), one window of texts and the ids of CHUNK documents: 4.4 MB resident per open reader
-(bench/data.py --readers-memory). Readers open their file on their first turn.
+With ``F`` files and ``R`` readers, reader ``r`` reads the files of group ``r % gcd(F, R)`` and every
+``R/gcd``-th document of them (``member = r // gcd``). ``datasets``' buffer shuffle cannot be resumed
+exactly, so instead the file order is permuted by ``(seed, epoch)`` and a reader's documents of a file
+are permuted in windows of ``shuffle_window`` by ``(seed, epoch, file, window, member)``. A position
+is ``[epoch, file slot, index among the reader's documents of that file]``: resuming skips to the
+window start and re-derives the permutation. Why, and the memory per reader: docs/data_pipeline.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Sources with random access to numbered training documents: your own text, pre-tokenized files.
 
-One global order per epoch: a seeded shuffle of the ``n`` training documents. Logical reader ``r`` of
-``R`` reads documents ``r, r + R, r + 2R, ...`` of the endless sequence epoch 0, epoch 1, ..., so
-every reader has documents whatever ``n`` and ``R`` are, and each epoch's documents are all read
-once before the next epoch's (up to the last ``R`` x batch rows). A reader's position is its
-document counter: ``[epoch of the last document read, counter, 0]``.
-
-The shuffle is blockwise so that it never materialises a permutation of ``n`` (10^8 documents would
-be 0.8 GB per process): documents are split into blocks of 2^20, the block order is permuted per
-epoch, and each block is permuted inside, by generators seeded with ``(seed, epoch, block)``. Up to
-2^20 documents that is a full permutation. Pre-tokenized C4 is written in its files' order, and C4's
-files are random samples of the crawl, so mixing within 2^20 documents is plenty.
+One seeded shuffle of the ``n`` training documents per epoch; reader ``r`` of ``R`` reads documents
+``r, r + R, ...`` of the endless sequence epoch 0, epoch 1, ..., its position ``[epoch of the last
+document read, counter, 0]``. The shuffle is blockwise (blocks of 2^20, block order and each block
+permuted by ``(seed, epoch, block)``), so a permutation of ``n`` is never materialised.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Local text files (.txt, .jsonl, .json, .json.gz, .jsonl.gz) as a document source.
 
-Documents: one JSON object per line with a ``text`` field (any JSON-lines file, C4 shards included),
-or, in a ``.txt`` file, paragraphs separated by one or more blank lines (a book becomes paragraphs or
-speeches, a one-document-per-line file stays one document per line only if lines are separated by
-blank lines -- use .jsonl for that). A ``.json`` file may also hold one JSON list of objects/strings.
-
-Malformed JSON lines are never dropped silently: reading collects every bad line and raises one error
-with the count and the first locations (``file:line``), because a corpus with silently missing
-documents makes runs incomparable.
-
-Validation is held out deterministically: every ``val_stride``-th document (in sorted-file order,
-starting with the first) -- spread over all files, independent of seeds, identical across runs and
-ranks, and never empty. Training documents are shuffled per epoch (``data/indexed.py``).
+Documents: a JSON object per line with a ``text`` field, a ``.json`` list of objects or strings, or,
+in a ``.txt`` file, paragraphs separated by blank lines. Malformed JSON lines are never dropped
+silently: one error lists them all. Every ``val_stride``-th document (sorted-file order, from the
+first) is held out for validation; training documents are shuffled per epoch (``data/indexed.py``).
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Documents to rows: what a source gives (the ``Source`` contract) and the row format.
 
-Every source (c4, local, synthetic, tokens) answers two questions:
-
-* ``train_docs(reader, n_readers, seed, start, max_tokens)``: the documents of one logical *reader*
-  (a disjoint part of the training stream, see ``data/stream.py``), in a deterministic order that
-  depends on ``seed``, as ``(position, token_ids, position_after)`` triples, starting exactly at
-  ``start``;
-* ``val_docs(max_tokens)``: the validation documents in their fixed order.
-
-A position is three ints ``[epoch, major, minor]``; the epoch is that of the document just read,
-the other two belong to the source (file slot and document index for C4, document counter for
-local/tokens, row counter for synthetic). ``max_tokens``: only that many text ids are needed.
-
-Rows. Without packing (the paper) a document becomes one row, formatted as the reference pipeline's
-``tok(text, max_length=seq_len, truncation=True, padding="max_length")`` does (``truncation:
-reference``: T5 keeps seq_len - 1 text tokens and ``</s>``), or, with ``truncation: prefix``, the
-first seq_len tokens of text + EOS. Pads are masked by position (labels -100). With packing,
-documents (each closed by EOS) are concatenated and cut into full rows.
+Every source answers ``train_docs(reader, n_readers, seed, start, max_tokens)``: one logical reader's
+documents (``data/stream.py``) in a seeded deterministic order from exactly ``start``, as
+``(position, token_ids, position_after)``; and ``val_docs(max_tokens)``: the validation documents in
+their fixed order. A position is ``[epoch, major, minor]``, the last two the source's own;
+``max_tokens``: only that many text ids are needed. How documents become rows (truncation, padding
+masked by position, packing): docs/data_pipeline.md, "Rows".
 """
 from __future__ import annotations
 
@@ -35,12 +24,9 @@ Pos = list  # [epoch, major, minor]
 
 
 class Source:
-    """Base class of a document source (see the module docstring for the contract).
-
-    ``rows``: None when documents are text ids (``RowFormat`` adds the special tokens and truncates);
-    otherwise ``{"seq_len": L, "truncation": t}``: documents are finished rows of at most L ids,
-    made with truncation rule t (None: complete windows of exactly L ids, the synthetic language).
-    """
+    """Base class of a document source (the module docstring has the contract). ``rows``: None for text
+    ids, else ``{"seq_len": L, "truncation": t}``: finished rows of at most L ids made with rule t (None:
+    windows of exactly L ids, the synthetic language)."""
 
     name = "source"
     vocab_size: int | None = None  # set when the source decides the vocabulary
@@ -104,14 +90,10 @@ class RowFormat:
 
 
 def doc_rows(docs, fmt: RowFormat, pad_id: int, start_offset: int = 0, pad_last: bool = False):
-    """Turn ``(pos, ids, pos_after)`` documents into rows ``(row[seq_len], n_real, resume_state)``.
-
-    Without packing: one formatted document per row, right-padded. With packing: formatted documents
-    are concatenated and cut into full rows; a document cut at a row boundary continues in the next
-    row, so ``resume_state`` is ``(position of the document in progress, ids of it already used)``.
-    ``pad_last`` (validation) also yields the final partial row, padded: a small held-out set still
-    gives a row.
-    """
+    """Turn ``(pos, ids, pos_after)`` documents into rows ``(row[seq_len], n_real, resume_state)``: one
+    right-padded document per row, or with packing full rows of concatenated documents, ``resume_state``
+    then ``(position of the document in progress, its ids already used)``. ``pad_last`` (validation)
+    also yields the final partial row, padded."""
     seq_len = fmt.seq_len
     if not fmt.packing:
         for _, ids, after in docs:

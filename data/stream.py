@@ -1,22 +1,11 @@
 """The source-independent half of the pipeline: batches, logical readers, workers, exact resume.
 
-Sources (``data/rows.py`` has their contract and how documents become rows) only give documents;
-this module decides which rank and worker reads what, in which order, and how to continue.
-
-Logical readers (``data.readers = R``, default 64). Global micro-batch ``k`` is the ``k // R``-th
-batch of reader ``k % R``; rank ``r`` of ``W`` takes global micro-batches ``r, r + W, r + 2W, ...``
-(so it serves the readers ``rho`` with ``rho % W == r``); DataLoader worker ``j`` of a rank serves
-the readers whose turns land on it (a DataLoader hands out batches round-robin over its workers).
-The global sequence of micro-batches therefore depends on (seed, data settings, micro-batch size,
-R) only, never on the number of processes or workers: a run may continue on another world size or
-worker count (R must be a multiple of world size x workers), and with the same micro-batch size and
-global batch each optimizer step sees exactly the same sequences (gradient accumulation changes
-instead). A rank's checkpoint part is its readers' positions and its count of micro-batches;
-``merge_states`` turns all ranks' parts into one world-size-independent state.
-
-A reader's position is a few integers (the shuffles are pure functions of seed, epoch and place, so
-there is no buffer to save); the epoch in it makes a source that wraps around visible (an ``epoch``
-event, reported with the batch holding the reader's first document of the new epoch).
+Global micro-batch ``k`` is the ``k // R``-th batch of reader ``k % R`` (``R = data.readers``); rank
+``r`` of ``W`` takes global micro-batches ``r, r + W, ...`` and DataLoader worker ``j`` of a rank the
+rank's ``j``-th of every ``workers``. So the sequence depends on (seed, data settings, micro-batch
+size, R), never on the number of processes or workers. A rank's checkpoint part is its readers'
+positions (a few integers: the shuffles are pure functions of seed, epoch and place) and its count of
+micro-batches; ``merge_states`` makes one world-size-independent state. docs/data_pipeline.md.
 """
 from __future__ import annotations
 
@@ -39,16 +28,11 @@ from .rows import RowFormat, Source, doc_rows, to_batch
 
 __all__ = ["DataModule", "merge_states", "DEFAULT_READERS", "STOP_SIGNALS"]
 
-# 64 = 2^6: any power-of-two layout up to 64 processes x workers (8 GPUs x 8 workers, 32 x 2, 64 x 1),
-# and C4's 1024 training files split into whole files (16 per reader). One process serving all 64
-# costs ~4-6 MB per C4 reader (docs/data_pipeline.md).
+# any power-of-two layout up to 64 processes x workers; C4's 1024 files split into whole files (docs/data_pipeline.md)
 DEFAULT_READERS = 64
-# eval.mode (configs/config.yaml): how the validation loss is formed. tokens: the token-weighted mean over
-# the fixed validation set (ours). authors: as the paper's code, which follows GaLore's evaluate_model
-# (PAPER_NOTES.md, "Evaluation"; the ref code's torchrun_main.py): the C4 validation split streamed
-# through datasets' .shuffle(seed=42), batches of the micro-batch size taken until more than
-# eval_tokens non-pad tokens were seen, perplexity = exp(mean of the per-batch mean losses) (divided by
-# the number of batches, not GaLore's n + 1).
+# eval.mode: tokens, the token-weighted mean over the fixed validation set; authors, as the paper's code
+# (GaLore's evaluate_model, PAPER_NOTES.md "Evaluation"): C4 validation through .shuffle(seed=42), batches
+# until more than eval_tokens non-pad tokens, perplexity = exp(mean of the per-batch mean losses).
 EVAL_MODES = ("tokens", "authors")
 AUTHORS_VAL_SEED = 42
 STATE_FORMAT = 2
@@ -69,9 +53,8 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-# Workers that ignore SIGTERM cannot be stopped by multiprocessing's exit hook (it terminates daemonic
-# children with SIGTERM, then joins them): shut live loaders down the orderly way first. atexit runs
-# hooks last-registered first, and this module is imported after torch (hence multiprocessing).
+# Workers ignore SIGTERM, which multiprocessing's exit hook sends them: shut live loaders down first
+# (atexit runs the last-registered hook first, and this module is imported after multiprocessing).
 _LIVE_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -83,9 +66,8 @@ def _shutdown_live_iterators() -> None:
 
 @contextlib.contextmanager
 def _stop_signals_blocked():
-    """Block the stop signals while workers are forked: a signal in the window between fork and
-    worker_init_fn would otherwise hit a worker with the default (fatal) action. The parent gets
-    any such signal as soon as the mask is restored."""
+    """Block the stop signals while workers are forked (between fork and worker_init_fn a signal would
+    kill a worker); the parent gets any such signal when the mask is restored."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -145,8 +127,7 @@ class _TrainStream(IterableDataset):
 
 
 def _resolve_pin_memory(value) -> bool:
-    """Pinned (page-locked) host memory lets the loop copy batches with non_blocking=True; it only
-    exists with CUDA, so ``true`` on a machine without it means false."""
+    """Pinned memory (non_blocking copies) exists only with CUDA: ``true`` without it means false."""
     if value == "auto" or value is None:
         return torch.cuda.is_available()
     if isinstance(value, bool):
@@ -162,18 +143,15 @@ AUTO_WORKERS = "auto"
 
 
 def spare_cores() -> int:
-    """CPU cores this process may use (its affinity: SLURM's and cgroups' binding) per local process,
-    less the one the training process keeps."""
+    """CPU cores this process may use (its affinity) per local process, less the training process's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's processes on this node
     return max(0, cores // max(1, local) - 1)
 
 
 def auto_workers(need: int, readers: int, world_size: int) -> int:
-    """``data.num_workers=auto``: ``need`` DataLoader workers per rank (train.py sizes it from the
-    device's demand, train_utils/measure.py; 1 elsewhere: tokenizing stays off the training loop),
-    at most one per spare CPU core, and a count whose product with the world size divides
-    ``data.readers`` (other readers would change the data order)."""
+    """``data.num_workers=auto``: ``need`` DataLoader workers per rank (train.py sizes it from the device's
+    demand), at most one per spare CPU core, a count whose product with the world size divides the readers."""
     workers = min(int(need), spare_cores())
     while workers > 0 and readers % (world_size * workers):
         workers -= 1
@@ -186,12 +164,8 @@ _RESUME_KEYS = {"micro_batch_size": "train.micro_batch_size", "seq_len": "data.s
 
 
 class DataModule:
-    """What train.py consumes: endless training batches with an exact resume point, fixed validation.
-
-    Attributes: ``vocab_size`` (ids the model must embed when the data decides it, else None),
-    ``loss_floor`` (best achievable loss in nats/token if known), ``source``, ``seq_len``,
-    ``micro_batch_size``, ``readers``, ``rank``, ``world_size``, ``num_workers``, ``pin_memory``.
-    """
+    """What train.py consumes: endless training batches with an exact resume point, fixed validation
+    (docs/data_pipeline.md has the calls and attributes)."""
 
     def __init__(self, source: Source, *, micro_batch_size: int, seq_len: int, packing: bool = False,
                  truncation: str = "reference", readers: int = DEFAULT_READERS, num_workers: int = 0,
@@ -267,13 +241,8 @@ class DataModule:
 
     # ----------------------------------------------------------------------------------- training
     def train_batches(self) -> Iterator[dict]:
-        """Endless iterator of ``{"input_ids", "labels"}`` LongTensors of shape (B, seq_len).
-
-        Starts at the current position (the start, or wherever ``load_state_dict`` / earlier
-        consumption left it). The position advances when the caller receives a batch, so batches a
-        DataLoader prefetched but the loop never took are not counted as seen. With
-        ``pin_memory`` the batches are in pinned memory (copy them with ``non_blocking=True``).
-        """
+        """Endless ``{"input_ids", "labels"}`` LongTensors (B, seq_len) from the current position, which
+        advances when the caller receives a batch (prefetched batches never taken are not seen)."""
         stream = _TrainStream(self.source, self.fmt, self.micro_batch_size, self.rank, self.world_size,
                               self.readers, max(1, self.num_workers), self.seed,
                               [list(p) for p in self._positions], self._consumed)
@@ -361,11 +330,9 @@ class DataModule:
 
     # --------------------------------------------------------------------------------- validation
     def _val_rows(self, eval_tokens: int) -> list:
-        """The whole validation set (every rank's rows). eval.mode=tokens: the first validation
-        documents, in the split's fixed order, whose scored tokens (all but each row's first) reach
-        ``eval_tokens``. eval.mode=authors: the split shuffled with seed 42, whole global batches
-        (micro-batch x world size rows) while at most ``eval_tokens`` non-pad tokens came before
-        (the authors' loop stops once it has seen more than that)."""
+        """The whole validation set (every rank's rows). tokens: the first documents whose scored tokens
+        (all but each row's first) reach ``eval_tokens``. authors: the split shuffled with seed 42, whole
+        global batches while at most ``eval_tokens`` non-pad tokens came before."""
         eval_tokens = int(eval_tokens)
         key = (eval_tokens, self.eval_mode)
         if self._val is None or self._val[0] != key:
@@ -385,11 +352,8 @@ class DataModule:
         return self._val[1]
 
     def check_validation(self, eval_tokens: int, strict: bool) -> int:
-        """Scored tokens the validation set provides (capped at ``eval_tokens``).
-
-        Raises DataConfigError when the set is empty, or when ``strict`` and it holds fewer than
-        ``eval_tokens`` scored tokens; otherwise a short set is a warning.
-        """
+        """Scored tokens the validation set provides (capped at ``eval_tokens``). DataConfigError when it
+        is empty, or short and ``strict``; otherwise a short set is a warning."""
         # The authors' loop counts non-pad input tokens; ours the scored ones (all but each row's first).
         total = sum(n if self.eval_mode == "authors" else max(n - 1, 0) for _, n in self._val_rows(eval_tokens))
         where = f"the {self.source.name} validation split" + (
@@ -408,12 +372,8 @@ class DataModule:
         return min(total, int(eval_tokens))
 
     def val_batches(self, eval_tokens: int) -> list[dict]:
-        """This rank's share of the fixed validation set (see ``_val_rows``), as a list of batches.
-
-        Rows are built exactly like training rows; row i belongs to rank ``i % world_size``. The last
-        batch may be smaller than micro_batch_size. Callers weight the loss by label counts so the
-        ranks' means combine exactly.
-        """
+        """This rank's share of the validation set (row i: rank ``i % world_size``) as batches, the last
+        maybe smaller; callers weight the loss by label counts so the ranks' means combine exactly."""
         mine = self._val_rows(eval_tokens)[self.rank::self.world_size]
         out = []
         for i in range(0, len(mine), self.micro_batch_size):
@@ -423,12 +383,8 @@ class DataModule:
 
 
 def merge_states(per_rank_states: list[dict]) -> dict:
-    """One world-size-independent data state from every rank's ``DataModule.state_dict()``.
-
-    Checks that the parts describe one run (same settings, ranks 0..W-1, a contiguous prefix of the
-    global micro-batch sequence, as at an optimizer-step boundary); a ValueError otherwise, which is
-    a bug in the caller, not a user's setting.
-    """
+    """One world-size-independent data state from every rank's ``DataModule.state_dict()``; a ValueError
+    (a caller's bug) unless the parts are one run's ranks 0..W-1 stopped at a common place."""
     if not per_rank_states:
         raise ValueError("merge_states needs the state of every rank, got none")
     world = len(per_rank_states)

@@ -1,30 +1,15 @@
-"""A seeded synthetic language whose best achievable loss is known exactly.
+"""A seeded synthetic language whose best achievable loss is known exactly: data that downloads
+nothing, needs no tokenizer, is learnable by a tiny model in minutes, and says how far the loss is
+from the best possible.
 
-Why: a quickstart (and every CPU test of the training loop) needs data that downloads nothing, needs
-no tokenizer, is learnable by a tiny model in minutes, and tells you how far the loss is from the
-best possible -- so "loss 1.9" means something.
-
-The language is a sparse second-order Markov chain over ``V`` symbols:
-
-* every symbol ``b`` has a small set ``S(b)`` of ``successors`` possible next symbols;
-* the next symbol after the pair ``(a, b)`` is one of ``branching`` members of ``S(b)``, with
-  probabilities drawn once from a Dirichlet(``alpha``).
-
-So a bigram model already gets far below the unigram entropy (at most log(successors) nats), and the
-rest of the way to the floor needs the previous two symbols (attention to one earlier position).
-Only pairs ``(a, b)`` with ``b`` in ``S(a)`` ever occur, so the chain's state space has exactly
-``V * successors`` states and the stationary distribution ``pi`` over pairs is found to machine
-precision by power iteration (on the lazy chain, which is aperiodic with the same ``pi``).
-
-Each training row is an independent window of the stationary chain: its first pair is drawn from
-``pi``. Because the process is stationary and Markov of order 2, the optimal predictor's expected
-loss is exactly ``H(X1 | X0)`` for the first prediction and the entropy rate
-``h = sum_pairs pi(pair) * H(next | pair)`` for every later one. ``loss_floor`` is their average
-over the ``seq_len - 1`` predictions of a row (it differs from ``h`` by ~(H1 - h) / seq_len).
-
-Row ``g`` of a split is generated from its own RNG seeded by ``(language_seed, split, seed, g)``, so
-the stream is random-access: logical reader r of R takes rows r, r+R, ..., and resuming is "start at
-row j" -- exact by construction.
+A sparse second-order Markov chain over ``V`` symbols: every symbol ``b`` has ``successors`` possible
+next symbols ``S(b)``; after the pair ``(a, b)`` comes one of ``branching`` members of ``S(b)``, with
+probabilities drawn once from a Dirichlet(``alpha``). Its ``V * successors`` pair states have a
+stationary distribution ``pi`` found by power iteration (on the lazy chain). Each row is a window of
+the stationary chain (first pair drawn from ``pi``), so the optimal loss is ``H(X1 | X0)`` for the
+first prediction and the entropy rate ``h = sum pi(pair) H(next | pair)`` for each later one;
+``loss_floor`` averages them over a row's ``seq_len - 1`` predictions. Row ``g`` comes from an RNG
+seeded by ``(language_seed, split, seed, g)``: random access, so resuming is exact by construction.
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Pre-tokenized token files (written by ``scripts/pretokenize.py``): sweeps skip tokenization.
 
-Layout of a token directory::
-
-    meta.json          {"format": 2, "dtype": "uint16", "layout": {...}, "vocab_size", "tokenizer",
-                        "pad_id", "eos_id", "prefix", "suffix", "loss_floor", "source": {...the data
-                        config it was made from...}, "splits": {"train": {"docs", "tokens", "rows",
-                        "scored_tokens", "max_id"}, "validation": {...}}}
-    train.bin          all training documents, concatenated, as a raw little-endian array (np.memmap)
-    train.idx.npy      int64 document offsets, length docs + 1 (document i = tokens[idx[i]:idx[i+1]])
-    validation.bin / validation.idx.npy
-
-Two layouts:
-
-* ``rows`` (default for truncate-and-pad configs, the paper's): each document is stored as the row
-  it becomes (e.g. 255 text ids + ``</s>`` for a long C4 document with T5), without padding: about
-  half the size of whole documents, and exactly what a run with that seq_len and truncation reads;
-* ``documents``: each document's text ids, whole; the run adds special tokens, truncates or packs at
-  read time, so one set of files serves any seq_len and packing.
-
-Reading is slicing a memory map: millions of tokens per second, no Python per token.
+A token directory holds ``meta.json`` (format, dtype, layout, vocabulary and special ids, the data
+config it was made from, per-split counts), ``<split>.bin`` (every document concatenated, a raw
+little-endian array read through np.memmap) and ``<split>.idx.npy`` (int64 offsets, docs + 1) for the
+train and validation splits. Layout ``rows`` stores each document as the row it becomes (without
+padding: what a run with that seq_len and truncation reads); ``documents`` stores whole documents
+(any seq_len, packing or not). docs/data_pipeline.md, "Epochs and sizes".
 """
 from __future__ import annotations
 
@@ -150,15 +137,9 @@ def _scored(tokens: int, rows_tokens: int, seq_len: int, packing: bool) -> int:
 
 def pretokenize(data_cfg, out_dir: str, *, train_rows: int, val_tokens: int | None = 10_000_000,
                 model_vocab_size: int | None = None, layout: str = "auto", dtype: str = "auto") -> dict:
-    """Write what a run of ``train_rows`` training rows reads, and a validation set of ``val_tokens``
-    scored tokens, as token files; returns the meta dict.
-
-    Counts are what a run consumes after truncation, under the config's seq_len / packing /
-    truncation: without packing a row is one document (``train_rows`` documents; a row's scored
-    tokens are its length - 1); with packing a row is seq_len ids of concatenated documents. The
-    training stream is written in its natural, unshuffled order (file order for c4/local), at most
-    one epoch; the tokens source shuffles per epoch itself, with the run's seed.
-    """
+    """Write what a run of ``train_rows`` training rows reads (counted after truncation, under the config's
+    seq_len, packing and truncation; at most one epoch, unshuffled) and a validation set of ``val_tokens``
+    scored tokens as token files; returns the meta dict."""
     from . import _get, build_source  # late import: data/__init__ imports this module
 
     if hasattr(data_cfg, "_metadata"):  # an OmegaConf node: store plain, resolved values in meta.json

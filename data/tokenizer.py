@@ -1,17 +1,10 @@
 """Tokenizer loading with offline-friendly errors, and the guarantee that ids fit the model.
 
-The T5 tokenizer (t5-base) has 32000 sentencepiece pieces plus 100 sentinel ``<extra_id_N>`` tokens
-(ids 32000-32099), while the paper's LLaMA embeds 32000 ids. Sentinels only appear when a document
-literally contains the string ``<extra_id_N>``; ids at or above the vocabulary the model embeds are
-mapped to the unk id when all of them are added/special tokens (the T5 case), and a tokenizer whose
-ordinary pieces would not fit is refused (e.g. the GPT-2 tokenizer with a 32000-id model): that is a
-config mistake, not data.
-
-``vocab_from``: ``model`` keeps the model config's vocabulary (the paper: LLaMA embeds 32000 ids for
-T5's 32100); ``tokenizer`` sizes the embedding to what the tokenizer emits on ordinary text (its
-pieces and the special tokens the pipeline writes, without trailing added tokens such as sentinels):
-the right default for your own small tokenizer, whose 1,000 pieces would otherwise sit in a
-32,000-row embedding.
+T5 (t5-base) has 32000 pieces plus 100 sentinels (ids 32000-32099), LLaMA embeds 32000: ids at or
+above the embedded vocabulary are mapped to unk when all of them are added/special tokens (the T5
+case); a tokenizer whose ordinary pieces would not fit is refused (a config mistake, not data).
+``vocab_from``: ``model`` keeps the model config's vocabulary; ``tokenizer`` sizes the embedding to
+what the tokenizer emits on ordinary text (right for your own small tokenizer).
 """
 from __future__ import annotations
 
@@ -28,11 +21,8 @@ VOCAB_FROM = ("model", "tokenizer")
 
 
 def load_tokenizer(name_or_path: str):
-    """Load a Hugging Face tokenizer by Hub name or from a local directory.
-
-    A directory holding only ``spiece.model`` (what ``sentencepiece`` writes) is loaded with
-    ``T5Tokenizer`` directly, since ``AutoTokenizer`` would need a ``tokenizer_config.json``.
-    """
+    """A Hugging Face tokenizer by Hub name or from a local directory (one holding only sentencepiece's
+    ``spiece.model`` through ``T5Tokenizer``: ``AutoTokenizer`` needs a ``tokenizer_config.json``)."""
     from transformers import AutoTokenizer, T5Tokenizer
 
     if name_or_path is None:
@@ -67,11 +57,8 @@ def load_tokenizer(name_or_path: str):
 
 
 def _special_layout(tok) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer itself puts before and after a text (T5: none and [</s>]; GPT-2: none).
-
-    Found by tokenizing a probe with and without special tokens, so it is exactly what
-    ``tok(text)`` does, whatever the tokenizer class.
-    """
+    """The ids ``tok(text)`` puts before and after a text (T5: none and [</s>]; GPT-2: none), found by
+    tokenizing a probe with and without special tokens."""
     probe = "a b"
     plain = list(tok(probe, add_special_tokens=False)["input_ids"])
     full = list(tok(probe, add_special_tokens=True)["input_ids"])
@@ -84,11 +71,8 @@ def _special_layout(tok) -> tuple[list[int], list[int]]:
 
 
 class TokenizerInfo:
-    """The ids the pipeline needs, the special-token layout, and the remapping that keeps ids in range.
-
-    ``vocab_size``: the embedding size the data asks for (``vocab_from=tokenizer``), or None to keep
-    the model's. ``prefix``/``suffix``: what ``tok(text)`` adds around a text.
-    """
+    """The ids the pipeline needs, the special-token layout (``prefix``/``suffix``), the remapping that keeps
+    ids in range, and ``vocab_size``: the data's embedding size (``vocab_from=tokenizer``) or None."""
 
     def __init__(self, tok, model_vocab_size: int | None = None, vocab_from: str = "model"):
         if vocab_from not in VOCAB_FROM:
@@ -125,25 +109,16 @@ class TokenizerInfo:
 
 
 def _cut_at_word(text: str, max_chars: int) -> str:
-    """Longest prefix of at most max_chars that ends before a whitespace character.
-
-    sentencepiece (split_by_whitespace) and GPT-2's byte-level BPE never merge across a whitespace
-    boundary, so the tokens of such a prefix are exactly the first tokens of the whole text.
-    """
+    """Longest prefix of at most max_chars that ends before a whitespace character: sentencepiece and
+    GPT-2's BPE never merge across whitespace, so its tokens are the whole text's first ones."""
     cut = max(text.rfind(ws, 0, max_chars) for ws in " \n\t")
     return text[:cut] if cut > 0 else text
 
 
 def encode_batch(tok, info: TokenizerInfo, texts: list[str], max_tokens: int | None = None) -> list[np.ndarray]:
-    """The text ids of each document (no special tokens), the first ``max_tokens`` of them if given.
-
-    Batched (about 2x faster than one call per document). With ``max_tokens`` (truncate-and-pad rows
-    need only the start of a document), a long text is tokenized from a word-boundary prefix of 8
-    characters per token and re-tokenized in full only when that prefix turns out too short, so the
-    result is identical to full tokenization followed by truncation -- at about half the cost on C4
-    (mean ~480 tokens per document). Special tokens (EOS, ...) are added by the row format
-    (``data.rows.RowFormat``), which knows the truncation rule.
-    """
+    """The text ids of each document (no special tokens: ``RowFormat`` adds them), batched, the first
+    ``max_tokens`` if given: then a long text is tokenized from a word-boundary prefix of 8 characters per
+    token, in full only when that is too short (the same ids as full tokenization, half the cost on C4)."""
     chars = None if max_tokens is None else 8 * max_tokens
     cut = [t if chars is None or len(t) <= chars else _cut_at_word(t, chars) for t in texts]
     ids = tok(cut, add_special_tokens=False)["input_ids"] if cut else []
