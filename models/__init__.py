@@ -1,18 +1,11 @@
 """Model construction: transformers' LLaMA and GPT-2 built from a size config, randomly initialised.
 
-Why transformers instead of a vendored copy: the reference code carried a 900-line LLaMA file that
-drifted from upstream; the paper's LLaMA configs are exactly ``LlamaForCausalLM`` (SwiGLU, RMSNorm,
-rotary embeddings, untied embeddings) and GPT-2 124M is ``GPT2LMHeadModel``. Nothing is downloaded:
-the config node carries every shape, and weights come from the model's own ``_init_weights``, with its
-normal draws made in float64 (``_Float64Normals``) so that a seed builds the same weights on every CPU kind.
-
-A model config (``configs/model/*.yaml``, or a plain dict) has exactly the keys of ``CONFIG_KEYS``;
-a missing, unknown or invalid value raises ``ModelConfigError`` naming it. Activation checkpointing is
-a property of the training loop (``train.activation_checkpointing``), not of the model's shape.
-
-Each family is one ``Family`` entry of ``FAMILY``: its builder and the facts other modules need
-about its blocks (``Activations``: what the memory planner counts), so a new family is an entry
-here and a ``configs/model`` file, nothing else.
+The paper's LLaMA configs are exactly ``LlamaForCausalLM`` and GPT-2 124M is ``GPT2LMHeadModel`` (no
+vendored copy to drift from upstream). Nothing is downloaded: the config node carries every shape and
+the weights come from the model's ``_init_weights``, its normals drawn in float64 (``_Float64Normals``)
+so that a seed builds the same weights on every CPU kind. A config has exactly the keys of
+``CONFIG_KEYS`` (else ``ModelConfigError``); a family is one ``FAMILY`` entry (its builder and the block
+facts the memory planner counts) and a ``configs/model`` file.
 """
 from __future__ import annotations
 
@@ -105,26 +98,14 @@ def _check(cfg: Mapping[str, Any], vocab_size: int | None) -> dict[str, Any]:
 def _llama(c: dict[str, Any]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+            "max_position_embeddings", "rms_norm_eps", "initializer_range", "tie_word_embeddings")
     config = LlamaConfig(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_attention_heads=c["num_attention_heads"],
+        **{k: c[k] for k in same},
         num_key_value_heads=c["num_attention_heads"],  # the paper's models use full multi-head attention
-        num_hidden_layers=c["num_hidden_layers"],
-        max_position_embeddings=c["max_position_embeddings"],
-        rms_norm_eps=c["rms_norm_eps"],
-        initializer_range=c["initializer_range"],
-        tie_word_embeddings=c["tie_word_embeddings"],
         attention_dropout=c["dropout"],  # LLaMA has no other dropout
-        # The T5 ids (pad 0, eos 1) are what C4 batches carry; the model never generates in training,
-        # but keeping them consistent avoids surprises in generate() for sanity checks.
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+        # the T5 ids C4 batches carry (pad 0, eos 1): no surprises in generate() for sanity checks
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, use_cache=False, attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
 
@@ -132,22 +113,14 @@ def _gpt2(c: dict[str, Any]):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=c["vocab_size"],
-        n_embd=c["hidden_size"],
-        n_layer=c["num_hidden_layers"],
-        n_head=c["num_attention_heads"],
-        n_positions=c["max_position_embeddings"],
+        vocab_size=c["vocab_size"], n_embd=c["hidden_size"], n_layer=c["num_hidden_layers"],
+        n_head=c["num_attention_heads"], n_positions=c["max_position_embeddings"],
         n_inner=c["intermediate_size"],  # None = 4 * hidden, GPT-2's own default
-        layer_norm_epsilon=c["rms_norm_eps"],
-        initializer_range=c["initializer_range"],
+        layer_norm_epsilon=c["rms_norm_eps"], initializer_range=c["initializer_range"],
         tie_word_embeddings=c["tie_word_embeddings"],
         # transformers' GPT2Config defaults all three to 0.1; the config decides (gpt2_124m.yaml: 0).
-        resid_pdrop=c["dropout"],
-        embd_pdrop=c["dropout"],
-        attn_pdrop=c["dropout"],
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+        resid_pdrop=c["dropout"], embd_pdrop=c["dropout"], attn_pdrop=c["dropout"],
+        use_cache=False, attn_implementation="sdpa")
     return GPT2LMHeadModel(config)
 
 
@@ -156,12 +129,9 @@ DRAW_CHUNK = 1 << 20  # elements per float64 draw: the temporaries stay small at
 
 class _Float64Normals(TorchFunctionMode):
     """Every ``normal_`` on a CPU tensor, drawn in float64 from the same generator and rounded to the
-    tensor's dtype through fp32. torch's fp32 ``normal_`` takes a vectorised approximate path on some CPU
-    kinds and an exact one on others (ATen's CPU capability), so the same seed built other weights
-    (a third of them, by up to 5e-8); the float64 draw is the same on every kind. The initialiser still
-    decides which tensors are drawn and with which std (GPT-2's scaled residual projections included).
-    The price: a scalar float64 draw, ~25 ns a number on one core (minutes for 7B), where the vectorised
-    fp32 one took ~5. Other devices (meta, CUDA) draw as before."""
+    tensor's dtype through fp32: torch's fp32 ``normal_`` differs between CPU kinds (a vectorised
+    approximate path on some), the float64 draw does not. ~25 ns a number (minutes for 7B) instead of ~5.
+    The initialiser still decides what is drawn with which std; other devices draw as before."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in (torch.Tensor.normal_, torch.nn.init.normal_):
@@ -237,13 +207,10 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int | None = None,
                 dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build a randomly initialised causal LM from one ``configs/model/*.yaml`` node (or a dict).
 
-    ``vocab_size`` overrides ``cfg.vocab_size``: a data source with its own vocabulary (the synthetic
-    language, token files made from it) decides how many ids the model embeds. Building under
-    ``with torch.device("meta"):`` allocates nothing, so parameter counts and memory estimates of the
-    7B config are free. ``dtype`` (pure bf16 training): every tensor is created in it, so LLaMA-7B
-    never exists in fp32 (27 GB); the weights equal an fp32 build cast to it (normals are drawn in
-    float64 and rounded through fp32, ``DRAW_CHUNK`` at a time). The same seed builds bitwise the same
-    weights on every CPU kind. Raises ModelConfigError for a missing, unknown or invalid key.
+    ``vocab_size`` overrides ``cfg.vocab_size`` (a data source with its own vocabulary). Under
+    ``torch.device("meta")`` nothing is allocated. ``dtype`` (pure bf16): every tensor is created in it
+    (LLaMA-7B never exists in fp32), the weights equal to an fp32 build cast to it. Raises
+    ModelConfigError for a missing, unknown or invalid key.
     """
     checked = _check(cfg, vocab_size)
     previous = torch.get_default_dtype()
