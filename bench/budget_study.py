@@ -5,23 +5,12 @@
     python -m bench.budget_study --corpus tinyshakespeare.txt --results docs/budget_study.json \\
         --plot docs/budget_study.png --report-only      # table and plot from what has run so far
 
-The mini reproduction (scripts/mini_repro.py) sees ~0.5 tokens per parameter; the paper's 60M run ~344.
-This script trains the same methods (AdamW, FRUGAL 0.25 and 0, GaLore 0.25, BAdam 0.25, signSGD, Muon,
-FRUGAL-Muon 0.25) on the same corpus and one fixed small model at growing budgets (tokens per
-parameter, --budgets) and several seeds (--seeds), through the project's train.py (the run helpers of
-scripts/mini_repro.py: one subprocess per run, cached by settings), and reports per budget each method's
-validation loss (mean and seed spread) and the ordering, with the rank correlation between budgets.
-
-Protocol (the same at every budget, so only the budget varies): one learning rate for every method
-(--lr, AdamW's best in the mini reproduction; Muon and FRUGAL-Muon read it through their
-"match_rms_adamw" convention), cosine schedule over the run, the update gap scaled to the run so that
-every budget has the same number of subspace switches (--switches; the mini reproduction's 12), fp32.
-
-Resumable: every finished cell (method, budget, seed) is appended to --results at once (a JSON file
-keyed by the settings that determine it); a rerun skips the cells it holds, so a longer study (more
-budgets, more seeds) continues where an earlier one stopped. Cells run budget by budget, cheapest
-first, so a study stopped at any time has complete small budgets. --stop-after (seconds) stops
-starting new cells. Never run in CI (tests/test_budget_study.py runs its logic with a stand-in train.py).
+The methods of scripts/mini_repro.py (and Muon, FRUGAL-Muon) on one small model at growing budgets
+(--budgets) and seeds (--seeds), through train.py with mini_repro's run helpers, at one learning rate
+(--lr) and a fixed number of subspace switches (--switches). Reports per budget each method's
+validation loss (mean, seed range), the ordering and the rank correlations. Resumable: each finished
+cell is appended to --results at once and skipped on a rerun; budgets run cheapest first;
+--stop-after stops starting new cells.
 """
 from __future__ import annotations
 
@@ -47,11 +36,11 @@ METHODS = {
     "muon": ("muon", [], "Muon"),
     "frugal_muon_0.25": ("frugal_muon", ["optimizer.density=0.25"], "FRUGAL-Muon 0.25"),
 }
-# The settings that determine a cell besides (method, budget, seed): part of its key in --results.
 # The paper's order of the methods it has (Table 2, 60M: AdamW 22.73 < FRUGAL 0.25 23.59 < FRUGAL 0.0
 # 24.06 < BAdam 24.86 < GaLore 25.68; signSGD last: 33.22 at 130M, Table 16): the order a CPU table
 # would have to show to say something about the paper's.
 PAPER_ORDER = ["adamw", "frugal_0.25", "frugal_0.0", "badam_0.25", "galore_0.25", "signsgd"]
+# The settings that determine a cell besides (method, budget, seed): part of its key in --results.
 MODEL_SETTINGS = ("vocab", "hidden", "intermediate", "layers", "heads", "seq_len", "batch", "lr", "switches",
                   "val_stride", "eval_tokens", "evals")
 
@@ -86,11 +75,8 @@ def save_result(path: Path, key: str, row: dict) -> None:
 
 def _run_args(args, steps: int, seed: int):
     """The namespace mini_repro's run helpers read."""
-    ns = argparse.Namespace(**vars(args))
-    ns.steps, ns.seed = steps, seed
-    ns.update_gap = max(1, round(steps / args.switches))
-    ns.force = False
-    return ns
+    return argparse.Namespace(**{**vars(args), "steps": steps, "seed": seed, "force": False,
+                                 "update_gap": max(1, round(steps / args.switches))})
 
 
 def run_study(args) -> dict:
@@ -157,8 +143,7 @@ def ordering(stats: dict) -> list[str]:
 
 
 def report(summary: dict, methods: list[str], min_seeds: int) -> str:
-    """Markdown: one row per method, one column per budget (mean val loss and seed range), the orderings
-    of budgets whose methods all have ``min_seeds`` seeds, and the rank correlations between them."""
+    """Markdown: method x budget (mean val loss, seed range); orderings and rank correlations of complete budgets."""
     if not summary:
         return "(no finished cells yet)"
     budgets = [b for b in summary if all(summary[b].get(m, {}).get("seeds", 0) >= min_seeds for m in methods)]

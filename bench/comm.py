@@ -7,18 +7,11 @@
     python -m bench.comm payload                       # arithmetic: what the vote sends per model size
     python -m bench.comm project                       # a link model fitted to `time`, projected to 7B nodes
 
-Each case runs `torchrun --standalone` inside a private network namespace (`unshare -n`, root): the
-ranks talk over that namespace's own loopback, whose byte counters (/proc/net/dev) then hold this
-job's traffic alone (plus the rendezvous, outside the measured window); `time` shapes it with
-`tc qdisc add dev lo root tbf rate R burst 256kb latency 100ms`. In every case the ranks train a
-LLaMA (models/) with FRUGAL (block projection) on random tokens in a plain DDP loop
-(gradient_as_bucket_view, fp32 gradients, no buffer broadcast): `exact` with a counting copy of DDP's
-own reduction (frugal.comm.count_allreduce_hook: x 1/W, summed), `vote` with frugal.comm.attach_vote.
-Rank 0 reads the loopback's transmitted bytes after a barrier before and after the measured steps;
-the hooks' per-rank counts are summed over ranks. Loopback counts each byte sent once (plus TCP/IP
-headers); the barriers add a few hundred bytes.
-
-The worker (`--worker`) prints one JSON line per case; the driver prints a markdown table.
+Each `bytes`/`time` case runs `torchrun --standalone` inside a private network namespace (`unshare -n`),
+whose loopback counters then hold that case's traffic alone (`time` shapes it with tc's tbf); the ranks
+train a LLaMA with FRUGAL in a plain DDP loop, `exact` through frugal.comm.count_allreduce_hook, `vote`
+through frugal.comm.attach_vote. The worker (`--worker`) prints one JSON line per case; the driver a
+markdown table. Method and results: docs/communication.md.
 """
 from __future__ import annotations
 
@@ -65,15 +58,12 @@ def worker(args) -> None:
     optimizer = FRUGAL(model, lr=1e-3, density=args.density, update_gap=args.update_gap)
     ddp = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
     counted: list[int] = []
-    vote = None
-    if args.mode == "vote":
-        vote = attach_vote(ddp, optimizer)
-    else:
+    vote = attach_vote(ddp, optimizer) if args.mode == "vote" else None
+    if vote is None:
         ddp.register_comm_hook(None, count_allreduce_hook(counted))
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     g = torch.Generator().manual_seed(1 + rank)
-    times, sent = [], []
-    before = None
+    times, sent, before = [], [], None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
@@ -83,10 +73,7 @@ def worker(args) -> None:
         counted.clear()
         loss = ddp(input_ids=ids, labels=ids).loss
         loss.backward()
-        if vote is not None:
-            vote.clip_grad_norm_(params, 1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        (vote.clip_grad_norm_ if vote is not None else torch.nn.utils.clip_grad_norm_)(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         if step >= args.warmup:
@@ -150,9 +137,8 @@ def wire_table(args, rates) -> None:
 
 
 def agreement_table(args) -> None:
-    """The one-process simulator of W ranks: each rank's gradient is the mean gradient plus its own
-    noise (a stand-in for W sub-batches), and the share of coordinates where the vote agrees with
-    the sign of the mean, against the noise's size."""
+    """One process simulates W ranks (the mean gradient plus each rank's noise): the share of coordinates
+    where the vote agrees with the sign of the mean, against the noise's size."""
     import torch
 
     from frugal.comm import majority_vote
@@ -170,10 +156,8 @@ def agreement_table(args) -> None:
 
 
 def compute_table(args) -> None:
-    """What the vote costs in compute on one rank, without communication: the signs packed (the
-    all-to-all's input), the W ranks' bits of a chunk counted and packed (the vote), and the gathered
-    votes unpacked into +-1 gradients, for n voted elements; against a sum of W fp32 tensors of n / W
-    elements (a stand-in for what a ring all-reduce adds on one rank)."""
+    """The vote's compute on one rank without communication (pack the signs, vote on the own chunk,
+    unpack to +-1) for n voted elements, against the adds of a ring all-reduce (W fp32 tensors of n / W)."""
     import torch
 
     from frugal.comm import chunk_layout, pack_bits, unpack_table, vote_own_chunk
@@ -194,12 +178,6 @@ def compute_table(args) -> None:
                 torch.gt(grad, 0, out=bits[:n])
                 return pack_bits(bits)
 
-            def vote():
-                return vote_own_chunk(received, world, [n], [0], 0)
-
-            def unpack():
-                out.copy_(unpack_table(received, out.dtype)[:n])
-
             parts = [torch.randn(-(-n // world)) for _ in range(world)]
 
             def adds():
@@ -208,7 +186,8 @@ def compute_table(args) -> None:
                     acc.add_(p)
 
             ms = []
-            for fn in (pack, vote, unpack, adds):
+            for fn in (pack, lambda: vote_own_chunk(received, world, [n], [0], 0),
+                       lambda: out.copy_(unpack_table(received, out.dtype)[:n]), adds):
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(5):
@@ -218,8 +197,7 @@ def compute_table(args) -> None:
 
 
 def voted_split(name: str, density: float) -> tuple[int, int]:
-    """(parameters, voted elements) of a model in FRUGAL's first window (block projection), built on
-    the meta device."""
+    """(parameters, voted elements) of a model in FRUGAL's first window (block projection, meta device)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -236,9 +214,8 @@ def voted_split(name: str, density: float) -> tuple[int, int]:
 
 
 def payload_table(args) -> None:
-    """Arithmetic, not a measurement: each model's voted and exact elements in the first window and
-    the ratio of what the vote sends to what the exact all-reduce sends (fp32 gradients, padding
-    ignored; the same factor 2 (W-1)/W in both)."""
+    """Arithmetic: each model's voted and exact elements in the first window and the vote's bytes over
+    the exact all-reduce's (fp32 gradients, padding ignored)."""
     from frugal.comm import payload_ratio
 
     print("| model | parameters | density | voted elements | exact elements | vote bytes / exact bytes | cut |")
@@ -260,10 +237,8 @@ def bytes_per_s(rate: str) -> float:
 
 
 def fit_link(cases: list[dict]) -> tuple[float, dict, float]:
-    """The latency-bandwidth model of the shaped `time` cases: step = c + k * bytes / rate, with
-    bytes what the link carried per step (the loopback's count), one k for every case and one c per
-    (ranks, mode) (its compute and fixed latencies), by least squares. Returns k, the c's and the
-    largest relative residual."""
+    """Least squares fit of step = c + k * bytes / rate to the shaped `time` cases (bytes: the loopback's
+    per step; one k, one c per (ranks, mode)): k, the c's and the largest relative residual."""
     groups = defaultdict(list)
     for r in cases:
         if r["rate"] != "unshaped":
@@ -282,10 +257,8 @@ def fit_link(cases: list[dict]) -> tuple[float, dict, float]:
 
 
 def node_bytes(params: int, voted: int, nodes: int, gpus: int, mode: str, element_size: int = 4) -> float:
-    """Bytes one node sends to the others per step, W = nodes x gpus ranks: a ring all-reduce over
-    all ranks crosses each node's link once, 2 (W-1)/W of the reduced bytes; the vote's all-to-all
-    sends each rank's packed signs to the (W - gpus) ranks on other nodes directly, its ring
-    all-gather (W-1)/W of the packed votes."""
+    """Bytes one node sends to the others per step (W = nodes x gpus): a ring all-reduce 2 (W-1)/W of the
+    reduced bytes; the vote's all-to-all (W - gpus)/W of the packed signs, its all-gather (W-1)/W."""
     world = nodes * gpus
     ring = 2 * (world - 1) / world
     if mode == "exact":
@@ -294,8 +267,7 @@ def node_bytes(params: int, voted: int, nodes: int, gpus: int, mode: str, elemen
 
 
 def project_table(args) -> None:
-    """The link model fitted to measured `time` cases (--measured), applied to a model's bytes on
-    8-GPU nodes: the communication time of one step at each link rate, not overlapped with compute."""
+    """The link model fitted to --measured, applied to a model's bytes on nodes: one step's communication."""
     with open(args.measured) as f:
         cases = [json.loads(line) for line in f if line.strip()]
     k, c, worst = fit_link(cases)

@@ -2,34 +2,13 @@
 
     python -m bench.data [--docs 4000] [--tokenizer DIR] [--train-steps 0]
 
-Rates are batch positions per second (B x seq_len, pads included: what a training step processes),
-measured in one process with 0 DataLoader workers and one logical reader, which is the work one
-worker does, per CPU second of the process (what a worker on its own core delivers, robust to a
-loaded machine) and per wall second; the non-pad share is printed too. Paths:
-
-* c4-local streaming: a generated C4-format shard (``en/c4-train.00000-of-01024.json.gz``, documents
-  of C4-like length) read through ``datasets`` streaming, window-shuffled and tokenized on the fly,
-  as truncate-and-pad rows (the paper) and packed;
-* tokens: the same shard written by ``data.token_files.pretokenize`` (rows layout, and documents
-  layout read with packing), read from the memory map;
-* synthetic: the Markov language generated on the fly.
-
-Without network the T5 tokenizer cannot be downloaded, so by default a sentencepiece unigram model
-with T5's id layout is trained on the generated text (8000 pieces); pass ``--tokenizer`` a local
-t5-base directory to measure the real one (sentencepiece speed depends little on vocabulary size).
-
-Workers per A100 (per rank), for every paper model: the GPU consumes
-``MFU x 312e12 / flops_per_token`` positions/s, with flops_per_token = 6 x (Linear weights in blocks
-+ output head) + 12 x layers x hidden x seq_len (PaLM, Chowdhery et al. 2022, appendix B: matmul
-FLOPs of forward and backward plus attention) at ``--mfu`` (default 0.5: the upper end of what
-models this small reach on an A100; a faster step needs more data, so erring high is the safe side),
-and needs ``safety x that / one worker's rate`` workers, rounded up to a power of two so that
-``data.readers=64`` stays a multiple of 8 GPUs x workers (``--safety`` 2: cluster cores differ from
-this machine's, real T5 text and vocabulary differ from the generated shard, and a compiled model may
-beat the MFU estimate).
-
-``--readers-memory``: resident memory of one process serving 64 logical C4 readers, each with its
-own open shard stream (what ``data.readers=64`` costs without DataLoader workers).
+Rates are batch positions per second (pads included) of one worker with one logical reader, per CPU
+second and per wall second, for C4-format streaming (truncate-and-pad and packed), pretokenized files
+(rows and documents layouts) and the synthetic corpus, on a generated C4-like shard; without network a
+sentencepiece unigram model with T5's id layout is trained on it (``--tokenizer``: a local t5-base).
+Workers per A100 rank: ``--safety`` x the positions/s the GPU consumes at ``--mfu`` (PaLM's FLOPs per
+position) / one worker's rate, rounded up to a power of two. ``--readers-memory``: the resident memory
+of 64 C4 readers in one process. Method and runs of record: docs/data_pipeline.md, docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -104,9 +83,7 @@ def make_tokenizer(root: str, shard_root: str) -> str:
 
 
 def rate(dm, n_batches: int, warmup: int = 0) -> tuple[float, float, float]:
-    """(positions per wall second, positions per CPU second of this process, non-pad share) over
-    n_batches after warmup. On a shared machine the CPU-time rate is what one worker on its own core
-    delivers; the wall rate is what this run happened to get."""
+    """(positions per wall second, per CPU second of this process, non-pad share) over n_batches."""
     it = dm.train_batches()
     for _ in range(warmup):
         next(it)
@@ -174,10 +151,10 @@ def main(argv=None):
     ap.add_argument("--docs", type=int, default=4000, help="documents in the generated train shard")
     ap.add_argument("--tokenizer", default=None, help="a local tokenizer dir (default: train one here)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--mfu", type=float, default=0.5)
-    ap.add_argument("--safety", type=float, default=2.0)
+    ap.add_argument("--mfu", type=float, default=0.5, help="the A100's assumed model FLOPs utilisation")
+    ap.add_argument("--safety", type=float, default=2.0, help="workers = safety x the GPU's rate / one worker's")
     ap.add_argument("--train-steps", type=int, default=0, help="also time llama_60m fwd+bwd on this CPU")
-    ap.add_argument("--readers-memory", action="store_true")
+    ap.add_argument("--readers-memory", action="store_true", help="also measure the RSS of 64 C4 readers")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 
@@ -201,15 +178,12 @@ def main(argv=None):
         pretokenize(dict(c4, packing=True), os.path.join(tmp, "docs"), train_rows=10**9, val_tokens=100_000,
                     model_vocab_size=32000)
         tcfg = {"name": "tokens", "seq_len": SEQ_LEN, "readers": 1}
-        rows.append(("tokens, rows layout (memmap)",
-                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "rows")),
-                                      micro_batch_size=args.batch), 2000, 2)))
-        rows.append(("tokens, documents layout, packing (memmap)",
-                     *rate(build_data(dict(tcfg, path=os.path.join(tmp, "docs"), packing=True),
-                                      micro_batch_size=args.batch), 2000, 2)))
-        rows.append(("synthetic (Markov language)",
-                     *rate(build_data({"name": "synthetic", "seq_len": SEQ_LEN, "readers": 1},
-                                      micro_batch_size=args.batch), 300, 2)))
+        for name, cfg, n in (("tokens, rows layout (memmap)", dict(tcfg, path=os.path.join(tmp, "rows")), 2000),
+                             ("tokens, documents layout, packing (memmap)",
+                              dict(tcfg, path=os.path.join(tmp, "docs"), packing=True), 2000),
+                             ("synthetic (Markov language)", {"name": "synthetic", "seq_len": SEQ_LEN, "readers": 1},
+                              300)):
+            rows.append((name, *rate(build_data(cfg, micro_batch_size=args.batch), n, 2)))
         memory = readers_memory(shard, tok) if args.readers_memory else None
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -218,8 +192,7 @@ def main(argv=None):
           f"torch {torch.__version__}; tokenizer: "
           f"{'given' if args.tokenizer else 'sentencepiece unigram 8000, T5 ids, trained here'}; "
           f"batch {args.batch} x {SEQ_LEN}")
-    print(f"pretokenize (rows layout) wrote {pre:,.0f} documents/s")
-    print()
+    print(f"pretokenize (rows layout) wrote {pre:,.0f} documents/s\n")
     print("| path (one worker, one reader) | positions per CPU second | positions per wall second | non-pad share |")
     print("|---|---|---|---|")
     for name, wall, cpu, share in rows:
@@ -227,10 +200,9 @@ def main(argv=None):
     if args.train_steps:
         train, step = cpu_train_rate(args.batch, args.train_steps)
         print(f"| (llama_60m fwd+bwd, bf16 autocast, on this CPU: {step:.2f} s/step) | | {train:,.0f} | |")
-    print()
-    print(f"Workers per A100 rank for C4 streaming (truncate-and-pad): MFU {args.mfu}, {A100_BF16 / 1e12:.0f} TFLOP/s "
-          f"bf16, one worker {stream_rate:,.0f} positions per CPU second, safety x{args.safety}")
-    print()
+    print(f"\nWorkers per A100 rank for C4 streaming (truncate-and-pad): MFU {args.mfu}, "
+          f"{A100_BF16 / 1e12:.0f} TFLOP/s bf16, one worker {stream_rate:,.0f} positions per CPU second, "
+          f"safety x{args.safety}\n")
     print("| model | parameters | training GFLOP/position | A100 positions/s | workers (x safety) | num_workers |")
     print("|---|---|---|---|---|---|")
     for name in PAPER_MODELS:

@@ -8,23 +8,11 @@ checkpointing, clipping at 1.0 (the paper's 7B recipe), micro-batch 1 x 128 toke
     python -m bench.llama7b --model llama_tiny    # the same script on a tiny model (what CI runs)
     python -m bench.llama7b --device cuda --cap-gib 24   # a GPU held to 24 GiB (ops/preflight.py)
 
-It runs in its own process, so the peak resident memory it reports (`peak_rss_gib`, the process's
-high-water mark from getrusage) is this run's alone. Before anything is allocated, the memory planner
-(train_utils/memory_plan.py, the same check train.py makes) plans the run on this host; a run that does
-not fit is refused there with the planner's figure (exit 2). The model is built directly in bf16
-(models.build_model(dtype=...): no fp32 copy of 7B ever exists); the tokens are random ids (what is
-measured is memory and time, not learning). The last line is one JSON object:
-
-    peak_rss_gib     the process's peak resident memory
-    planned_gib      the planner's peak for these tensors plus the process itself (PROCESS_BYTES, 1 GiB)
-    step_s           seconds of each step (forward, backward with the updates inside, optimizer.step())
-    loss             each step's loss
-    weights_changed  whether the steps moved the weights (a sample of three tensors is compared)
-
-On a GPU (`--device cuda`) the plan includes the CUDA context and fragmentation allowance, `--cap-gib`
-holds the process to that much of the device (torch.cuda.set_per_process_memory_fraction: what a
-24 GB card would have), and the JSON also has `max_allocated_gib` and `max_reserved_gib`, the
-caching allocator's peaks.
+The memory planner (train.py's check) plans the run first and refuses one that does not fit (exit 2);
+the model is built directly in bf16 and trained on random ids. The last line is one JSON object:
+`peak_rss_gib` (this process's high-water mark), `planned_gib` (the plan plus PROCESS_BYTES), `step_s`,
+`loss`, `weights_changed`; on a GPU also the caching allocator's `max_allocated_gib`/`max_reserved_gib`
+(`--cap-gib` holds the process to that much of the device). docs/in_backward.md.
 """
 from __future__ import annotations
 
@@ -76,11 +64,9 @@ def sample(model) -> list[torch.Tensor]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", help="optimizer settings as Hydra overrides, e.g. "
-                    "optimizer.density=0.25 optimizer.state_precision=8bit (the single-GPU preset at density 0.25)")
+    ap.add_argument("overrides", nargs="*", help="optimizer.* Hydra overrides, e.g. optimizer.density=0.25")
     ap.add_argument("--model", default="llama_7b", help="a configs/model name (default llama_7b)")
-    ap.add_argument("--optimizer", default="frugal_rho0",
-                    help="a configs/optimizer name (default frugal_rho0; adamw runs the ordinary step)")
+    ap.add_argument("--optimizer", default="frugal_rho0", help="a configs/optimizer name (adamw: the ordinary step)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -88,8 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--cap-gib", type=float, default=None,
-                    help="plan against this much memory (e.g. 24: a 24 GB card's budget, whatever the host has); "
-                         "cuda: also hold the process to it")
+                    help="plan against this much memory (e.g. 24: a 24 GB card); cuda: also hold the process to it")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")

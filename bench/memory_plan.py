@@ -7,14 +7,11 @@
     python -m bench.memory_plan --table                                  # the paper's models, 8 x 80 GB A100
     python -m bench.memory_plan --validate             # real CPU steps measured beside their plans (~30 s)
 
-Positional arguments are Hydra overrides, composed exactly as train.py composes its config: the
-micro-batch, sequence length, precision, global batch, `train.activation_checkpointing` and
-`train.parallelism` come from that config unless an option below sets them. A run that does not fit
-is followed by the single changes that would make it fit, cheapest first (exit code 1).
-The vocabulary is the model's (the paper's C4 runs); `--vocab-size` overrides it (data=synthetic: 512).
-
-Memory is planned on the meta device (nothing allocated; seconds for 7B) by
-`train_utils.memory_plan`; docs/memory_plan.md explains what is counted and how it was validated.
+Positional arguments are Hydra overrides, composed as train.py composes its config (options below
+override it). A run that does not fit is followed by the single changes that would make it fit,
+cheapest first (exit code 1). The vocabulary is the model's unless `--vocab-size` (data=synthetic: 512).
+Planned on the meta device by `train_utils.memory_plan`; what is counted and how it was validated:
+docs/memory_plan.md.
 """
 from __future__ import annotations
 
@@ -81,10 +78,8 @@ def device_bytes(args) -> int:
 
 
 def search(cfg, settings: dict, args) -> list[tuple]:
-    """(activation checkpointing, micro-batch or None, plan) for the checkpointing setting(s) asked: the
-    largest power of two that fits the device, whatever the configured batch (`usable_micro_batch`
-    says what train.py can take with it). With the step inside backward every candidate takes its
-    batch in one micro-batch (accumulation would hold every gradient)."""
+    """(activation checkpointing, micro-batch or None, plan) per checkpointing setting asked: the largest
+    power of two that fits, whatever the batch; in backward, one micro-batch per step (no accumulation)."""
     settings = dict(settings)
     settings.pop("micro_batch_size")
     if settings.get("optimizer_in_backward"):
@@ -100,27 +95,14 @@ def search(cfg, settings: dict, args) -> list[tuple]:
 
 
 # ---- a run that does not fit: what would ---------------------------------------------------------
-def _plan_with(overrides: list[str], args, world_size: int | None = None):
-    """The plan of the config these overrides compose (the command line's options on top)."""
-    cfg = compose(overrides)
-    local = argparse.Namespace(**{**vars(args), "world_size": world_size or args.world_size})
-    return plan_memory(cfg.model, OmegaConf.to_container(cfg.optimizer, resolve=True), **run_settings(cfg, local))
-
-
-def _frugal_based(cfg) -> bool:
+def what_would_fit(cfg, overrides: list[str], args) -> list[tuple[str, float, str]]:
+    """(change, GiB required, cost) of the changes that would fit a run that does not: what keeps the
+    algorithm and the batch first, then the optimizer's state, then more GPUs (FSDP2); when no single
+    change of the first kind fits, they are tried together (then with 8-bit moments)."""
     import frugal
 
-    return cfg.optimizer.name in frugal.registry.frugal_based()
-
-
-def what_would_fit(cfg, overrides: list[str], args) -> list[tuple[str, float, str]]:
-    """For a run whose plan does not fit the device: changes that would, cheapest first ((change,
-    GiB required, what it costs)). The cost to the researcher orders them: settings that keep the
-    algorithm and the batch (checkpointing, a smaller micro-batch, the step inside backward), then
-    the optimizer's state (8-bit moments, density 0), then more GPUs (FSDP2). When no single change of
-    the first kinds fits, they are tried together (with 8-bit moments, at the largest micro-batch)."""
     budget, tc, opt = device_bytes(args), cfg.train, cfg.optimizer
-    frugal_based = _frugal_based(cfg)
+    frugal_based = cfg.optimizer.name in frugal.registry.frugal_based()
     settings = run_settings(cfg, args)
     micro, share = settings["micro_batch_size"], max(1, int(tc.batch_size) // args.world_size)
     smaller = [m for m in (micro // 2 ** k for k in range(1, 12)) if m >= 1 and share % m == 0]
@@ -138,8 +120,12 @@ def what_would_fit(cfg, overrides: list[str], args) -> list[tuple[str, float, st
         state.append((["optimizer.density=0"], "another algorithm: no state-full blocks"))
 
     def fitting(changes: list[str], world: int | None = None) -> float | None:
+        """GiB required by the plan with these changes (and world size) where it fits, else None."""
+        local = argparse.Namespace(**{**vars(args), "world_size": world or args.world_size})
         try:
-            plan = _plan_with(overrides + changes, args, world)
+            changed = compose(overrides + changes)
+            plan = plan_memory(changed.model, OmegaConf.to_container(changed.optimizer, resolve=True),
+                               **run_settings(changed, local))
         except (ValueError, HydraException):
             return None
         return plan.required / GIB if plan.fits(budget) else None
@@ -185,17 +171,15 @@ def format_what_would_fit(found: list[tuple[str, float, str]]) -> str:
 
 
 # ---- what a run costs in GPU-hours -----------------------------------------------------------------
-# Dense bf16 tensor-core peaks of the --device classes (data sheets; train_utils.measure.PEAK_FLOPS has
-# the CUDA device names): a 24 GB card is counted as an RTX 4090 (165 TFLOP/s with fp32 accumulation).
+# Dense bf16 tensor-core peaks of the --device classes (data sheets); a 24 GB card counts as an RTX 4090.
 DEVICE_PEAK_FLOPS = {"rtx-24gb": 165e12, "l4": 121e12, "a10": 125e12, "a100-40gb": 312e12, "a100-80gb": 312e12,
                      "h100-80gb": 989e12, "h200": 989e12}
 DEFAULT_MFU = 0.4
 
 
 def gpu_hours(cfg, device: str, mfu: float) -> dict:
-    """A run's training compute from its FLOPs (train_utils.measure.flops_per_position: 6 x the
-    parameters a position passes through, plus attention, per trained position; evaluations not
-    counted) over ``device``'s dense bf16 peak at ``mfu``."""
+    """A run's training FLOPs (train_utils.measure.flops_per_position; evaluations not counted) over
+    ``device``'s dense bf16 peak at ``mfu``."""
     import torch
 
     import models
@@ -218,8 +202,7 @@ def format_gpu_hours(est: dict, measured: bool) -> str:
 
 
 def usable_micro_batch(micro: int, batch: int, world_size: int) -> str | None:
-    """What train.py can take when the largest micro-batch that fits does not divide the configured
-    batch's per-process share (None when it does)."""
+    """What train.py can take when the largest micro-batch that fits does not divide the batch's share."""
     share, rest = divmod(int(batch), world_size)
     if rest or share % micro == 0:
         return None
@@ -261,13 +244,9 @@ def table(args) -> str:
 # ---- validation: the plan against the allocator's peak of real steps on CPU ---------------------------
 @dataclass(frozen=True)
 class Case:
-    """A CPU training run to measure. wrapper: "none" (one process: the loop runs without DDP),
-    "ddp" (gradient_as_bucket_view=True, gradients zeroed in place: the loop's DDP), "ddp-no-view"
-    (gradient_as_bucket_view=False), "ddp-set-to-none" (bucket view, zero_grad(set_to_none=True)),
-    "fsdp" (FSDP2 fully_shard per block and root, bf16 weights, fp32 reduce). compiled: the loop's
-    train.compile (blocks and loss compiled by train_utils.loop.compile_model). in_backward: the step
-    inside backward with clipping (frugal.step_in_backward, max_norm 1.0), one micro-batch per step (the
-    7B recipe: with accumulation every gradient is held, as in the ordinary step)."""
+    """A CPU training run to measure. wrapper: "none", "ddp" (bucket view, zeroed in place: the loop's),
+    "ddp-no-view", "ddp-set-to-none", "fsdp" (per block and root, bf16 weights, fp32 reduce). compiled:
+    train.compile. in_backward: frugal.step_in_backward with max_norm 1.0, one micro-batch per step."""
     model: str
     vocab: int | None
     optimizer: dict
@@ -320,12 +299,9 @@ VALIDATION_CASES = [
 def plan_case(case: Case, phase: str | None = None) -> int:
     """Planned peak of a case (or of one phase of its step), in bytes."""
     model = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml"))
-    # With set_to_none=True, no_sync micro-batches allocate fresh gradients beside DDP's buckets, while
-    # the reducer swaps its bucket views back in at the synchronising backward: two copies during the
-    # forward and backward passes, one in the optimizer step.
+    # set_to_none=True: no_sync micro-batches allocate gradients beside DDP's buckets (two copies but in the step)
     copy = case.wrapper == "ddp-no-view" or (case.wrapper == "ddp-set-to-none" and phase is None)
-    # Per-rank DDP memory does not depend on the world size (a plan of one process has no DDP); FSDP2
-    # in one process shards nothing but gathers and reduces as on every rank.
+    # per-rank DDP memory does not depend on the world size, but a plan of one process has no DDP
     plan = plan_memory(model, case.optimizer, micro_batch_size=case.micro, seq_len=case.seq,
                        activation_checkpointing=case.checkpointing, precision=case.precision,
                        vocab_size=case.vocab, device_type="cpu", gradient_as_bucket_view=not copy,
@@ -336,17 +312,9 @@ def plan_case(case: Case, phase: str | None = None) -> int:
 
 
 def measure_case(case: Case) -> tuple[int, int]:
-    """(peak, peak inside optimizer.step) of allocated memory over two optimizer steps of two
-    accumulated micro-batches each, built as the training loop builds them (models.build_model, bf16
-    autocast, train.py's token_loss_sum from fp32 logits, backward, the optimizer's step).
-
-    Measured with the profiler's allocation events: every allocation and free of torch's CPU
-    allocator with its running total, the CPU twin of torch.cuda.max_memory_allocated, which is what
-    the plan predicts. Peak RSS is not used: it keeps freed heap pages, touches pages lazily, counts
-    thread pools, and was seen 25% below and 45% above the allocated peak of the same run. Two steps
-    of two micro-batches reach the state the plan describes: gradients and optimizer state resident
-    while a micro-batch's activations are alive, and a block switch inside the second step.
-    Needs a (one-process) torch.distributed group for the DDP and FSDP wrappers."""
+    """(peak, peak inside optimizer.step) of allocated memory (the profiler's allocation events: the CPU
+    twin of torch.cuda.max_memory_allocated) over two steps of two micro-batches, built as the loop
+    builds them; needs a one-process torch.distributed group. Why so: docs/memory_plan.md, Validation."""
     import gc
 
     import torch
@@ -358,8 +326,7 @@ def measure_case(case: Case) -> tuple[int, int]:
 
     from train_utils.loop import compile_model, token_loss_sum
 
-    # What earlier cases left in reference cycles (FSDP2's modules and hooks, DDP's reducer) must be
-    # freed now: collected during this case, it would lower the running totals below this case's own.
+    # earlier cases' reference cycles (FSDP2, DDP's reducer), collected later, would lower this case's totals
     gc.collect()
     cfg = OmegaConf.load(ROOT / "configs" / "model" / f"{case.model}.yaml")
     vocab, ddp, accumulation = case.vocab or cfg.vocab_size, case.wrapper.startswith("ddp"), 2
@@ -374,12 +341,8 @@ def measure_case(case: Case) -> tuple[int, int]:
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            # init_sync=False: one process has nothing to broadcast. The construction-time broadcast
-            # flattens the parameters into one buffer (flatten_dense_tensors: 4 bytes per parameter
-            # here, at most one 250 MB bucket in a real run); in about one run in ten that buffer was
-            # still alive through every measured step (its release is not ordered with the caller;
-            # which runs hit it varied with PYTHONHASHSEED, not with test order), which counted a
-            # second gradient copy and failed the DDP cases of the full suite.
+            # init_sync=False: the construction-time broadcast's flat buffer sometimes outlived the
+            # measured steps (docs/memory_plan.md, "Two full-suite failures")
             wrapped = DistributedDataParallel(model, gradient_as_bucket_view=case.wrapper != "ddp-no-view",
                                               init_sync=False)
         elif case.wrapper == "fsdp":
@@ -413,9 +376,7 @@ def measure_case(case: Case) -> tuple[int, int]:
 
 
 def two_steps(case: Case, wrapped, optimizer, loss_fn, vocab: int, accumulation: int) -> None:
-    """The measured steps of a case: two optimizer steps of `accumulation` micro-batches each (DDP syncs
-    on the last; FSDP2 reduce-scatters every one), bf16 autocast for bf16-mixed, the step marked
-    record_function("optimizer_step") for the profiler."""
+    """Two optimizer steps of `accumulation` micro-batches each, the step marked "optimizer_step"."""
     import contextlib
 
     import torch
@@ -488,33 +449,25 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=1, help="processes (GPUs); default 1")
     ap.add_argument("--parallelism", choices=PARALLELISMS)
     ap.add_argument("--precision", choices=PRECISIONS)
-    ap.add_argument("--activation-checkpointing", choices=["on", "off"],
-                    help="per transformer block; with --search and not given, both are searched")
+    ap.add_argument("--activation-checkpointing", choices=["on", "off"], help="per block (--search: both if not given)")
     ap.add_argument("--vocab-size", type=int, help="the data's vocabulary (default: the model's)")
     ap.add_argument("--device", choices=sorted(DEVICES), default="a100-80gb")
     ap.add_argument("--device-gib", type=float, help="device memory in GiB (instead of --device)")
-    ap.add_argument("--no-bucket-view", action="store_true",
-                    help="DDP without gradient_as_bucket_view (buckets beside the gradients)")
-    ap.add_argument("--no-autocast-cache", action="store_true",
-                    help="torch.autocast(cache_enabled=False): no cached bf16 weight copies in the forward")
+    ap.add_argument("--no-bucket-view", action="store_true", help="DDP without gradient_as_bucket_view")
+    ap.add_argument("--no-autocast-cache", action="store_true", help="autocast without cached bf16 weight copies")
     ap.add_argument("--compiled-loss", action="store_true", default=None,
-                    help="the loop's compiled loss (train.compile): 4 instead of 14 bytes per token and vocabulary "
-                         "entry; default: train.compile=true in the config (auto counts as eager: the GPU decides)")
+                    help="the compiled loss: 4 instead of 14 bytes per token and vocabulary entry (default: "
+                         "train.compile=true; auto counts as eager)")
     ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
-    ap.add_argument("--gpu-hours", action="store_true",
-                    help="also estimate the run's compute in GPU-hours on --device at --mfu (an estimate)")
+    ap.add_argument("--gpu-hours", action="store_true", help="also estimate the run's GPU-hours on --device at --mfu")
     ap.add_argument("--mfu", type=float, default=None,
-                    help=f"model FLOPs utilisation for --gpu-hours (default {DEFAULT_MFU * 100:.0f}%%, assumed); "
-                         "a measured one, e.g. from ops/preflight.py")
+                    help=f"for --gpu-hours (default {DEFAULT_MFU * 100:.0f}%%, assumed; e.g. ops/preflight.py's)")
     ap.add_argument("--table", action="store_true", help="the planner's table for the paper's models")
     ap.add_argument("--models", nargs="+", default=TABLE_MODELS, help="with --table")
     ap.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS.values()), help="with --table")
-    ap.add_argument("--validate", action="store_true",
-                    help="measure real CPU steps (minutes) and print them beside the plans")
+    ap.add_argument("--validate", action="store_true", help="measure real CPU steps (minutes) beside the plans")
     ap.add_argument("--json", action="store_true", help="print the plan (with --validate: the measurements) as JSON")
-    ap.add_argument("--cases", default=None, metavar="K/N",
-                    help="with --validate: only every N-th case from the K-th (0-based), e.g. 0/2 and 1/2 in two "
-                         "processes")
+    ap.add_argument("--cases", default=None, metavar="K/N", help="with --validate: every N-th case from the K-th")
     args = ap.parse_args(argv)
     if args.activation_checkpointing is not None:
         args.activation_checkpointing = args.activation_checkpointing == "on"

@@ -1,38 +1,13 @@
 """Time `optimizer.step()` for FRUGAL, its baselines and torch's AdamW on LLaMA parameter sets.
 
-The optimizer step is memory-bound, so each method is compared with two references measured in
-the same process: torch's fused AdamW (the baseline to beat) and the method's own bandwidth floor,
-the bytes it must move divided by the machine's in-place bandwidth (a large `a.add_(b)`):
-
-    AdamW                     28 B/param   (read p, g, m, v; write p, m, v)
-    signSGD                   12 B/param   (read p, g; write p)
-    FRUGAL block              28 B per state-full element + 12 B per state-free element
-    FRUGAL column / randk     the same + 24 B per state-full projectable element (gather p and g
-                              into reduced tensors: 16 B; scatter the updated part back: 8 B);
-                              the state-free update runs over the whole tensor (12 B per element)
-    BAdam                     28 B per state-full element (frozen blocks cost nothing)
-    GaLore                    not a bandwidth-bound method (matrix products, SVD): floor "-"
-
-On a shared machine the load changes from one second to the next, so the methods are timed in
-rounds: every round times `--steps` steps of each method in turn (after one warm-up step), and a
-method's ratio to fused AdamW is the median over rounds of (its median step / AdamW's median step
-in that round); "best / best AdamW" is the ratio of the fastest rounds, the least disturbed by
-other jobs. Gradients are fixed random tensors (`step()` only reads them). GaLore's time is
-amortised over T=200 steps with its SVD step included: (199 * ordinary step + 1 * step with SVD) /
-200, measured after the rounds.
-
-Usage (CPU, 2 threads):
-
     python -m bench.optimizer [--models llama_60m llama_130m] [--rounds 5] [--steps 5]
         [--only "frugal block 0.25" ...] [--sign-update auto|compiled|eager] [--count-ops]
 
-`--sign-update` is FRUGAL's `sign_update` (default "auto": the compiled single-pass sign update,
-compiled during the warm-up). `--count-ops` prints the aten operations one step dispatches on
-llama_1b's layout (24 layers of 7 weights; tiny widths, since the count depends on the layout only):
-on a GPU each is a kernel launch.
-
-Optional glibc settings that stop per-step page faults of allocating code paths (both the
-numbers with and without them are informative; say which you used):
+Each method is compared with torch's fused AdamW (timed in rounds, the median per-round ratio) and with
+its bandwidth floor (the bytes it must move over the in-place bandwidth of a large `a.add_(b)`); GaLore
+is amortised over T=200 with its SVD step. `--count-ops` counts the aten operations of one step on
+llama_1b's layout (on a GPU each is a kernel launch). The method, the floors and the runs of record:
+docs/benchmarks.md. Optional glibc settings that stop per-step page faults (say which you used):
 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=100000000000 MALLOC_TOP_PAD_=1073741824
 """
 from __future__ import annotations
@@ -61,8 +36,7 @@ class _Norm(nn.Module):
 
 
 def llama_params(name: str, shrink: int = 1) -> nn.Module:
-    """A parameter-only stand-in with transformers' LLaMA names and shapes (no forward needed);
-    `shrink` divides every width (same layout, smaller tensors)."""
+    """A parameter-only stand-in with transformers' LLaMA names and shapes; `shrink` divides every width."""
     h, f, layers = SHAPES[name]
     h, f, vocab = h // shrink, f // shrink, VOCAB // shrink
     with torch.device("meta"):
@@ -76,9 +50,8 @@ def llama_params(name: str, shrink: int = 1) -> nn.Module:
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 setattr(layer.self_attn, proj, nn.Linear(h, h, bias=False))
             layer.mlp = nn.Module()
-            layer.mlp.gate_proj = nn.Linear(h, f, bias=False)
-            layer.mlp.up_proj = nn.Linear(h, f, bias=False)
-            layer.mlp.down_proj = nn.Linear(f, h, bias=False)
+            for proj, (n_in, n_out) in (("gate_proj", (h, f)), ("up_proj", (h, f)), ("down_proj", (f, h))):
+                setattr(layer.mlp, proj, nn.Linear(n_in, n_out, bias=False))
             layer.input_layernorm = _Norm(h)
             layer.post_attention_layernorm = _Norm(h)
             root.model.layers.append(layer)
@@ -93,9 +66,7 @@ def llama_params(name: str, shrink: int = 1) -> nn.Module:
 
 
 def bandwidth(n: int = 1 << 26, reps: int = 15) -> float:
-    """In-place bandwidth in bytes/s: `a.add_(b)` reads a and b and writes a (12 bytes/element).
-    Best of `reps` (as STREAM reports): on a shared machine the median mostly measures the other
-    jobs, and a floor should be what the machine can do."""
+    """In-place bandwidth in bytes/s of `a.add_(b)` (12 bytes/element), best of `reps` (as STREAM)."""
     a, b = torch.ones(n), torch.ones(n)
     times = []
     for _ in range(reps + 2):
@@ -187,8 +158,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def count_ops() -> None:
-    """Kernel-launching aten operations (views excluded) per step on llama_1b's layout, with the
-    eager sign update; the default compiled one replaces each tensor's sign + add_ by one kernel."""
+    """Kernel-launching aten operations (views excluded) per step on llama_1b's layout."""
     model = llama_params("llama_1b", shrink=64)
     print("\nllama_1b layout (24 layers x 7 weights; widths / 64): kernels per step (2nd step)")
     print("| method | eager ops | with the compiled sign update | of which gathers/scatters |")
@@ -223,8 +193,7 @@ def main() -> None:
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     print(f"torch {torch.__version__}, {args.threads} threads, sign_update={args.sign_update}"
           + (f", {malloc}" if malloc else ", default malloc settings"))
-    # Other processes compete for the same cores and memory bus: print the load so a reader can
-    # judge how much to trust the absolute numbers (ratios within one run are more robust).
+    # the load tells how far to trust the absolute numbers (ratios within one run are more robust)
     print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count()))
     for model_name in args.models:
         model = llama_params(model_name)

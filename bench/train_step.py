@@ -6,19 +6,11 @@ same model and batch, and each method's ratio to AdamW (the paper's "no slowdown
         --batch-size 64 --micro-batch-size 64 --seq-len 256 -- train.compile=true   # a GPU
     python -m bench.train_step --in-backward --methods "FRUGAL 0.25" "FRUGAL 0.0"  # the step in backward
 
-Each method runs `python train.py` in its own process, one after another on the same machine, on the
-synthetic corpus (no data loading cost to hide differences) with the same model, batch and seed, no
-evaluation or checkpoint inside the timed steps. Every training row of metrics.jsonl is one step
-(`train.log_every=1`); a run's rate is the median of `scored_tokens_per_s` over its steps after the
-warm-up (the first steps compile, allocate and fill caches). Methods are interleaved in rounds
-(round 1: every method, then round 2, ...), so slow drifts of a shared machine hit all methods
-alike; the ratio to AdamW is taken within each round and its median over rounds is reported with
-the range. Arguments after `--` are passed to train.py as Hydra overrides (e.g. a GPU's
-`train.compile=true`, `train.precision=...`).
-
-`--in-backward` adds, for each FRUGAL method, the same run with the step inside backward
-(`train.optimizer_in_backward=true`, frugal/in_backward.py: per-tensor updates instead of the step's
-multi-tensor kernels), and reports its ratio to the ordinary step of the same round (target >= 0.95).
+Each method runs `python train.py` in its own process on the synthetic corpus; a run's rate is the
+median `scored_tokens_per_s` of its steps after the warm-up. Methods are interleaved in rounds and the
+ratio to AdamW is taken within each round (median and range over rounds). Arguments after `--` go to
+train.py as Hydra overrides. `--in-backward` adds each FRUGAL method with the step inside backward
+and its ratio to the ordinary step of the same round (target >= 0.95). docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -64,13 +56,6 @@ def run_once(option: str, args, run_dir: Path) -> list[float]:
     if not rates:
         raise RuntimeError(f"no training rows after the warm-up of {args.warmup} steps in {run_dir}")
     return rates
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
 
 
 def benchmark(args) -> dict:
