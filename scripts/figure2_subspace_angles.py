@@ -1,10 +1,9 @@
 """Figure 2 of the paper: principal angles between the top-r SVD subspaces of one weight's gradient at
 different iterations, against two random semi-orthogonal projections.
 
-Two steps. `record` saves the gradient of one weight at chosen iterations, either from a short run
-of its own (the project's model, data and optimizer; nothing else is trained) or from the
-checkpoints of a train.py run (the gradient of a fixed validation batch at each checkpoint's
-weights); `plot` draws the histograms from that file.
+`record` saves one weight's gradient at chosen iterations, from a short run of its own or from a
+train.py run's checkpoints (a fixed validation batch at each checkpoint's weights); `plot` draws the
+histograms from that file. What is plotted and what it shows: docs/figures.md.
 
     python -m scripts.figure2_subspace_angles record --out grads.pt --steps 400 --every 100
     python -m scripts.figure2_subspace_angles record --out grads.pt --checkpoints runs/x/checkpoints/step_*
@@ -12,15 +11,6 @@ weights); `plot` draws the histograms from that file.
 
 The gradient file is `torch.save`d dict {"name": weight name, "steps": [t0, t1, ...],
 "grads": float32 tensor (K, m, n), "source": "run" | "checkpoints"}.
-
-What is plotted (Section 3.1): P_t = the top-r singular vectors of G_t on GaLore's side (the smaller
-one; r = round(density * min(m, n))). The cosines of the principal angles between span(P_t) and
-span(P_t') are the singular values of P_t^T P_t'. For the reference panel, two independent random
-semi-orthogonal s x r matrices: their squared cosines follow the Wachter (MANOVA) law, a
-Marchenko-Pastur-like bulk on [0, 4c(1-c)] with c = r/s, so no cosine exceeds sqrt(4c(1-c)) (0.87
-for c = 1/4) up to finite-size fluctuations. The paper (LLaMA-60M, k_proj of layer 5) finds 57
-cosines above 0.9 even 1000 steps apart: SVD subspaces barely move, which is why GaLore explores
-little of the space.
 """
 from __future__ import annotations
 
@@ -61,10 +51,9 @@ def wachter_edge(rank: int, side: int) -> float:
 
 def histograms(record: dict, rank: int | None = None, density: float = 0.25,
                pairs: list[tuple[int, int]] | None = None, seed: int = 0) -> dict:
-    """Cosines for each pair of recorded iterations (indices into record["steps"]) and for two
-    random bases. Default pairs: an anchor against the next recording, the middle one and the last;
-    the anchor is the second recording when there are three or more (the first, at step 0 of a run,
-    is the gradient of the random initialisation, unlike anything later)."""
+    """Cosines for each pair of recorded iterations (indices into record["steps"]) and for two random
+    bases. Default pairs: an anchor (the second recording of three or more: the first is the random
+    initialisation's) against the next recording, the middle one and the last."""
     grads, steps = record["grads"], list(record["steps"])
     if len(steps) < 2:
         raise ValueError(f"need gradients from at least 2 iterations, the file has {len(steps)}")
@@ -170,8 +159,7 @@ def plot(result: dict, path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(f"SVD: step {a} vs {b}", p["cos"]) for p, (a, b) in
-              ((p, p["steps"]) for p in result["pairs"])]
+    panels = [(f"SVD: step {p['steps'][0]} vs {p['steps'][1]}", p["cos"]) for p in result["pairs"]]
     panels.append(("random R vs R'", result["random"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.0), sharey=True)
     bins = torch.linspace(0, 1, 26).tolist()

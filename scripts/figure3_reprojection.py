@@ -4,17 +4,10 @@ of the momentum when the projection changes, on the toy problem min ||W||^2, W i
     python -m scripts.figure3_reprojection --out docs/figure3_reprojection.png \\
         --json docs/figure3_reprojection.json
 
-The toy (Appendix C): every `--update-gap` steps (T = 10) the projection P becomes the top-r right
-singular vectors of the current gradient G = 2W (GaLore); the momentum lives in the r-dimensional
-coordinates, M <- beta M + (1 - beta) G P, and W <- W - lr M P^T. On a projection change GaLore keeps
-M as it is, so old coordinates are read in the new basis ("keep"); the re-projected variant moves M
-into the new basis, M <- M (P_old^T P_new) (Flora, Hao et al. 2024, Algorithm 2), and rescales it
-to its previous norm (the paper's addition: it preserves the momentum's mass). Ranks 3 and 6; mean
-and standard deviation over `--runs` (5) random initialisations, drawn with shared seeds so both
-variants start from the same matrices. The statistics are taken over log10 of the loss (the plot's
-scale, where the runs spread multiplicatively; a linear std would reach below zero).
-The momentum update follows the paper's
-exponential-average form of SGD with momentum (its Algorithm 2), the same as FRUGAL's sgdm rule.
+Every `--update-gap` steps the projection becomes the gradient's top-r right singular vectors; "keep"
+reads the old momentum coordinates in the new basis (GaLore), "reproject" moves them into it and keeps
+their norm (Flora's Algorithm 2 plus the paper's rescale). Mean and std of log10(loss) over `--runs`
+initialisations shared by both variants. docs/figures.md.
 """
 from __future__ import annotations
 

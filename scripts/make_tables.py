@@ -38,8 +38,7 @@ from train_utils.results import (asked_value, debug_of, effective_value, find_ru
                                  load_runs, repeats, runs_argument_parser, swept_keys)
 
 def readout_lr(run: dict, step: int | None) -> float | None:
-    """The learning rate at `step` as a share of the peak, from the run's schedule (Table 3 reads
-    its cells where the schedule put them); None when the config does not resolve here."""
+    """The learning rate at `step` as a share of the peak (Table 3); None when the config does not resolve."""
     from omegaconf.errors import OmegaConfBaseException
 
     if step is None:
@@ -58,8 +57,7 @@ def readout_lr(run: dict, step: int | None) -> float | None:
 
 
 def model_memory_gb(run: dict) -> float | None:
-    """Weights + optimizer state in GB (1e9 bytes): parameters (from the start row) x the bytes of the
-    weights' precision (bf16: 2, else fp32's 4) + the measured optimizer state (Table 3's column)."""
+    """Weights (2 bytes per parameter in bf16, else 4) + measured optimizer state in GB (Table 3's column)."""
     start, state = run.get("start") or {}, run.get("state_bytes")
     if not isinstance(start.get("params"), (int, float)) or state is None:
         return None
@@ -72,9 +70,7 @@ def _k(step: int) -> str:
 
 
 def cells_of(run: dict, spec: dict) -> dict[str, tuple[float, int]]:
-    """{column label: (perplexity, step)} contributed by one run; a run with no evaluation yet (still
-    at its start, or stopped before its first) holds its final cell with (None, None), so it is
-    listed as such instead of vanishing from the table."""
+    """{column label: (perplexity, step)} of one run; one with no evaluation yet holds (None, None)."""
     cfg, kind = run["cfg"], spec["columns"][0]
     out: dict[str, tuple[float | None, int | None]] = {}
     if run["final_ppl"] is None:
@@ -105,8 +101,7 @@ def _paper_step(col: str) -> int | None:
 
 
 def row_labels(runs: list[dict], base: dict[str, str], cells: dict[str, dict], swept: list[str]) -> dict[str, str]:
-    """{run dir: row label}: the base label, extended with the swept values that tell apart the runs
-    that would otherwise share a row and a column (then with the run directory, if nothing does)."""
+    """{run dir: row label}: the base label, plus the swept values (or the run) of runs that share a cell."""
     labels = short_labels(swept)
     by_base: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
@@ -177,9 +172,7 @@ def build(runs: list[dict]) -> list[dict]:
 
 
 def _asked_text(run: dict) -> str:
-    """" (asked update_gap=10)" where the run trained with other values than its command line asked
-    (debug=toy writes the update gaps it fits to its short run into the saved config the rows are read
-    from); "" otherwise."""
+    """" (asked update_gap=10)" where the run trained with other values than asked (debug=toy), else ""."""
     asked = {k: a for k in run["overrides"] for a in [asked_value(run, k)[1]] if a is not None}
     short = short_labels(list(asked))
     return f" (asked {', '.join(f'{short[k]}={a}' for k, a in asked.items())})" if asked else ""
@@ -216,8 +209,7 @@ _ESTIMATES: dict[str, int | None] = {}
 
 
 def estimate_bytes(opt: dict, model: dict) -> int | None:
-    """`frugal.estimate_state_bytes` of a resolved optimizer config on a model config (built on the
-    meta device: free for any size); None when the configs do not build (e.g. fabricated runs)."""
+    """`frugal.estimate_state_bytes` on the meta device; None when the configs do not build."""
     key = json.dumps([opt, model], sort_keys=True, default=str)
     if key not in _ESTIMATES:
         import torch
@@ -322,9 +314,7 @@ def _cell_texts(r: dict | None, column: str, show: dict) -> list[str]:
 
 
 def _ours_text(r: dict, column: str, show_paper: bool) -> str:
-    """Our number with its marks: @step (not the paper's read-out step; left out for debug runs, whose
-    budget is a toy's anyway), * (not finished), [model], [debug=...] (a toy run in a table that prints
-    the paper's numbers for its other runs), [same N] (one run repeated), [vote] (state-free part voted)."""
+    """Our number with its marks (the module docstring; no @step for debug runs)."""
     if r["ours"] is None:
         return "no eval yet" if r.get("run") else ""
     ours = _f(r["ours"])
@@ -393,9 +383,7 @@ def _repeat_notes(runs: list[dict]) -> list[str]:
 
 
 def _row_extras(table: str, recs: list[dict], show_paper: bool = True) -> dict:
-    """{column title: row label -> text} printed once per row after the cells: what every run of the
-    row realised (density), how it was evaluated, and Table 3's read-out point and memory column (the
-    paper's beside ours unless `show_paper` is off: toy runs)."""
+    """{column title: row label -> text} after the cells: realised rho, eval, Table 3's read-out and memory."""
     spec = SPECS.get(table, {})
     by_row: dict[str, list[dict]] = defaultdict(list)
     for r in recs:
@@ -446,8 +434,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", help="also write the CSV here")
     ap.add_argument("--md", help="also write the markdown here")
     ap.add_argument("--pivot", nargs=2, metavar=("ROW_KEY", "COL_KEY"),
-                    help="the sweep view: final validation perplexity over two keys (override keys, e.g. "
-                         "optimizer.density optimizer.update_gap), mean over the runs of a cell (min-max, n)")
+                    help="the sweep view over two override keys (e.g. optimizer.density optimizer.update_gap)")
     ap.add_argument("--plot", metavar="FILE", help="with --pivot: draw the grid as a heatmap (PNG)")
     args = ap.parse_args(argv)
     if args.plot and not args.pivot:

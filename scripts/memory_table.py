@@ -3,14 +3,9 @@
     python -m scripts.memory_table                       # estimate for every size, measured up to 150M params
     python -m scripts.memory_table --measure-max-params 4e8 --csv memory.csv
 
-Two numbers per cell:
-- `estimate`: `frugal.estimate_state_bytes` on the model built on the meta device (no memory, any size).
-  It is Appendix D's formula, so it must equal the paper's column (checked: the `paper` column and
-  a final line saying whether all cells agree to the paper's two decimals).
-- `measured`: the model really built, one optimizer step on a tiny batch, then `frugal.state_bytes`:
-  what the optimizer actually holds. Done only for models up to --measure-max-params parameters
-  (weights + gradients + AdamW state of a 1B model do not fit a laptop).
-Memory is in GiB (2^30 bytes) of fp32 state, as in the paper.
+Per cell, in GiB of fp32 state as in the paper: `estimate` (`frugal.estimate_state_bytes` on the meta
+device: Appendix D's formula, checked against the paper's column to two decimals) and `measured`
+(`frugal.state_bytes` after one real step, for models up to --measure-max-params parameters).
 """
 from __future__ import annotations
 

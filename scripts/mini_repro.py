@@ -3,51 +3,24 @@
     python -m scripts.mini_repro --corpus input.txt                # results in runs/mini_repro/
     python -m scripts.mini_repro --corpus input.txt --extras all   # + the optional rows
 
-The corpus: any text file or directory of them. The documented figures (docs/measurements.md, docs/mini_repro.md) use
-tinyshakespeare (1.1 MB, public domain), which the repository does not ship:
+The corpus: any text file or directory of them; the documented figures (docs/measurements.md,
+docs/mini_repro.md) use tinyshakespeare, not shipped (tests/assets/tinyshakespeare_slice.txt is a slice):
 
     curl -O https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
 
-(tests/assets/tinyshakespeare_slice.txt, 40 kB of it, runs the script in seconds, too small to compare
-methods.) Results go to --workdir (runs/mini_repro/: results.json, mini_repro.md, mini_repro.png); pass
---out/--md/--plot to write them elsewhere, e.g. docs/ to update the documented report.
+It trains a sentencepiece unigram tokenizer on the corpus (T5's id layout), runs train.py once per
+method (a subprocess: the real loop, data and optimizers) on a small LLaMA, tunes AdamW's learning rate
+on --lr-grid and reuses the best for every method (the paper's Appendix A.1), then prints the mini
+Table 2 beside the paper's 60M column and writes --out JSON ({key: val_loss, val_ppl, state_bytes}),
+--md and --plot (default: in --workdir). --extras adds optional rows (Tables 9 and 17's methods,
+apollo, adam_mini, muon, frugal_muon; a row whose package is missing is skipped with a note).
 
-Optional rows (--extras, a comma list or "all"; off by default, each costs one more run): the concurrent
-methods of Tables 9 and 17 as FRUGAL instances (fira, ldadam, adamem) and what users pick instead
-today (apollo, adam_mini: the apollo-torch and adam-mini packages; a row whose package is not installed
-is skipped with a note naming it; muon, frugal_muon: Muon alone and as FRUGAL's state-full rule,
-docs/muon.md). They follow the same protocol: AdamW's best learning rate, the same
-scaled update gap (LDAdam refreshes its basis every step by definition).
-
-What it does, with the paper's protocol at a size two CPU cores train in ~15 minutes:
-1. trains a sentencepiece tokenizer on the corpus (unigram model, --vocab pieces, T5's id layout);
-2. runs the project's train.py (a subprocess per run: the same loop, data pipeline and optimizers as the
-   real experiments; no second training loop) on a small LLaMA, data=local, packed 128-token rows;
-3. tunes AdamW's learning rate on a small grid (--lr-grid), keeps the best (lowest validation loss),
-   and reuses it for every other method, as the paper does (Appendix A.1: the AdamW rate is used for
-   FRUGAL, BAdam and, because it was better than GaLore's own, for GaLore);
-4. prints the mini Table 2 (validation loss, perplexity, optimizer-state bytes measured by train.py)
-   beside the paper's 60M column, writes --out JSON keyed adamw, frugal_0.25, frugal_0.0, galore_0.25,
-   badam_0.25, signsgd (each {"val_loss", "val_ppl", "state_bytes"}), a markdown report and a plot.
-
-Why these defaults (measured on 2 shared CPU cores; see the issue's notes): with an 8k vocabulary every
-method stays near the unigram stage in a CPU budget (the output layer alone needs more tokens than we
-have), so orderings are noise; byte-level text learns fast, but then embeddings and output layer are
-~2% of the weights and Table 4's finding (the output layer needs AdamW) cannot show. A 1024-piece
-vocabulary (trained on the corpus) with hidden size 128 and 4 layers keeps embeddings + output layer
-at ~25% of the ~1.1M parameters (the paper's 60M: 56%), a model small enough (~2x cheaper per token
-than 8 layers) to see ~0.5M tokens per run and get well below the unigram-stage loss (printed). With 4
-layers, density 0.25 is one state-full block of four, as in llama_tiny. The update gap is scaled with
-the run: the paper switches every 200 of 200k steps (1000 switches); --update-gap 20 gives 12
-switches in 240 steps, every block state-full three times. fp32, because bf16 autocast on CPU is ~3x
-slower here.
-
-Caching. A run already finished in --workdir is reused only if everything that determines it is the
-same: the corpus's content (SHA-256), the tokenizer and every setting (method, learning rate, model
-shape, steps, batch, ...). Each is part of the run directory's name (a hash) and written beside it in
-settings.json, which is compared before reuse; tokenizers are keyed the same way by corpus and
-vocabulary. A changed corpus or setting therefore trains afresh; --force redoes everything (e.g.
-after changing the code itself, which no key covers).
+Why these defaults: an 8k vocabulary stays near the unigram stage in a CPU budget and byte-level text
+hides Table 4's finding; 1024 pieces, hidden 128 and 4 layers keep embeddings + output layer at ~25% of
+~1.1M parameters and see ~0.5M tokens per run. The update gap is scaled to the run (T=20: 12 switches in
+240 steps); fp32, since CPU bf16 autocast is ~3x slower. A finished run in --workdir is reused only when
+the corpus (SHA-256), tokenizer and every setting match (hashed into its directory name, compared with
+its settings.json); --force redoes everything (e.g. after changing the code).
 """
 from __future__ import annotations
 
@@ -138,9 +111,8 @@ def digest(value) -> str:
 
 
 def cached_dir(parent: Path, label: str, settings: dict) -> Path:
-    """`parent/<label>-<hash of settings>`, holding settings.json: the cache entry for exactly these
-    settings. An entry whose settings.json disagrees (a hash collision, or a hand-edited directory) is
-    refused rather than reused."""
+    """`parent/<label>-<hash of settings>` holding settings.json: the cache entry for exactly these settings
+    (one whose settings.json disagrees is refused)."""
     path = parent / f"{label}-{digest(settings)[:12]}"
     saved = path / SETTINGS_FILE
     if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(settings)):
@@ -151,8 +123,7 @@ def cached_dir(parent: Path, label: str, settings: dict) -> Path:
 
 
 def train_tokenizer(text: str, workdir: Path, vocab: int, force: bool = False) -> Path:
-    """A sentencepiece unigram model in T5's id layout (pad 0, eos 1, unk 2), loadable by data/; cached
-    by corpus content and vocabulary."""
+    """A sentencepiece unigram model in T5's id layout, cached by corpus content and vocabulary."""
     import sentencepiece as spm
 
     out_dir = cached_dir(workdir / "tokenizers", f"v{vocab}",
@@ -213,15 +184,12 @@ def overrides_for(opt: str, extra: list[str], lr: float, args, tok_dir: Path, ru
 
 
 def run(key: str, opt: str, extra: list[str], lr: float, args, tok_dir: Path, run_dir: Path) -> dict:
-    """One train.py run in `run_dir` (from run_dir_for); returns its end row (val_loss, val_ppl,
-    optimizer_state_bytes)."""
+    """One train.py run in `run_dir` (from run_dir_for); returns its end row."""
     metrics = run_dir / "metrics.jsonl"
     end = _end_row(metrics)
     if end is None or args.force:
         overrides = overrides_for(opt, extra, lr, args, tok_dir, run_dir)
-        if run_dir.exists():
-            for f in run_dir.glob("metrics.jsonl"):
-                f.unlink()
+        metrics.unlink(missing_ok=True)
         env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         t0 = time.time()
@@ -246,8 +214,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", required=True, type=Path, help="a text file or a directory of them")
     ap.add_argument("--out", type=Path, help="JSON results (default: <workdir>/results.json)")
-    ap.add_argument("--md", type=Path,
-                    help="markdown report: table + settings + command (default: <workdir>/mini_repro.md)")
+    ap.add_argument("--md", type=Path, help="markdown report with the command (default: <workdir>/mini_repro.md)")
     ap.add_argument("--plot", type=Path, help="PNG of the runs' curves (default: <workdir>/mini_repro.png)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mini_repro")
     ap.add_argument("--vocab", type=int, default=1024)
@@ -289,25 +256,18 @@ def main(argv=None) -> int:
     best_lr = min(grid, key=lambda lr: grid_results[lr]["val_loss"])
     print(f"best AdamW lr {best_lr:g}; reused for every method", flush=True)
 
-    results, run_dirs = {}, {}
-    for key, (opt, extra, _, _) in METHODS.items():
+    results, run_dirs, skipped = {}, {}, {}
+    for key, (opt, extra, *_) in [*METHODS.items(), *((k, EXTRAS[k]) for k in extras)]:
+        package = missing_package(key) if key in extras else None
+        if package:
+            skipped[key] = f"skipped: the {package} package is not installed (pip install {package})"
+            print(f"  {key:12s} {skipped[key]}", flush=True)
+            continue
         if key == "adamw":
             end, run_dirs[key] = grid_results[best_lr], grid_dirs[best_lr]
         else:
             run_dirs[key] = run_dir_for(key, opt, extra, best_lr, args, corpus_sha256, tok_dir)
             end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
-        results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
-                        "state_bytes": int(end["optimizer_state_bytes"])}
-    skipped = {}
-    for key in extras:
-        opt, extra, _, _ = EXTRAS[key]
-        package = missing_package(key)
-        if package:
-            skipped[key] = f"skipped: the {package} package is not installed (pip install {package})"
-            print(f"  {key:12s} {skipped[key]}", flush=True)
-            continue
-        run_dirs[key] = run_dir_for(key, opt, extra, best_lr, args, corpus_sha256, tok_dir)
-        end = run(key, opt, extra, best_lr, args, tok_dir, run_dirs[key])
         results[key] = {"val_loss": end["val_loss"], "val_ppl": end["val_ppl"],
                         "state_bytes": int(end["optimizer_state_bytes"])}
 
@@ -342,23 +302,20 @@ def main(argv=None) -> int:
     print("\n" + table + "\n\n" + summary)
     print(f"results: {args.out}, {args.md}, {args.plot}")
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot:
-        from scripts.plot_runs import plot
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    from scripts.plot_runs import plot
 
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot([run_dirs[k] for k in results], str(args.plot), smooth_window=10,
-             title=f"mini Table 2 on {args.corpus.name}: {params / 1e6:.1f}M-param LLaMA, {tokens / 1e6:.2f}M tokens")
-    if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        # absolute paths (the corpus) are shown by file name only: machine paths do not belong in docs
-        cmd = "python -m scripts.mini_repro " + " ".join(
-            os.path.basename(a) if a.startswith("/") else a for a in (argv or sys.argv[1:]))
-        args.md.write_text(
-            f"# Mini reproduction of Table 2 (CPU)\n\nMade with:\n\n    {cmd}\n\n{table}\n\n"
-            + "\n".join(f"- {s}" for s in summary.splitlines()) + "\n")
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot([run_dirs[k] for k in results], str(args.plot), smooth_window=10,
+         title=f"mini Table 2 on {args.corpus.name}: {params / 1e6:.1f}M-param LLaMA, {tokens / 1e6:.2f}M tokens")
+    args.md.parent.mkdir(parents=True, exist_ok=True)
+    # absolute paths (the corpus) are shown by file name only: machine paths do not belong in docs
+    cmd = "python -m scripts.mini_repro " + " ".join(
+        os.path.basename(a) if a.startswith("/") else a for a in (argv or sys.argv[1:]))
+    args.md.write_text(
+        f"# Mini reproduction of Table 2 (CPU)\n\nMade with:\n\n    {cmd}\n\n{table}\n\n"
+        + "\n".join(f"- {s}" for s in summary.splitlines()) + "\n")
     return 0
 
 

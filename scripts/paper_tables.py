@@ -1,9 +1,7 @@
 """The paper's pre-training tables: their layout, how a run maps to a cell, and the published numbers.
 
-One spec per experiment preset (the `paper.table` key the presets in configs/experiment/ set), read by
-scripts/make_tables.py (our numbers beside the paper's) and scripts/memory_table.py. A run is placed by
-its resolved Hydra config: the row from the optimizer (method, density, rules...), the column from the
-model size, the schedule or the step at which the perplexity is read.
+One spec per experiment preset's `paper.table`, read by scripts/make_tables.py and scripts/memory_table.py:
+a run's row comes from its resolved optimizer config, its column from the model size, schedule or step.
 """
 from __future__ import annotations
 
@@ -73,21 +71,14 @@ _OWN_RULE = {"adamem": "adafactor_momentum", "fira": "adamw_hf", "frugal_muon": 
 
 
 def realised_density(opt: dict, start: dict | None) -> float | None:
-    """The density a run realised, from its start row (`density_realised`: the state-full share of the
-    projectable weights in the first window, logged by train.py from `optimizer.density_report()`);
-    None when the row has none (a run of an older version, or a method without a density)."""
+    """The start row's `density_realised` (train.py logs `optimizer.density_report()`'s), None if absent."""
     value = (start or {}).get("density_realised")
     return float(value) if isinstance(value, (int, float)) else None
 
 
 def _rho_label(opt: dict, start: dict | None = None) -> str:
-    """The density a row is labelled with: the requested one, unless the run realised another.
-
-    Blockwise selection rounds to whole blocks. With the authors' blocks (block_granularity=tensor,
-    round(rho x tensors) of them) a run is the paper's run of that rho, whatever share of the weights
-    its first window holds, and keeps the paper's label. With whole layers a rho the layers cannot
-    express (1/16, 1/8 of 12 layers) is realised as another density: the row then says so
-    ("rho=0.0833 (asked 0.0625)") and is not the paper's row (no difference is computed)."""
+    """The requested density, unless whole layers realised another ("0.0833 (asked 0.0625)": not the
+    paper's row); the authors' tensor blocks (block_granularity=tensor) keep the paper's label."""
     asked = float(opt.get("density", 0.25))
     got = realised_density(opt, start)
     blockwise = opt.get("projection", "block") == "block" and opt.get("block_granularity", "layer") != "tensor"
@@ -110,16 +101,14 @@ def method(opt: dict, start: dict | None = None) -> str:
     return f"{base}{extra}, rho={_rho_label(opt, start)}"
 
 
-def _size(cfg) -> str:
+def size_label(cfg) -> str:
     name = cfg["model"]["name"]
     return SIZE.get(name, name)
 
 
 def _projection(cfg, start=None) -> str:
-    """Table 1's rows. The two rows without a state-free update are GaLore's recipe (optimizer=galore:
-    state kept across projections, update scale 0.25) with the SVD or a random projection; a FRUGAL
-    run without a state-free update (state reset on a switch, scale 1) is no row of the paper and is
-    labelled as what it is."""
+    """Table 1's rows; those without a state-free update are GaLore's recipe (optimizer=galore), and a
+    FRUGAL run without one is labelled as no row of the paper."""
     opt = cfg["optimizer"]
     if opt["name"] == "adamw":
         return "AdamW"
@@ -137,13 +126,12 @@ def _projection(cfg, start=None) -> str:
 
 def _modules(cfg, start=None) -> str:
     mods = set(cfg["optimizer"].get("state_free_modules") or ())
-    names = {"norms": "RMSNorms", "embeddings": "Embeddings", "output": "Output layer"}
-    order = ["embeddings", "norms", "output"]
-    return ", ".join(["Linear"] + [names[m] for m in order if m in mods])
+    names = {"embeddings": "Embeddings", "norms": "RMSNorms", "output": "Output layer"}  # in the paper's order
+    return ", ".join(["Linear"] + [names[m] for m in names if m in mods])
 
 
 def _precision(cfg, start=None) -> str:
-    size = {"llama_1b": "1.3B"}.get(cfg["model"]["name"], _size(cfg))
+    size = {"llama_1b": "1.3B"}.get(cfg["model"]["name"], size_label(cfg))
     used = (start or {}).get("precision") or cfg["train"]["precision"]  # the start row's: auto resolved
     prec = {"bf16": "Pure bf16", "bf16-mixed": "Mixed Precision", "fp32": "fp32"}.get(used, used)
     return f"{size} {prec}"
@@ -169,12 +157,9 @@ def _density(cfg, start=None) -> str:
     return _rho_label(opt, start)
 
 
-# Each spec: title; row(cfg) -> label; columns: ("model", ...) reads the final perplexity and labels
-# the column by model size, ("steps", [s...]) reads the eval at each step; paper: {row: {col: ppl}};
-# model: the one model the table is about (None where the columns or rows name the model), so that a
-# run of another model printed under it is flagged; memory: the paper's memory column (GiB);
-# estimate: {row: configs/optimizer option} for a memory column computed by frugal.estimate_state_bytes
-# (tables whose memory the paper does not print).
+# Each spec: title; row(cfg, start) -> label; columns: ("model",) by model size, ("steps", [s...]) the eval
+# at each step, ("final", label); paper: {row: {col: ppl}}; model: the table's one model (others flagged);
+# memory: the paper's memory column (GiB); estimate: {row: optimizer option} for frugal.estimate_state_bytes.
 SPECS: dict[str, dict] = {
     "table1_projection": dict(
         model="llama_130m",
@@ -300,15 +285,10 @@ SPECS: dict[str, dict] = {
               "of the paper's tables use); the paper prints no numbers for the 0.01 runs",
         row=lambda c, s=None: f"{method(c['optimizer'], s)}, lr={c['optimizer'].get('lr'):g}", columns=("model",),
         paper={"GaLore, rho=0.25, lr=0.001": {k: v for k, v in TABLE2["GaLore, rho=0.25"].items()}}),
-            # Beyond the paper (configs/experiment/muon_table2like.yaml, docs/muon.md): no paper numbers, the
-    # rows listed so that the memory estimate of every cell shows before any run.
+    # Beyond the paper (configs/experiment/muon_table2like.yaml, docs/muon.md): rows listed for the estimates.
     "muon_table2like": dict(
         title="Beyond the paper: Muon as FRUGAL's state-full rule, Table 2's setting (no paper numbers)",
         row=lambda c, s=None: method(c["optimizer"], s), columns=("model",),
         paper={row: {size: None for size in ("60M", "130M", "350M")} for row in MUON_TABLE_OPTIMIZERS},
         estimate=MUON_TABLE_OPTIMIZERS),
 }
-
-
-def size_label(cfg) -> str:
-    return _size(cfg)

@@ -3,12 +3,9 @@
     python -m scripts.plot_runs multirun/2025-01-01/12-00-00 --out table15.png
     python -m scripts.plot_runs runs/a runs/b --out cmp.png --smooth 50 --logy
 
-Each curve is labelled by the values of the keys the runs differ in (what a sweep varied, from each run's
-`.hydra/overrides.yaml`), in short form: `density=0.25 update_gap=200 seed=1`. What every run shares (model,
-optimizer option, debug=toy) is the figure's title instead, unless --title gives one. Runs that differ in no
-override key (runs launched one by one) are labelled by method, rho and T, plus the model where it differs;
-two runs that would still look alike get their directory. Runs are found and read by train_utils.results,
-as for make_tables.py (directories holding metrics.jsonl, searched recursively).
+Runs are found by train_utils.results (as for make_tables.py). Each curve is labelled by the values of
+the keys the runs differ in (`density=0.25 update_gap=200 seed=1`; without any, by method, rho and T);
+what every run shares is the title unless --title gives one.
 """
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ from train_utils.results import asked_value, load_run, load_runs, runs_argument_
 
 
 def label(run: dict, swept: list[str], with_model: bool) -> str:
-    """`density=0.25 update_gap=200 seed=1`: the run's values of the keys the runs differ in (a key the
-    run does not have, AdamW's density, is left out; a value the run trained with instead of the one
-    asked, debug=toy's update gaps, says both: `update_gap=19 (asked 200)`); without any swept key, the
-    method with rho and T."""
+    """`density=0.25 update_gap=200 seed=1`: the run's values of the swept keys it has (one trained other
+    than asked says both: `update_gap=19 (asked 200)`); without any swept key, the method with rho and T."""
     short, values = short_labels(swept), []
     for key in swept:
         value, asked = asked_value(run, key)
@@ -52,8 +47,7 @@ def labels(runs: list[dict]) -> list[str]:
 
 
 def common_title(runs: list[dict]) -> str:
-    """What every run shares, for the title: the model, the optimizer option (when the runs differ in
-    neither), and the debug option (toy runs)."""
+    """What every run shares, for the title: the model, the optimizer option, the debug option."""
     parts = [next(iter(v)) for v in ({r["model"] for r in runs}, {r["option"] for r in runs}) if len(v) == 1]
     debug = {r["debug"] for r in runs}
     if len(debug) == 1 and None not in debug:
@@ -89,9 +83,8 @@ def plot(runs: list, out: str, smooth_window: int = 20, logy: bool = False, titl
 
 
 def figure(runs: list, smooth_window: int = 20, logy: bool = False, title: str = ""):
-    """The four panels (train loss and validation perplexity, against steps and tokens) of `runs`
-    (train_utils.results records, or run directories) as a pyplot figure on the Agg backend; the caller
-    closes it. Validation points are the records' evaluations (a step evaluated twice: the later)."""
+    """Train loss and validation perplexity against steps and tokens of `runs` (records or run directories)
+    as a pyplot figure on the Agg backend; the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,14 +96,12 @@ def figure(runs: list, smooth_window: int = 20, logy: bool = False, title: str =
         rows = read_metrics(str(Path(r["dir"]) / "metrics.jsonl"))
         train = [x for x in rows if "loss" in x and "event" not in x]
         evals = [r["evals"][step] for step in sorted(r["evals"])]
-        tokens_at = {x["step"]: x.get("tokens") for x in train}
+        tokens_at, color = {x["step"]: x.get("tokens") for x in train}, None
         if train:
             loss = smooth([x["loss"] for x in train], smooth_window)
             line, = axes[0][0].plot([x["step"] for x in train], loss, label=name, lw=1)
-            axes[0][1].plot([x.get("tokens", 0) for x in train], loss, color=line.get_color(), lw=1)
             color = line.get_color()
-        else:
-            color = None
+            axes[0][1].plot([x.get("tokens", 0) for x in train], loss, color=color, lw=1)
         if evals:
             axes[1][0].plot([x["step"] for x in evals], [x["val_ppl"] for x in evals], "o-", ms=3,
                             color=color, label=name)

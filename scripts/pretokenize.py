@@ -6,18 +6,9 @@
     # then train on them:
     python train.py experiment=table2 model=llama_130m data=tokens data.path=tokens/c4_t5_130m
 
-Sizes are counted as a run consumes them, after truncation: a run reads steps x batch-size rows (one
-document per row when truncating and padding, the paper's setting; seq_len ids of concatenated
-documents when packing) and scores every row's ids but the first. ``--steps`` defaults to the paper's
-step count for ``--model`` (configs/setup/paper.yaml), ``--batch-size`` to the paper's
-512, ``--val-tokens`` to the paper's 10M scored validation tokens; ``--train-rows`` sets the count
-directly. With a truncate-and-pad config (``data.packing=false``) the files hold the rows themselves
-(``--layout rows``: e.g. 255 text ids + ``</s>``, about half the size of whole documents);
-``--layout documents`` keeps whole documents, for packing or another seq_len.
-
-Positional ``key=value`` arguments override the data config (``data.path=...``, ``data.seq_len=...``)
-or the model config (``model.tokenizer=...``). The model config supplies the tokenizer
-(``${model.tokenizer}``) and the vocabulary the ids must fit (T5 sentinels are mapped to unk).
+Sizes are counted as a run consumes them, after truncation (docs/data_pipeline.md); the defaults are
+the paper's (configs/setup/paper.yaml). Positional ``key=value`` arguments override the data config
+(``data.path=...``) or the model config, which supplies the tokenizer and the vocabulary the ids must fit.
 """
 from __future__ import annotations
 
@@ -61,15 +52,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default="c4", help="configs/data/<name>.yaml or a yaml file")
     ap.add_argument("--model", default="llama_60m", help="configs/model/<name>.yaml (tokenizer, vocab; paper steps)")
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="optimizer steps of the run (default: the paper's for --model)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (default: the paper's)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the paper's 512)")
     ap.add_argument("--train-rows", type=int, default=None, help="rows to write (default: steps x batch size)")
-    ap.add_argument("--val-tokens", type=int, default=None,
-                    help="scored validation tokens (default: the paper's train.eval_tokens, 10M)")
+    ap.add_argument("--val-tokens", type=int, default=None, help="scored validation tokens (default: the paper's 10M)")
     ap.add_argument("--layout", default="auto", choices=LAYOUTS,
-                    help="rows (truncate-and-pad rows as read) | documents (whole documents) | auto: rows "
-                         "unless the config packs")
+                    help="rows (truncate-and-pad rows as read) | documents | auto: rows unless the config packs")
     ap.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     ap.add_argument("overrides", nargs="*", help="data.KEY=VALUE or model.KEY=VALUE")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options

@@ -1,10 +1,6 @@
-"""The sweep view of scripts/make_tables.py (`--pivot ROW_KEY COL_KEY`), over train_utils.results' records: a
-grid of final validation perplexity over two keys of a sweep, each cell the mean over the runs that share its
-row and column (seeds, usually) with their min-max and count; nothing is dropped. Rows and columns are
-labelled with what the runs report they realised (their start row), not only with what was asked: a
-requested density of 0.125 that the blocks realise as 4 of 28 tensors is the row 0.1429. Notes under the
-grid name every other key that differs inside a cell, cells that count one seed twice, cells that are one
-run repeated, unfinished runs and differing final steps."""
+"""The sweep view of scripts/make_tables.py (`--pivot ROW_KEY COL_KEY`): final validation perplexity over
+two keys of a sweep, each cell the mean (min-max, n) of its runs, labelled with what the runs realised;
+notes under the grid name what a cell's mean hides. docs/results.md."""
 from __future__ import annotations
 
 import math
@@ -34,8 +30,7 @@ class PivotKeyError(ValueError):
 
 
 def pivot_key(runs: list[dict], key: str) -> str:
-    """The key `--pivot` names: as given (an override's leading + or ~ dropped), or the one key the runs
-    differ in whose last part it is (`density` for optimizer.density)."""
+    """The key `--pivot` names (leading + or ~ dropped), or the one swept key it ends ("density")."""
     key = key.lstrip("+~")
     if any(lookup(r, key) is not None for r in runs):
         return key
@@ -48,11 +43,8 @@ def pivot_key(runs: list[dict], key: str) -> str:
 
 
 def realised(run: dict, key: str, asked: str) -> dict | None:
-    """What the run realised for `key`, None when nothing tells: {"text", "number" (to sort by), "names"
-    (the text names the request already), "how" (for the note under the grid)}. `optimizer.X` from the
-    start row's `X_realised` (the density the optimizer's blocks realise), an update gap the run never
-    reaches (no switch), the model with the parameter count it built, an `auto` train.X from the start
-    row's X (the micro-batch, the precision it resolved to)."""
+    """What the run realised for `key` (its start row's X_realised, no switch, the model's parameters, what
+    `auto` resolved to), None when nothing tells: {"text", "number", "names" (the request), "how"}."""
     start, leaf = run.get("start") or {}, key.rsplit(".", 1)[-1]
     got = start.get(f"{leaf}_realised")
     if key.startswith("optimizer.") and isinstance(got, (int, float)):
@@ -71,8 +63,7 @@ def realised(run: dict, key: str, asked: str) -> dict | None:
 
 
 def axis_value(run: dict, key: str) -> dict:
-    """Where a run sits on a pivot axis: its label text, the number it sorts by, the value asked, whether
-    that differs from the label, and k/L state-full blocks for a density."""
+    """A run on a pivot axis: label text, number to sort by, value asked, whether they differ, k/L blocks."""
     value, request = asked_value(run, key)
     if value is None:
         return {"text": "unset", "number": None, "asked": "unset", "differs": False, "blocks": None}
@@ -105,10 +96,9 @@ def _axis(runs: list[dict], key: str) -> tuple[dict[str, str], list[str], dict[s
 
 
 def pivot(runs: list[dict], row_key: str, col_key: str) -> dict:
-    """The sweep view of `runs`: rows by `row_key`, columns by `col_key` (override keys: optimizer.density,
-    train.seed, model...); raises PivotKeyError for a key no run has. `cells`: a DataFrame indexed by (row,
-    column), the runs' final validation perplexity's mean, min, max and count n (runs without a finite number
-    yet, no evaluation or a diverged inf/nan, are counted apart), unfinished runs, final steps and run dirs."""
+    """The sweep view of `runs` over two override keys (PivotKeyError for a key no run has). `cells`: a
+    DataFrame by (row, column) of the final perplexity's mean, min, max, n (no eval and non-finite apart),
+    unfinished runs, final steps and run dirs."""
     import pandas as pd
 
     row_key, col_key = pivot_key(runs, row_key), pivot_key(runs, col_key)
@@ -174,8 +164,7 @@ def _pivot_notes(runs: list[dict], frame, cells, row_key: str, col_key: str) -> 
 
 
 def _repeated_across_cells(runs: list[dict], cell_of: dict[str, tuple[str, str]]) -> list[str]:
-    """Cells whose runs are one run repeated (train_utils.results.repeats: identical configs once realised), such
-    as the update gaps a toy run never reaches: their numbers are no comparison."""
+    """Cells whose runs are one run repeated (train_utils.results.repeats): their numbers are no comparison."""
     twins = repeats(runs)
     spans: dict[tuple, int] = defaultdict(int)  # the cells one run spans -> for how many seeds
     for n in set(twins.values()):
@@ -233,8 +222,7 @@ def pivot_csv(grid: dict) -> str:
 
 
 def pivot_figure(grid: dict):
-    """The grid as a heatmap (a matplotlib Figure on the Agg canvas): colour = mean perplexity (lighter is
-    lower), each cell annotated with its mean, min-max and n; grey = no run."""
+    """The grid as a heatmap (a Figure on the Agg canvas), each cell annotated; grey = no run."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg

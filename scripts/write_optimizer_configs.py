@@ -1,17 +1,11 @@
 """Write configs/optimizer/<entry>.yaml for every entry of frugal's optimizer registry.
 
-Each file shows every key the entry takes with its default, as `frugal.registry.defaults(entry)`
-lists them (the subspace seed follows the run's: `seed: ${train.seed}`), so a reader finds
-`density: 0.25` where one edits it and the configs compose with plain Hydra. The comment block at
-the top of an existing file (what the method is, where its values come from) is kept; the keys
-below it are rewritten. An entry added to the registry gets a file on the next run.
+Each file lists every key of `frugal.registry.defaults(entry)` (the subspace seed: `${train.seed}`)
+below the file's hand-written comment block, which is kept. Options that change a few keys
+(frugal_lion.yaml, ...) are written by hand; tests/test_config.py checks the generated files.
 
     python -m scripts.write_optimizer_configs           # (re)write the files
     python -m scripts.write_optimizer_configs --check   # exit 1 if a file is not what it would write
-
-Options that change a few keys of an entry (frugal_lion.yaml, galore_original.yaml, ...) are written
-by hand: a defaults list naming the entry's file, then what they change. tests/test_config.py checks
-that the files are what this script writes.
 """
 from __future__ import annotations
 
@@ -40,8 +34,7 @@ def config_values(entry: str) -> dict:
 
 
 def _header(path: Path, entry: str) -> list[str]:
-    """The hand-written comment block above the generated keys (the registry's one-line description
-    for a new file)."""
+    """The hand-written comment block above the generated keys (new file: the registry's description)."""
     if not path.is_file():
         return [f"# {entry}: {registry._ENTRIES[entry].doc}."]
     lines = []
