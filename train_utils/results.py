@@ -1,9 +1,7 @@
-"""Runs as records: what train.py left in each run directory (`metrics.jsonl`, Hydra's `.hydra/`), read
-one way for every program that reports on runs (scripts/make_tables.py and its `--pivot` view in
-scripts/sweep_view.py, a pandas groupby of these records; scripts/plot_runs.py; ops/sweep_status.py, which
-reads only the end of a live run's files, takes `final_evaluation`) and for a table of your own (docs/results.md):
+"""Runs as records: what train.py left in each run directory (`metrics.jsonl`, `.hydra/`), read one way
+by every program that reports on runs (scripts/make_tables.py, sweep_view.py, plot_runs.py,
+ops/sweep_status.py) and for a table of your own (docs/results.md):
 
-    from train_utils.results import load_runs
     for run in load_runs(["multirun/table15"]):
         print(run["swept"], run["density_realised"], run["final_ppl"], run["state_bytes"])
 """
@@ -61,12 +59,10 @@ def find_runs(paths: list[str], tool: str = "make_tables") -> list[Path]:
             runs.extend(sorted(m.parent for m in p.rglob("metrics.jsonl")))
         else:
             print(f"{tool}: no run at {p} (expected a directory with metrics.jsonl)", file=sys.stderr)
-    seen, out = set(), []
+    unique: dict = {}
     for r in runs:
-        if r.resolve() not in seen:
-            seen.add(r.resolve())
-            out.append(r)
-    return out
+        unique.setdefault(r.resolve(), r)
+    return list(unique.values())
 
 
 def evaluations(rows: list[dict]) -> dict[int, dict]:
@@ -207,9 +203,8 @@ def same_value(a, b) -> bool:
 
 
 def asked_value(run: dict, key: str) -> tuple[str | None, str | None]:
-    """(the run's value of `key` in its saved config, the command line's request where that differs):
-    debug=toy writes the values its run trains with into the config (update gaps fitted to 200 steps),
-    and the request stays in overrides.yaml."""
+    """(the run's saved-config value of `key`, the command line's request where that differs: debug=toy
+    writes the values it trains with into the config, the request stays in overrides.yaml)."""
     value = lookup(run, key)
     asked = run["overrides"].get(key)
     if key not in run["choices"] and _is_node(run, key):
@@ -237,8 +232,7 @@ def no_switch(conf) -> bool:
 
 def realised_config(run: dict) -> str:
     """The run's resolved config without its names (model.name, paper, wandb), with what its optimizer
-    realised in place of what was asked (the density of its blocks; an update gap the run never reaches
-    is no switch at all): two runs with the same text trained the same thing."""
+    realised (its blocks' density; "no switch"): two runs with the same text trained the same thing."""
     cfg = json.loads(json.dumps(run["config"], default=str))
     for key in NAME_KEYS:
         cfg.pop(key, None)
@@ -253,9 +247,8 @@ def realised_config(run: dict) -> str:
 
 
 def repeats(runs: list[dict]) -> dict[str, int]:
-    """{run dir: group number} for runs that are one run repeated (realised_config): toy runs make them,
-    where debug=toy leaves cells differing only in a model's name or in update gaps the short run never
-    reaches. Numbered 1, 2, ... in the runs' order; runs without a twin are not in the result."""
+    """{run dir: group number 1, 2, ...} for runs that are one run repeated (same realised_config, as
+    debug=toy makes them); runs without a twin are not in the result."""
     groups: dict[str, list[str]] = defaultdict(list)
     for r in runs:
         groups[realised_config(r)].append(r["dir"])
