@@ -42,16 +42,11 @@ def scheduled_density(step: int, *, start: float, end: float, steps: int, kind: 
 
 
 class WindowClock:
-    """Which window each step belongs to when the update gap may change between windows.
-
-    ``tick(step)`` is called with the 0-based step about to be taken and moves the clock to the
-    window holding it. At each window change the finished window's mean loss (``observe``) goes to
-    the ``plateau`` controller, whose answer is the new window's gap; ``blocks(start)``, the number
-    of state-full blocks of the window starting at ``start``, advances the block walk's ``offset``
-    (a density schedule changes that number). With a constant gap the window is exactly
-    ``step // update_gap``. The state is plain numbers (``state_dict``), kept by the optimizer in
-    its first param group, so ``optimizer.state_dict()`` resumes the same windows.
-    """
+    """Which window each step belongs to when the update gap may change between windows (module
+    docstring). ``tick(step)`` moves the clock to the window holding the 0-based step about to be taken;
+    at a window change the finished window's mean loss goes to ``plateau`` for the new gap, and
+    ``blocks(start)`` (the state-full blocks of the new window) advances the block walk's ``offset``.
+    With a constant gap the window is ``step // update_gap``; the state is plain numbers."""
 
     def __init__(self, update_gap: int):
         _check_gap(update_gap)
@@ -94,14 +89,10 @@ class WindowClock:
 
 
 class PlateauGap:
-    """Grow the update gap when the loss stops improving (observed once per window).
-
-    ``observe(loss, gap)`` takes the window's loss (the same value on every rank: the all-reduced
-    mean) and the current gap, and returns the gap for the next window. The loss is smoothed by an
-    EMA (``smoothing``); a window counts as an improvement when the EMA is below
-    ``(1 - threshold)`` times the best EMA so far; after ``patience`` windows without one the gap is
-    multiplied by ``factor`` (capped at ``max_gap``) and the count restarts.
-    """
+    """Grow the update gap when the loss stops improving: ``observe(loss, gap)`` takes a window's loss
+    (the same on every rank) and returns the next window's gap. An EMA of the loss (``smoothing``) below
+    ``(1 - threshold)`` times the best so far is an improvement; after ``patience`` windows without one
+    the gap is multiplied by ``factor`` (capped at ``max_gap``) and the count restarts."""
 
     def __init__(self, *, patience: int = 3, threshold: float = 0.01, factor: float = 2.0,
                  max_gap: int = 1000, smoothing: float = 0.0):

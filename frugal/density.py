@@ -40,20 +40,11 @@ def _census(optimizer) -> tuple[int, int, int, float]:
 
 def density_report(optimizer) -> dict:
     """The density asked for and the one realised in the next step's window (``FRUGAL.density_report``):
-
-    - ``requested``: the ``density`` setting (averaged over projectable elements);
-    - ``realised``: the density as the paper defines it for this projection. Block projection
-      (every projectable group): k / L, the share of state-full blocks (Appendix D: "the ratio of
-      the number of active blocks to the total number of blocks"); so with
-      ``block_granularity="tensor"`` on LLaMA-130M, density 1/16 realises 5/84 exactly. Other
-      projections: the state-full share of projectable elements;
-    - ``unit``: the share one selection unit moves (one block: 1/L; column/row/randk/rank: one
-      column/row/element/rank of every tensor); rounding to whole units is expected, more than
-      half a unit off is worth a warning;
-    - ``state_full_share``: the state-full share of projectable elements (``state_full_fraction()``;
-      for blocks of unequal size it differs from ``realised``);
-    - ``blocks``: ``[k, L]`` for block projection, else None.
-    """
+    ``requested`` (the ``density`` setting averaged over projectable elements); ``realised``, as the paper
+    defines it: k / L state-full blocks for block projection (Appendix D), else the state-full share of
+    projectable elements; ``unit``, the share one selection unit (block, column, row, element, rank) moves
+    (more than half a unit off is worth a warning); ``state_full_share`` (``state_full_fraction()``);
+    ``blocks``: ``[k, L]`` for block projection, else None."""
     total, full, units, asked = _census(optimizer)
     share = full / total if total else 0.0
     report = {"requested": asked, "realised": share, "unit": units / total if total else 0.0,

@@ -1,11 +1,7 @@
-"""FRUGAL's hyperparameters: their valid choices and checks, declared once.
-
-The defaults are the keyword defaults of `FRUGAL.__init__` (the constructor people read in their
-editor) and the rules' own options (`StateFullRule.options`, `StateFreeRule.options`: a rule checks
-its own, `validate_options`); `frugal.registry.defaults` lists them per entry. The named options, the one validator
-and the checks of a whole param group (its settings together, and its tensors) live here. The
-optimizer, the registry (`build_optimizer`), the memory estimate and the training configs all use
-these, so a bad value is reported the same way wherever it enters.
+"""FRUGAL's hyperparameters: their valid choices and checks, declared once, so a bad value is reported
+the same way wherever it enters (optimizer, registry, memory estimate, configs). The defaults are
+`FRUGAL.__init__`'s keyword defaults and the rules' own options (each rule checks its own,
+`validate_options`); `frugal.registry.defaults` lists them per entry.
 """
 from __future__ import annotations
 
@@ -88,11 +84,9 @@ def _integer(key: str, value, low: int | None = None) -> int:
 
 
 def validate(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """Check and normalise the FRUGAL hyperparameters present in `hparams` (others pass through).
-
-    Returns a new dict: numbers as float/int, betas as a tuple. Raises HyperparameterError naming
-    the key, the value and the valid range or choices.
-    """
+    """Check and normalise the FRUGAL hyperparameters present in `hparams` (others pass through): a new
+    dict, numbers as float/int, betas a tuple. Raises HyperparameterError naming the key, the value and
+    the valid range or choices."""
     out = dict(hparams)
     for rule in (*STATE_FULL.values(), *STATE_FREE.values()):  # the rules' own options (Muon's ns_steps, ...)
         if rule.validate_options is not None:

@@ -173,16 +173,13 @@ class FRUGAL(Optimizer):
                  **options):
         # a model, named or plain tensors: see grouping.py (a model with state_full "muon": AdamW on the rest)
         params = grouping.resolve_params(params, state_full=state_full)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        density=density, update_gap=update_gap, projection=projection,
-                        state_full=state_full, state_free=state_free,
-                        state_free_lr_scale=state_free_lr_scale,
-                        projectable_lr_scale=projectable_lr_scale, reset_state=reset_state,
-                        block_order=block_order, block_granularity=block_granularity, window_offset=window_offset,
-                        momentum=momentum, seed=seed,
-                        subspace_momentum=subspace_momentum, error_feedback=error_feedback,
-                        svd_signs=svd_signs, density_schedule=density_schedule, density_end=density_end,
-                        density_steps=density_steps, update_gap_growth=update_gap_growth,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, density=density,
+                        update_gap=update_gap, projection=projection, state_full=state_full, state_free=state_free,
+                        state_free_lr_scale=state_free_lr_scale, projectable_lr_scale=projectable_lr_scale,
+                        reset_state=reset_state, block_order=block_order, block_granularity=block_granularity,
+                        window_offset=window_offset, momentum=momentum, seed=seed, subspace_momentum=subspace_momentum,
+                        error_feedback=error_feedback, svd_signs=svd_signs, density_schedule=density_schedule,
+                        density_end=density_end, density_steps=density_steps, update_gap_growth=update_gap_growth,
                         plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
                         max_update_gap=max_update_gap, stochastic_rounding=stochastic_rounding,
                         state_precision=state_precision, master_weights=master_weights, foreach=foreach)
@@ -241,26 +238,22 @@ class FRUGAL(Optimizer):
         self._layout = None
 
     def materialize_state(self, step: int) -> None:
-        """Set the step counter to ``step`` and give every tensor that holds state after ``step``
-        steps its state, zero-filled, in the shapes a checkpoint of that step holds: for loading
+        """Give every tensor the state, zero-filled, that a checkpoint of step ``step`` holds, for loading
         with torch.distributed.checkpoint (``state_management.materialize_state``)."""
         state_management.materialize_state(self.state, self.param_groups, self._get_layout(), step)
         self._events = []  # replaying the windows up to ``step`` is not news for the training log
 
     # ---- events and the loss (opt-in schedules) ----------------------------------------------
     def observe_loss(self, loss: float) -> None:
-        """Record one training loss (a float, the same on every data-parallel rank: the all-reduced
-        mean) for the plateau-growing update gap. Call it once per step; without
-        ``update_gap_growth`` > 1 it does nothing. A window's gap is decided from the mean of the
-        losses recorded since the previous window change, so the decisions are the same on every
-        rank and after a resume (the sums are part of ``state_dict()``)."""
+        """Record one training loss (the same on every rank: the all-reduced mean), once per step, for the
+        plateau-growing update gap (a no-op without ``update_gap_growth`` > 1). The sums are part of
+        ``state_dict()``, so every rank and a resumed run decide the same gaps."""
         self._get_layout().observe_loss(self.param_groups[0], loss)
 
     def pop_events(self) -> list[dict]:
-        """Changes made by the opt-in schedules since the last call, oldest first, for the training
-        log: ``{"event": "density", "window", "density"[, "state_full_blocks"]}`` when a density
-        schedule changes the density of a new window, and ``{"event": "update_gap", "window",
-        "update_gap", "previous_update_gap", "window_loss"}`` when a plateau grows the gap."""
+        """The opt-in schedules' changes since the last call, oldest first: ``{"event": "density", "window",
+        "density"[, "state_full_blocks"]}`` and ``{"event": "update_gap", "window", "update_gap",
+        "previous_update_gap", "window_loss"}``."""
         events, self._events = self._events, []
         return events
 
@@ -294,8 +287,8 @@ class FRUGAL(Optimizer):
         return None if layout.blocks is None else sorted(self._window(self.step_count, commit=False).active)
 
     def state_full_fraction(self) -> float:
-        """Share of projectable elements that are state-full in the next step's window (the census itself:
-        a subclass that reports the density otherwise keeps this share)."""
+        """Share of projectable elements state-full in the next step's window (the census, whatever a
+        subclass's ``density_report`` says)."""
         return FRUGAL.density_report(self)["state_full_share"]
 
     def density_report(self) -> dict:

@@ -1,15 +1,11 @@
 """Learning-rate schedules of the paper, as multipliers of the peak LR for `LambdaLR`.
 
-The paper's pre-training default (Appendix A.1, from the GaLore recipe) is cosine with restarts:
-every cycle of `cycle_length` steps starts with a linear warmup over `warmup_fraction` of the cycle
-and then decays along a cosine to `min_lr_ratio` of the peak; the next cycle warms up again. A fresh
-warmup after each restart matters for FRUGAL: a restart is a sudden LR jump for the signSGD part,
-whose step size does not shrink with the gradient.
-
-Warmup is linear from 0 (the first step of every cycle has multiplier 0, like the reference code's
-near-zero first steps). Each schedule is a pure function `step -> multiplier`; the lambdas are
-`functools.partial` objects of module-level functions, so they pickle and `LambdaLR.state_dict()`
-holds plain numbers only.
+The paper's pre-training default (Appendix A.1, GaLore's recipe) is cosine with restarts: each cycle
+of `cycle_length` steps warms up linearly from 0 over `warmup_fraction` of it (the first step's
+multiplier is 0), then decays along a cosine to `min_lr_ratio` of the peak. The re-warmup matters for
+FRUGAL: a restart is a sudden LR jump for signSGD, whose step does not shrink with the gradient. Each
+schedule is a pure `step -> multiplier`, a `functools.partial` of a module-level function, so it
+pickles and `LambdaLR.state_dict()` holds plain numbers only.
 """
 from __future__ import annotations
 

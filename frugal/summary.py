@@ -1,15 +1,13 @@
 """`frugal.describe(model_or_optimizer)`: which tensors FRUGAL splits, and what that costs.
 
-A readable table, one row per tensor (name, shape, parameters, role), then the projectable share,
-the share of it that is state-full in the current window (whole blocks, so it is the density
-rounded to whole layers) and the optimizer state this implies against AdamW's:
+A table, one row per tensor (name, shape, parameters, role), then the projectable share, its
+state-full share in the current window and the optimizer state this implies against AdamW's:
 
     >>> print(frugal.describe(model, density=0.25))       # what FRUGAL(model, density=0.25) will do
     >>> print(frugal.describe(optimizer, model=model))    # what an existing optimizer does now
 
-The state figure counts the state-full rule's moments as they are stored (the parameters' dtype, or
-``state_precision``; AdamW: two per state-full value); `frugal.state_bytes(optimizer)` measures the
-real bytes after a step.
+The state figure counts the rule's moments as stored (``state_precision``); `frugal.state_bytes`
+measures the real bytes after a step.
 """
 from __future__ import annotations
 

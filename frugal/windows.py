@@ -1,15 +1,12 @@
 """Which tensors are state-full in a step's window (phase 1 of ``FRUGAL.step``).
 
-A tensor's role in a step is ``FULL`` (the state-full rule on the whole tensor: non-projectable
-tensors, the active blocks of a block projection), ``FREE`` (the state-free rule on the whole
-tensor: inactive blocks, ``always_state_free`` groups) or ``SPLIT`` (the other projections).
-``Layout`` holds what decides it and changes only with the param groups: each parameter's position
-(the key of its random subspace), its block and the settings every block-projected group shares.
-``Layout.window`` gives a step's window (``(step + window_offset) // update_gap`` and its state-full
-blocks); ``Layout.tensors`` walks every parameter with its role in it. The opt-in schedules (a density
-schedule, a growing update gap) move windows by a clock instead: ``frugal.adaptive.ClockedLayout``
-overrides the three places a window's index, density and group are read. The step, the density
-report and ``materialize_state`` all read roles from here, so they cannot disagree about a window.
+A tensor's role in a step is ``FULL`` (non-projectable tensors, active blocks), ``FREE`` (inactive
+blocks, ``always_state_free`` groups) or ``SPLIT`` (the other projections). ``Layout`` (rebuilt only
+when the param groups change) holds each parameter's position (its subspace key), its block and the
+settings block-projected groups share; ``Layout.window`` gives a step's window (``(step +
+window_offset) // update_gap`` and its state-full blocks), ``Layout.tensors`` every parameter's role
+in it. The opt-in schedules move windows by a clock (``frugal.adaptive.ClockedLayout``). The step, the
+density report and ``materialize_state`` all read roles from here, so they cannot disagree.
 """
 from __future__ import annotations
 
