@@ -291,12 +291,6 @@ def submitit_error(result: Path) -> str | None:
     return text if text.startswith("error:") else f"{type(err).__name__}: {text}".rstrip(": ")
 
 
-def submitit_record(paths: tuple[Path, Path] | None) -> tuple[str, str] | None:
-    """("error", why) when submitit recorded the job's failure (see submitit_error), else None."""
-    error = submitit_error(paths[0]) if paths is not None else None
-    return ("error", error) if error is not None else None
-
-
 def total_steps(run_dir: Path) -> int | None:
     try:
         return int(OmegaConf.select(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), "train.steps"))
@@ -326,7 +320,9 @@ def job_status(job: Job, hydra_cfg: dict, sweep: Path, now: float, stale_after_s
     stale = "running" if out["idle_s"] <= stale_after_s else "stalled"
     if lock == "held":  # alive on this host: running, unless it has hung
         return {**out, "state": stale}
-    kind, text = last_record(run_dir) or submitit_record(submitit) or (None, None)
+    kind, text = last_record(run_dir) or (None, None)
+    error = submitit_error(submitit[0]) if kind is None and submitit is not None else None
+    kind, text = ("error", error) if error is not None else (kind, text)
     if kind == "error":
         return {**out, "state": "failed", "error": text}
     if kind == "stopped" or (rows and rows[-1].get("event") == "preempted"):
@@ -409,10 +405,6 @@ def report_lines(statuses: list[dict], keys: list[str]) -> list[str]:
     return [f"{n:<{wn}}  {label:<{wl}}  {s['state']:<{ws}}  {detail(s)}" for n, label, s in zip(nums, labels, statuses)]
 
 
-def counts_of(statuses: list[dict]) -> dict[str, int]:
-    return {state: sum(s["state"] == state for s in statuses) for state in STATES}
-
-
 def exit_code(counts: dict[str, int]) -> int:
     if counts["failed"] or counts["stalled"]:
         return EXIT_FAILED
@@ -457,7 +449,7 @@ def main(argv=None) -> int:
         return EXIT_NOT_A_SWEEP
     now = time.time()
     statuses = [job_status(job, hydra_cfg, sweep, now, args.stale_after * 60) for job in jobs]
-    counts = counts_of(statuses)
+    counts = {state: sum(s["state"] == state for s in statuses) for state in STATES}
     code, note = exit_code(counts), orphan_note(hydra_cfg, sweep, jobs, counts)
     if args.json:
         for status in statuses:  # the swept values apart from the job's other overrides

@@ -1,19 +1,12 @@
 """hydra/launcher=local with a console: where each job runs, and each job's result as it ends.
 
-hydra-submitit-launcher's `submitit_local` starts every job of a sweep at once, each in its own
-processes whose output goes to submitit's log files (`<sweep dir>/.submitit/<job id>/`), then waits
-for all of them without a word. `LocalLauncher` (configs/hydra/launcher/local.yaml's `_target_`) is
-that launcher with two additions in the launching process, the one whose console the user watches:
-
-- before the jobs start, a line per job: its run dir and the command to follow it (`tail -F` on its
-  train.log, which train.py writes as the job's console);
-- while they run, a thread looks every second for the result file submitit writes when a job's first
-  task ends, and prints the job's one-line result: steps, validation loss and time from its
-  metrics.jsonl, or its error and where the job's full output is.
-
-Nothing changes in the jobs themselves: the launching and waiting are the plugin's own (`super().launch`).
-Hydra instantiates a launcher only from a `hydra_plugins` package, hence this one's place. It imports
-neither torch nor the repository's packages: Hydra imports it whenever it scans its plugins.
+hydra-submitit-launcher's `submitit_local` starts every job at once and sends their output to
+submitit's log files (`<sweep dir>/.submitit/<job id>/`) without a word. `LocalLauncher`
+(configs/hydra/launcher/local.yaml's `_target_`) adds, in the launching process: before the jobs
+start, a line per job (its run dir, `tail -F` on its train.log); as each job's first task ends (its
+result file, looked for every second), its steps, validation loss and time, or its error and where
+its full output is. The jobs themselves are unchanged (`super().launch`). Hydra imports this module
+whenever it scans its plugins: it imports neither torch nor the repository's packages.
 """
 from __future__ import annotations
 

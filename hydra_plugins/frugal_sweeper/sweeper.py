@@ -1,16 +1,11 @@
 """Hydra's basic sweeper, with the command line winning over a preset's sweep of the same key.
 
-A preset sweeps with `hydra.sweeper.params` (`optimizer.update_gap: 10,20,50,...`); the command line
-may sweep the same key again to narrow it (`-m experiment=table15_update_gap optimizer.update_gap=10,20`:
-two jobs). Hydra's BasicSweeper keys its sweep on the override's text, prefix included, and train.py
-writes a plain key override that some option of its group does not declare as a force-add
-(`++optimizer.update_gap=10,20`, so that a mistyped key gets the project's one-line error:
-`train_utils.schema.force_add_key_overrides`). To the basic sweeper the two are different keys, and it
-ran their product (14 jobs, each with the command line's value). This sweeper keys on the bare key
-(`+`/`++` set aside): the later override, the command line's, replaces the preset's in place, so the
-jobs keep the numbering the preset's order gives. Everything else is the basic sweeper's.
-
-It imports neither torch nor the repository's packages: Hydra imports it whenever it scans its plugins.
+`-m experiment=table15_update_gap optimizer.update_gap=10,20` is two jobs. train.py writes the command
+line's key as a force-add (`++optimizer.update_gap=10,20`, `train_utils.schema.force_add_key_overrides`),
+which BasicSweeper, keying on the override's text, took for another key than the preset's
+`hydra.sweeper.params` one (their product ran). This sweeper keys on the bare key: the later override
+replaces the earlier one in place, so the jobs keep the preset's numbering. Like every plugin it
+imports neither torch nor the repository's packages (Hydra imports it when it scans its plugins).
 """
 from __future__ import annotations
 
