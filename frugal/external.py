@@ -1,16 +1,14 @@
 """What users pick instead of FRUGAL today, as registry entries: APOLLO and Adam-mini.
 
-`build_optimizer(model, "apollo")` and `build_optimizer(model, "adam_mini")` wrap the reference
-packages (optional extras: `pip install frugal-optim[apollo]` / `[adam-mini]`), so the presets,
-the memory column and the tables compare FRUGAL with them at equal memory. The packages are imported
-only when an optimizer is built; their analytic state sizes below need neither.
+`build_optimizer(model, "apollo" / "adam_mini")` wraps the reference packages (optional extras:
+`pip install frugal-optim[apollo]` / `[adam-mini]`), imported only when an optimizer is built (the
+analytic state sizes below need neither), to compare FRUGAL with them at equal memory.
 
 apollo (Zhu et al. 2024, "APOLLO: SGD-like Memory, AdamW-level Performance", arXiv:2412.05270;
 package apollo-torch). AdamW moments of a random projection of each projectable weight's gradient
-set a per-channel (or per-tensor) scale for the raw gradient; Fira's norm-growth limiter is on.
-The projectable weights are FRUGAL's (`param_groups`: the matrix weights in the transformer blocks);
-the rest is plain AdamW. Rank r = round(density * min(m, n)) per matrix, as for `galore`, so
-`density` means the same memory budget across entries; `rank` fixes one rank for all (APOLLO-Mini:
+set a per-channel (or per-tensor) scale for the raw gradient; Fira's norm-growth limiter is on. The
+projectable weights are FRUGAL's (`param_groups`), the rest plain AdamW. Rank r = round(density *
+min(m, n)) per matrix, as for `galore` (the same memory budget); `rank` fixes one for all (APOLLO-Mini:
 rank=1, scale_type="tensor", scale=128). Defaults follow the authors' pre-training scripts
 (lr 0.01, channel scaling, random projection refreshed every 200 steps, scale 1) and the package's
 eps 1e-6. Per m x n matrix it holds the moments (max(m, n) x r each), the projection
@@ -24,8 +22,8 @@ the package from parameter names (`_ADAM_MINI_NAMES` restates its partition so t
 no import; a test checks it against the package). `dim`, `n_heads`, `n_kv_heads` default to the
 model's `config` (hidden size, attention heads, key/value heads). Defaults are the package's.
 
-Both wrappers keep `optimizer.state_dict()` loadable with `torch.load(weights_only=True)`: APOLLO
-keeps a projector object per tensor, which is saved as a dict of its fields and rebuilt on load.
+Both keep `state_dict()` loadable with `torch.load(weights_only=True)` (APOLLO's projector objects are
+saved as dicts of their fields and rebuilt on load).
 """
 from __future__ import annotations
 

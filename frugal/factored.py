@@ -104,13 +104,10 @@ def adafactor_momentum_direction(grad: Tensor, exp_avg: Tensor, row: Tensor, col
                                  beta1: float, beta2: float, eps: float, beta2_decay: float | None = None,
                                  clip_threshold: float | None = None) -> Tensor:
     r"""AdaMeM's state-full rule on one (reduced) tensor: Adafactor with momentum, as a direction.
-
     :math:`m \leftarrow \beta_1 m + (1-\beta_1) g`; the factors :math:`r, c` take :math:`g^{\odot 2}`;
     returns ``clip((m / (1 - beta1**step)) / (sqrt(V_hat) + eps))`` (the step is ``-lr`` times it).
-    ``step`` counts the steps since this state was (re)initialised, 1 on the first (bias correction
-    restarts with the state, as in FRUGAL's AdamW rule); an int or a 0-d tensor. State: ``exp_avg``
-    (shape of ``grad``), ``row``, ``col``.
-    """
+    ``step`` (int or 0-d tensor) counts from 1 since the state was (re)initialised. State: ``exp_avg``
+    (shape of ``grad``), ``row``, ``col``."""
     exp_avg.lerp_(grad, 1.0 - beta1)
     update_factors_(row, col, grad, decay_weight(step, beta2, beta2_decay))
     v = factored_variance(row, col, second_moment_correction(step, beta2, beta2_decay))

@@ -63,10 +63,8 @@ def grad_norm(params) -> Tensor:
 
 
 def waiting_numel(optimizer, clipping: bool = True) -> int:
-    """Elements whose gradients wait for ``optimizer.step()`` at the end of the next step's backward
-    (with ``clipping``: every tensor whose rule is not ``scale_invariant``; without: none). The
-    memory planner counts these gradients as held; block windows keep the count from window to
-    window."""
+    """Elements whose gradients wait for ``optimizer.step()`` after the next step's backward (with
+    ``clipping``: every tensor whose rule is not ``scale_invariant``): gradients the planner counts as held."""
     if not clipping:
         return 0
     layout = optimizer._get_layout()
@@ -153,9 +151,8 @@ class StepInBackward:
             self._skip = False
 
     def abort(self) -> None:
-        """Abandon the current step (after an exception inside backward, say an out-of-memory error):
-        free the gradients it holds and forget it; the step is not counted. The tensors it had already
-        updated (``applied``) keep their update. ``optimizer.zero_grad()`` calls this."""
+        """Abandon the current step after an exception inside backward: free its gradients, do not count it
+        (tensors already ``applied`` keep their update). ``optimizer.zero_grad()`` calls this."""
         for slot in (self._slots or {}).values():
             slot.param.grad = None
         self._reset()
@@ -269,9 +266,8 @@ class StepInBackward:
         return f"{name} (shape {tuple(param.shape)})"
 
     def compute_grad_norm(self) -> Tensor:
-        """The step's global gradient norm, ``grad_norm(params)``'s formula and order (a tensor, no host
-        sync; sharded: one all-reduce). Call it after the last backward of the step (it takes the
-        gradients accumulated for tensors that backward did not reach); ``optimizer.step()`` calls it."""
+        """The step's global gradient norm, ``grad_norm(params)``'s formula and order (no host sync), after
+        the step's last backward (it takes the gradients backward did not reach); ``optimizer.step()`` calls it."""
         if self._norm is None:
             self._take_the_rest()
             self._norm = total_norm([self._norms[i] for i in sorted(self._norms)], self._sharded)

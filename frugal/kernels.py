@@ -32,9 +32,8 @@ _unavailable: dict[str, str] = {}  # device type -> why compiling failed ("auto"
 def _sign_step(params, grads, lr: Tensor) -> None:
     """One pass per tensor: ``p <- round(p - lr * sign(g))`` in ``lr``'s dtype (the op-math type:
     float32 for 16-bit weights), rounding to ``p``'s dtype as eager ``add_`` does. ``lr * sign(g)``
-    is written as a choice between lr, -lr and 0 (as torch.sign: 0 for g = 0 and NaN): the same
-    values with fewer instructions than sign then multiply, which keeps the pass memory-bound on
-    two cores."""
+    is a choice between lr, -lr and 0 (as torch.sign: 0 for g = 0 and NaN), fewer instructions than
+    sign then multiply."""
     zero = torch.zeros_like(lr)
     for p, g in zip(params, grads):
         step = torch.where(g > 0, lr, torch.where(g < 0, -lr, zero))
@@ -63,12 +62,9 @@ def _kernel(count: int, decayed: bool):
 
 
 def _plain(t: Tensor) -> Tensor:
-    """``t`` flat, as a tensor of its own that starts its storage (a DLPack alias of the same
-    memory: no copy, writes go through). Gradients that are DDP bucket views or FSDP2
-    reduce-scatter views start at other storage offsets, and dynamo specialises a graph on whether
-    each input's offset is 0 (the 0/1 specialisation): a pack of 8 such views could need 2^8 graphs,
-    the recompile limit stops compiling at the first step, and "auto" fell back to eager ops for the
-    whole run. As plain tensors every input has offset 0 and aliases nothing dynamo can see."""
+    """``t`` flat, as a tensor of its own that starts its storage (a DLPack alias: no copy, writes go
+    through). Dynamo specialises a graph on whether each input's storage offset is 0, so a pack of DDP
+    bucket or FSDP2 views could need 2^PACK graphs and hit the recompile limit."""
     return torch.from_dlpack(t.detach().view(-1))
 
 
@@ -143,14 +139,10 @@ def sign_update_(params: list[Tensor], grads: list[Tensor], *, lr: float, decay:
 
 
 def stochastic_round_(dst: Tensor, src: Tensor, generator: torch.Generator | None = None) -> None:
-    """Write float32 ``src`` into bfloat16 ``dst`` rounding up or down at random, with probability
-    proportional to the distance (unbiased: E[dst] = src), instead of to nearest.
-
-    A bfloat16 is the upper 16 bits of a float32, so adding uniform random 16-bit noise to the
-    lower bits and truncating them rounds the magnitude up with probability (dropped bits) / 2^16.
-    In pure bf16 training this keeps updates smaller than half a bf16 ulp of the weight from being
-    lost (a weight of 1.0 has ulp 2^-7: a sign step of lr = 1e-4 never moves it under round-to-
-    nearest). Non-finite values are copied as they are.
+    """Write float32 ``src`` into bfloat16 ``dst`` rounding up or down at random with probability
+    proportional to the distance (unbiased: E[dst] = src): uniform 16-bit noise added to the lower bits,
+    then truncated. Keeps updates below half a bf16 ulp from being lost (a weight of 1.0 has ulp 2^-7:
+    round-to-nearest never moves it by a sign step of lr = 1e-4). Non-finite values are copied as they are.
     """
     if dst.dtype != torch.bfloat16 or src.dtype != torch.float32:
         raise TypeError(f"stochastic_round_ writes float32 into bfloat16, got {src.dtype} -> {dst.dtype}")

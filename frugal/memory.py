@@ -98,8 +98,7 @@ def _rule_bytes(rule_name: str, shape, elem: int, precision: str = "param") -> i
 
 
 def _free_rule_bytes(free: str, other_side: int, elem: int) -> int:
-    """A contextual state-free rule's state for one split tensor, as the rule declares it
-    (``StateFreeRule.state_bytes``: Fira's previous norm, AdaMeM's one-sided statistic)."""
+    """A contextual state-free rule's state for one split tensor (``StateFreeRule.state_bytes``)."""
     state_bytes = STATE_FREE[free].state_bytes
     return state_bytes(other_side, elem) if state_bytes is not None else 0
 
@@ -132,10 +131,8 @@ def _split_bytes(settings: dict, p: torch.Tensor, svd_layout: str) -> int:
 
 
 def _coordinate_index_bytes(projection: str, k: int, numel: int) -> int:
-    """The sorted indices a coordinate projection keeps (frugal/state_management.py): tiny for
-    column/row/randperm; for randk (int32) half the size of its two moments. The paper's
-    Appendix D counts only a seed for randk, but drawing k sorted indices again every step costs
-    more time than the moments' update itself, so they are kept, and counted."""
+    """The sorted indices a coordinate projection keeps (randk's int32: half its two moments; Appendix D
+    counts a seed, but drawing them again every step costs more than the update)."""
     return k * torch.empty((), dtype=proj.index_dtype(projection, numel)).element_size()
 
 
@@ -154,12 +151,9 @@ def _active_block_tensors(projectable: list[tuple[dict, torch.Tensor]], shared: 
 
 
 def estimate_state_bytes(model: nn.Module, name: str, svd_layout: str = "paper", **hparams) -> int:
-    """Analytic optimizer-state bytes of `build_optimizer(model, name, **hparams)` (Appendix D).
-
-    Works on `meta`-device models. For block projection it counts the blocks of the first window
-    (with equal-sized layers, as in LLaMA and GPT-2, every window costs the same). `svd_layout`
-    ("paper" or "implementation") chooses how svd/random projections are counted (module docstring).
-    """
+    """Analytic optimizer-state bytes of `build_optimizer(model, name, **hparams)` (Appendix D), on
+    `meta`-device models too; block projection: the first window's blocks. `svd_layout`: "paper" or
+    "implementation" (module docstring)."""
     if svd_layout not in ("implementation", "paper"):
         raise HyperparameterError(f"Unknown svd_layout {svd_layout!r}; valid choices: ['implementation', 'paper']")
     name, shared = resolve(name, hparams)

@@ -1,10 +1,8 @@
 """FSDP2 shards: the values this process holds, and how a shard keys its coordinate draw.
 
-Under ``torch.distributed.fsdp.fully_shard`` parameters, gradients and block state are DTensors
-(DESIGN invariant 10). The optimizer's element-wise work runs on their local tensors (same
-storage), and every rank computes the same subspace as a pure function of (seed, window,
-parameter), with the shard's place on the device mesh added where coordinates are drawn within
-the shard.
+Under ``fully_shard`` parameters, gradients and block state are DTensors (DESIGN invariant 10);
+element-wise work runs on their local tensors (same storage), and the subspace is a pure function of
+(seed, window, parameter), plus the shard's mesh place where coordinates are drawn within the shard.
 """
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ from . import projections as proj
 
 
 def _dtensor_type():
-    """torch's DTensor class if `torch.distributed.tensor` has been imported, else None. Whatever
-    makes a DTensor (fully_shard, distribute_tensor) imports that module first, so a process that
-    never did holds none; not importing it here keeps ~1 s (sympy, the DTensor op registry) out of
-    `import frugal`."""
+    """torch's DTensor class if `torch.distributed.tensor` has been imported (whatever makes a DTensor
+    does), else None: not importing it keeps ~1 s out of `import frugal`."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 

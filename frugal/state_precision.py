@@ -174,9 +174,8 @@ def whole_in_chunks(p: Tensor, grad: Tensor, state: dict, group: dict, rule, fre
                     generator: torch.Generator | None) -> None:
     """The single-tensor step (``frugal.reference``) of a wholly state-full tensor (``rule``, elementwise) or
     state-free one (``rule`` None: ``free_rule``, elementwise), a chunk at a time, so the float32 copies
-    stay small (a 7B embedding: 0.5 GiB each). State-full moments stored in low precision are decoded to
-    float32 and coded back, the others are updated in place in their own dtype; the rule's step count is
-    a copy per chunk, advanced once for the whole tensor."""
+    stay small. Low-precision moments are decoded to float32 and coded back, the others updated in place;
+    the step count is a copy per chunk, advanced once for the whole tensor."""
     local_state = {k: sharding.local(v) for k, v in state.items()}  # views: updated in place
     dtype = compute_dtype(p)
     low = rule is not None and storage(group, p.numel()) != "param"

@@ -102,11 +102,9 @@ def reproject_momentum(m: Tensor, r: Tensor, side: str, preserve_norm: bool = Fa
 
 def reproject_moments(m: Tensor, v: Tensor, r: Tensor, side: str, *, beta1: float, beta2: float,
                       step) -> tuple[Tensor, Tensor]:
-    r"""LDAdam's projection-aware transport of Adam's moments after ``step`` updates (``step`` is
-    :math:`t-1` in the module docstring; the int 0 means there is nothing to move and the zeros are
-    returned; a 0-d tensor, as the optimizer keeps it, must be >= 1). Returns
-    :math:`(\tilde m, \tilde v)` in the new basis, still without bias correction, ready for the
-    usual Adam update."""
+    r"""LDAdam's projection-aware transport of Adam's moments after ``step`` updates (:math:`t-1` in the
+    module docstring; the int 0 returns zeros, a 0-d tensor must be >= 1): :math:`(\tilde m, \tilde v)`
+    in the new basis, without bias correction."""
     if isinstance(step, int) and step == 0:
         return torch.zeros_like(m), torch.zeros_like(v)
     bc1 = 1.0 - beta1 ** step
