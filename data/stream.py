@@ -1,8 +1,8 @@
 """The source-independent half of the pipeline: batches, logical readers, workers, exact resume.
 
 Global micro-batch ``k`` is the ``k // R``-th batch of reader ``k % R`` (``R = data.readers``); rank
-``r`` of ``W`` takes global micro-batches ``r, r + W, ...`` and DataLoader worker ``j`` of a rank the
-rank's ``j``-th of every ``workers``. So the sequence depends on (seed, data settings, micro-batch
+``r`` of ``W`` takes global micro-batches ``r, r + W, ...``, and DataLoader worker ``j`` the rank's
+local micro-batches ``j, j + workers, ...``. So the sequence depends on (seed, data settings, micro-batch
 size, R), never on the number of processes or workers. A rank's checkpoint part is its readers'
 positions (a few integers: the shuffles are pure functions of seed, epoch and place) and its count of
 micro-batches; ``merge_states`` makes one world-size-independent state. docs/data_pipeline.md.
