@@ -64,7 +64,8 @@ def test_round_to_nearest_freezes_small_sign_steps_and_stochastic_rounding_moves
 
 
 def test_off_by_default_and_only_for_bfloat16():
-    assert FRUGAL([torch.nn.Parameter(torch.zeros(2))]).defaults["stochastic_rounding"] is False
+    with pytest.warns(UserWarning, match="no projectable parameters"):
+        assert FRUGAL([torch.nn.Parameter(torch.zeros(2))]).defaults["stochastic_rounding"] is False
     w, p32, _ = sign_steps(True, steps=3, dtype=torch.float32)  # float32 weights: ordinary rounding
     w, q32, _ = sign_steps(False, steps=3, dtype=torch.float32)
     assert torch.equal(p32, q32)
