@@ -13,10 +13,27 @@ path, or the module's file as `python -m` sets it), working directory, environme
 `subprocess.run` does (the code of `sys.exit`, 1 for an uncaught exception with its traceback on stderr,
 -N for signal N).
 
-What it is not for: the process boundary itself. Signals, crashes, kills, torchrun's ranks and Slurm's
-jobs stay real processes (`subprocess`), as do `python -c` and `python -m` of any other module (torch.distributed.run,
-pytest); `run_python` runs those through `subprocess.run` unchanged, as it does everything when
-`FRUGAL_TESTS_FORK=0`.
+Launches of ranks. The plain torchrun form `[python, -m, torch.distributed.run, --standalone,
+--nproc_per_node=N (or --nproc_per_node N), script.py or -m scripts.name, args...]` is forked too (launch_of):
+a launcher child of the server forks the N ranks, each a separate process with the environment torchrun
+gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_*, ROLE_*, MASTER_ADDR=localhost,
+MASTER_PORT a free port, TORCHELASTIC_RUN_ID a uuid shared by the launch's ranks, TORCHELASTIC_RESTART_COUNT,
+_MAX_RESTARTS, _ERROR_FILE, _SIGNALS_TO_HANDLE, TORCH_NCCL_ASYNC_ERROR_HANDLING, OMP_NUM_THREADS=1 when
+unset, with torchrun's notice) and its streams unbuffered (`python -u`) on the launch's stdout and stderr,
+unprefixed, as torchrun leaves them. One difference: TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts
+the store; torchrun's agent hosts it itself). The launch ends as torchrun does: 0 when every rank exits
+0; at a rank's failure the others get SIGTERM, then SIGKILL after torchrun's 30 s, and stderr ends with
+torchrun's log lines and its ChildFailedError summary (torch's own class: each rank's exit code or
+signal, and its error file's message, which train.py writes for its one-line errors), exit status 1. A
+timeout kills the launch's process group (launcher and ranks); an interrupt kills them and the server.
+
+What it is not for: the process boundary itself. Signals, crashes, kills and Slurm's jobs stay real
+processes (`subprocess`), as do `python -c`, `python -m` of any other module (pytest), and any torchrun
+command with another option (--nnodes, --max-restarts, ...): `run_python` runs those through
+`subprocess.run` unchanged, as it does everything when `FRUGAL_TESTS_FORK=0`. The tests that need
+torchrun's own process tree (a rank frozen or signalled by pid: test_faults' frozen rank, test_ddp's
+signal to one rank) start it with `subprocess.Popen` and stay fresh. test_faults' multirun refusal is
+forked: it is train.py's own check of the rank variables above.
 
 One server per pytest process and environment (the environment a library reads at import, such as
 OMP_NUM_THREADS or HF_HUB_OFFLINE, is the server's, so a request with another environment gets a server
@@ -27,8 +44,9 @@ otherwise.
 
 Protocol (the server's stdin and stdout, one JSON object per line): the client sends {"argv", "cwd",
 "env", "stdout", "stderr"} (argv[0] is the script, or "-m" and argv[1] the module; the rest its arguments;
-stdout and stderr are file paths); the server answers {"pid"} once the child is forked and {"returncode"}
-once it has ended.
+stdout and stderr are file paths; for a launch also "nproc", "name" (torchrun's name for it in the
+summary) and "omp_banner"); the server answers {"pid"} once the child (a launch's launcher) is forked and
+{"returncode"} once it has ended.
 """
 from __future__ import annotations
 
@@ -434,8 +452,8 @@ def server_key(env: dict) -> tuple:
 
 def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
-    `python script.py ...` or `python -m scripts.name ...` command forked from a warm server (see the module
-    docstring)."""
+    `python script.py ...` or `python -m scripts.name ...` command, or the ranks of a plain torchrun launch,
+    forked from a warm server (see the module docstring)."""
     env = dict(os.environ if env is None else env)
     launch = launch_of(argv)
     if not forkable(argv) and launch is None:

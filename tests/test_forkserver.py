@@ -1,6 +1,8 @@
 """tests/_forkserver.py: a `python script.py` or `python -m scripts.name` command forked from a warm server
 gives what `subprocess.run` gives for the same command in a fresh interpreter (exit code, stdout, stderr, argv,
-cwd, environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports."""
+cwd, environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports; a plain
+`torchrun --standalone --nproc_per_node=2` launch forked gives what torchrun gives (exit status, the ranks' output
+and environment, its failure summary; a DDP run bitwise)."""
 from __future__ import annotations
 
 import json
