@@ -300,6 +300,7 @@ def test_a_forked_launch_ends_as_torchrun_does(light_server, tmp_path, what, cod
 
 def test_which_launches_are_forked(monkeypatch):
     """The plain form only: --standalone and --nproc_per_node, then a script or a repository module."""
+    monkeypatch.delenv("FRUGAL_TESTS_FORK", raising=False)
     py, run = sys.executable, ["-m", "torch.distributed.run"]
     plain = [py, *run, "--standalone", "--nproc_per_node=3", "train.py", "a=1"]
     assert _forkserver.launch_of(plain) == (3, ["train.py", "a=1"])
