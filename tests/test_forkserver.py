@@ -322,6 +322,7 @@ LAUNCH_ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 def _kill_while_running(light_server, tmp_path, monkeypatch, cause):
     """A hanging two-rank launch whose wait ends with `cause` once both ranks run: their pids."""
+    monkeypatch.delenv("FRUGAL_TESTS_FORK", raising=False)  # (fresh, a timeout would leave torchrun's ranks hanging)
     script = light_server.parent / "ranks.py"
     script.write_text(RANK_SCRIPT)
     real = _forkserver._Server._read
