@@ -13,10 +13,27 @@ path, or the module's file as `python -m` sets it), working directory, environme
 `subprocess.run` does (the code of `sys.exit`, 1 for an uncaught exception with its traceback on stderr,
 -N for signal N).
 
-What it is not for: the process boundary itself. Signals, crashes, kills, torchrun's ranks and Slurm's
-jobs stay real processes (`subprocess`), as do `python -c` and `python -m` of any other module (torch.distributed.run,
-pytest); `run_python` runs those through `subprocess.run` unchanged, as it does everything when
-`FRUGAL_TESTS_FORK=0`.
+Launches of ranks. The plain torchrun form `[python, -m, torch.distributed.run, --standalone,
+--nproc_per_node=N (or --nproc_per_node N), script.py or -m scripts.name, args...]` is forked too (launch_of):
+a launcher child of the server forks the N ranks, each a separate process with the environment torchrun
+gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_*, ROLE_*, MASTER_ADDR=localhost,
+MASTER_PORT a free port, TORCHELASTIC_RUN_ID a uuid shared by the launch's ranks, TORCHELASTIC_RESTART_COUNT,
+_MAX_RESTARTS, _ERROR_FILE, _SIGNALS_TO_HANDLE, TORCH_NCCL_ASYNC_ERROR_HANDLING, OMP_NUM_THREADS=1 when
+unset, with torchrun's notice) and its streams unbuffered (`python -u`) on the launch's stdout and stderr,
+unprefixed, as torchrun leaves them. One difference: TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts
+the store; torchrun's agent hosts it itself). The launch ends as torchrun does: 0 when every rank exits
+0; at a rank's failure the others get SIGTERM, then SIGKILL after torchrun's 30 s, and stderr ends with
+torchrun's log lines and its ChildFailedError summary (torch's own class: each rank's exit code or
+signal, and its error file's message, which train.py writes for its one-line errors), exit status 1. A
+timeout kills the launch's process group (launcher and ranks); an interrupt kills them and the server.
+
+What it is not for: the process boundary itself. Signals, crashes, kills and Slurm's jobs stay real
+processes (`subprocess`), as do `python -c`, `python -m` of any other module (pytest), and any torchrun
+command with another option (--nnodes, --max-restarts, ...): `run_python` runs those through
+`subprocess.run` unchanged, as it does everything when `FRUGAL_TESTS_FORK=0`. The tests that need
+torchrun's own process tree (a rank frozen or signalled by pid: test_faults' frozen rank, test_ddp's
+signal to one rank) start it with `subprocess.Popen` and stay fresh. test_faults' multirun refusal is
+forked: it is train.py's own check of the rank variables above.
 
 One server per pytest process and environment (the environment a library reads at import, such as
 OMP_NUM_THREADS or HF_HUB_OFFLINE, is the server's, so a request with another environment gets a server
@@ -27,8 +44,9 @@ otherwise.
 
 Protocol (the server's stdin and stdout, one JSON object per line): the client sends {"argv", "cwd",
 "env", "stdout", "stderr"} (argv[0] is the script, or "-m" and argv[1] the module; the rest its arguments;
-stdout and stderr are file paths); the server answers {"pid"} once the child is forked and {"returncode"}
-once it has ended.
+stdout and stderr are file paths; for a launch also "nproc", "name" (torchrun's name for it in the
+summary) and "omp_banner"); the server answers {"pid"} once the child (a launch's launcher) is forked and
+{"returncode"} once it has ended.
 """
 from __future__ import annotations
 
@@ -57,20 +75,34 @@ PER_CHILD = {"PYTEST_CURRENT_TEST", "PYTHONFAULTHANDLER"}
 
 
 # ------------------------------------------------------------------------------------------ the server
-def _child(request: dict) -> None:
-    """In the forked child: become `python script args` and never return."""
+def _redirect(request: dict) -> None:
+    """stdin from /dev/null, stdout and stderr into the request's files."""
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = sys.__stdout__  # the server pointed it at stderr
+
+
+def _child(request: dict, rank: bool = False) -> None:
+    """In the forked child: become `python script args` (a rank: `python -u script args` on the launch's
+    streams, as torchrun starts it) and never return."""
     code = 1
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for fd, target in ((stdin, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
-        sys.stdout = sys.__stdout__  # the server pointed it at stderr
+        if rank:  # unbuffered, as `python -u`: the ranks' lines reach the shared files as they are written
+            import io
+
+            for name in ("stdout", "stderr"):
+                old = getattr(sys, f"__{name}__")
+                setattr(sys, name, io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False), encoding=old.encoding,
+                                                    errors=old.errors, write_through=True))
+        else:
+            _redirect(request)
         import faulthandler
 
         if os.environ.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter does with it at start-up
@@ -116,6 +148,127 @@ def _child(request: dict) -> None:
         os._exit(code & 0xFF)
 
 
+OMP_BANNER = ("\n*****************************************\n"
+              "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system "
+              "being overloaded, please further tune the variable for optimal performance in your application as "
+              "needed. \n*****************************************")
+GRACE_S = 30  # torchrun's wait between its SIGTERM to the other ranks and SIGKILL
+
+
+def _log(level: str, message: str) -> None:
+    """A line as torchrun's logger writes it to stderr."""
+    now = time.time()
+    stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    print(f"{level}{stamp} {os.getpid()} torch/distributed/elastic/multiprocessing/api.py] {message}",
+          file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(request: dict) -> None:
+    """In the forked child: become `torchrun --standalone --nproc_per_node=N script args` and never return:
+    fork the N ranks with the environment torchrun gives them, wait for them, and end as torchrun does."""
+    code = 1
+    logs = None
+    try:
+        os.setpgid(0, 0)  # the launch and its ranks: one group, which a timeout kills at once
+        _redirect(request)
+        import shutil
+        import uuid
+
+        nproc, env = request["nproc"], dict(request["env"])
+        if request.get("omp_banner"):
+            print(OMP_BANNER, file=sys.stderr, flush=True)
+        logs = tempfile.mkdtemp(prefix="torchelastic_")
+        run_id, port = str(uuid.uuid4()), _free_port()
+        ranks, error_files = {}, {}
+        for rank in range(nproc):
+            error_files[rank] = os.path.join(logs, str(rank), "error.json")
+            os.mkdir(os.path.dirname(error_files[rank]))
+            rank_env = dict(env, RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                            LOCAL_WORLD_SIZE=str(nproc), WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
+                            ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost", MASTER_PORT=str(port),
+                            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                            TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_USE_AGENT_STORE="False",
+                            TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                            LOCAL_RANK=str(rank), TORCHELASTIC_ERROR_FILE=error_files[rank],
+                            TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+            pid = os.fork()
+            if pid == 0:
+                _child(dict(request, env=rank_env), rank=True)
+            ranks[pid] = rank
+        code = _monitor(ranks, error_files, request["name"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if logs is not None:
+            shutil.rmtree(logs, ignore_errors=True)
+        os._exit(code)
+
+
+def _monitor(ranks: dict[int, int], error_files: dict[int, str], name: str) -> int:
+    """Wait for the ranks ({pid: rank}) as torchrun's agent does: 0 once all have exited 0; at the first
+    failure, SIGTERM to the others, SIGKILL to those still there GRACE_S later, then torchrun's log line and
+    failure summary (its ChildFailedError, with each rank's error file) on stderr, and 1."""
+    running, failures = dict(ranks), {}
+
+    def reap(block: bool) -> bool:
+        pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        if pid == 0:
+            return False
+        rank = running.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if rank is not None and code != 0:
+            from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+            failures[rank] = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=error_files[rank])
+        return True
+
+    while running and not failures:
+        reap(block=True)
+    while running and reap(block=False):  # the others that have ended by now, as torchrun's next poll sees them
+        pass
+    if not failures:
+        return 0
+    for pid in sorted(running, key=running.get):
+        _log("W", f"Sending process {pid} closing signal SIGTERM")
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while running and time.monotonic() < deadline:
+        if not reap(block=False):
+            time.sleep(0.05)
+    for pid in sorted(running, key=running.get):
+        _log("W", f"Unable to shutdown process {pid} via Signals.SIGTERM, forcefully exiting via Signals.SIGKILL")
+        os.kill(pid, signal.SIGKILL)
+    while running:
+        reap(block=True)
+    first = min(failures.values(), key=lambda f: f.timestamp)
+    _log("E", f"failed (exitcode: {first.exitcode}) local_rank: {first.local_rank} (pid: {first.pid}) of binary: "
+              f"{sys.executable}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        raise ChildFailedError(name=name, failures=failures)
+    except ChildFailedError:
+        import traceback
+
+        traceback.print_exc()
+    return 1
+
+
 def _serve(preload: list[str]) -> None:
     reply = sys.stdout
     sys.stdout = sys.stderr  # the modules' prints must not reach the protocol
@@ -130,14 +283,40 @@ def _serve(preload: list[str]) -> None:
             __import__(name)
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     print(json.dumps({"ready": True, "threads": threads}), file=reply, flush=True)
+    _become_subreaper()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            (_launch if request.get("nproc") else _child)(request)
+        if request.get("nproc"):
+            try:
+                os.setpgid(pid, pid)  # as the child does: whichever runs first
+            except OSError:
+                pass
         print(json.dumps({"pid": pid}), file=reply, flush=True)
         _, status = os.waitpid(pid, 0)
+        _reap_orphans()
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=reply, flush=True)
+
+
+def _become_subreaper() -> None:
+    """Ranks whose launch was killed (a timeout) become the server's children, which it reaps (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+
+
+def _reap_orphans() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
 
 
 # ------------------------------------------------------------------------------------------ the client
@@ -167,36 +346,41 @@ class _Server:
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
 
-    def run(self, argv: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd, env: dict, timeout: float, launch: dict | None = None,
+            shown: list[str] | None = None) -> subprocess.CompletedProcess:
+        """`argv` forked (`launch`: {"nproc", "name", "omp_banner"} for N ranks of it); `shown`: the command
+        the result and a TimeoutExpired name."""
+        argv_shown = shown or argv
         with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err, **(launch or {})}
+            kill = os.killpg if launch else os.kill  # a launch: its ranks too
             forked = None
             try:
                 self._send(request)
                 forked = self._read(timeout=60)
                 if forked is None:
-                    raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv}: it exited "
+                    raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv_shown}: it exited "
                                        f"with {self.proc.poll()}")
                 done = self._read(timeout=timeout)
                 if done is None:  # as subprocess.run: kill the child, then raise
-                    os.kill(forked["pid"], signal.SIGKILL)
+                    kill(forked["pid"], signal.SIGKILL)
                     if self._read(timeout=60) is None:
                         raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not reap {forked['pid']}")
-                    raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
+                    raise subprocess.TimeoutExpired(argv_shown, timeout, _text(out), _text(err))
             except subprocess.TimeoutExpired:
                 raise
             except BaseException:  # an interrupt or a dead server: its next lines would answer the wrong request
                 if forked is not None:  # kill the child and let the server reap it, then end the server
                     try:
-                        os.kill(forked["pid"], signal.SIGKILL)
+                        kill(forked["pid"], signal.SIGKILL)
                         self._read(timeout=30)
                     except BaseException:
                         pass
                 self.proc.kill()
                 self.proc.wait()
                 raise
-            return subprocess.CompletedProcess(argv, done["returncode"], _text(out), _text(err))
+            return subprocess.CompletedProcess(argv_shown, done["returncode"], _text(out), _text(err))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -225,14 +409,40 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
+def _forked_module(argv: list[str]) -> bool:
+    """`-m package.module` of the repository's REPO_PACKAGES."""
+    return argv[0] == "-m" and len(argv) >= 2 and argv[1].split(".")[0] in REPO_PACKAGES and "." in argv[1]
+
+
+def launch_of(argv: list[str]) -> tuple[int, list[str]] | None:
+    """For the plain torchrun form `[sys.executable, "-m", "torch.distributed.run", "--standalone",
+    "--nproc_per_node=N" (or "--nproc_per_node", "N"), script.py or -m scripts.name, args...]`: (N, the
+    command each rank runs without its python); None for anything else (any other torchrun option) and when
+    FRUGAL_TESTS_FORK=0."""
+    if argv[:4] != [sys.executable, "-m", "torch.distributed.run", "--standalone"] or len(argv) < 6 \
+            or os.environ.get("FRUGAL_TESTS_FORK", "1") == "0":
+        return None
+    nproc, rest = argv[4], argv[5:]
+    if nproc == "--nproc_per_node":
+        nproc, rest = argv[5], argv[6:]
+    elif nproc.startswith("--nproc_per_node="):
+        nproc = nproc.split("=", 1)[1]
+    else:
+        return None
+    if not nproc.isdigit() or int(nproc) < 1 or not rest:
+        return None
+    if rest[0].endswith(".py") or _forked_module(rest):
+        return int(nproc), rest
+    return None
+
+
 def forkable(argv: list[str]) -> bool:
     """`[sys.executable, "some/script.py", ...]`: a script run as `__main__` (not -c), or
     `[sys.executable, "-m", "scripts.name", ...]`: a program of the repository's REPO_PACKAGES (not -m torch's or
     pytest's)."""
     if len(argv) < 2 or argv[0] != sys.executable or os.environ.get("FRUGAL_TESTS_FORK", "1") == "0":
         return False
-    return argv[1].endswith(".py") or (argv[1] == "-m" and len(argv) >= 3
-                                       and argv[2].split(".")[0] in REPO_PACKAGES and "." in argv[2])
+    return argv[1].endswith(".py") or _forked_module(argv[1:])
 
 
 def server_key(env: dict) -> tuple:
@@ -242,11 +452,18 @@ def server_key(env: dict) -> tuple:
 
 def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
-    `python script.py ...` or `python -m scripts.name ...` command forked from a warm server (see the module
-    docstring)."""
+    `python script.py ...` or `python -m scripts.name ...` command, or the ranks of a plain torchrun launch,
+    forked from a warm server (see the module docstring)."""
     env = dict(os.environ if env is None else env)
-    if not forkable(argv):
+    launch = launch_of(argv)
+    if not forkable(argv) and launch is None:
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    fresh_env = env
+    if launch is not None:
+        nproc, command = launch
+        banner = "OMP_NUM_THREADS" not in env and nproc > 1
+        if banner:  # torchrun sets it for its ranks; their imports (the server's) then see it too
+            env = dict(env, OMP_NUM_THREADS="1")
     key = server_key(env)
     server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
@@ -254,7 +471,13 @@ def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 3
             _SERVERS.pop(next(iter(_SERVERS))).close()
         server = _SERVERS[key] = _Server(env)
     if not server.usable:
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(argv, cwd=cwd, env=fresh_env, capture_output=True, text=True, timeout=timeout)
+    if launch is not None:
+        name = next((a for a in command if not a.startswith("-")), "")  # torchrun's name for the failure summary
+        if command[0] != "-m":
+            command = [os.path.join(str(cwd), command[0]), *command[1:]]
+        return server.run([argv[0], *command], cwd, env, timeout, shown=argv,
+                          launch={"nproc": nproc, "name": name, "omp_banner": banner})
     if argv[1] == "-m":
         return server.run(argv, cwd, env, timeout)
     script = argv[1] if os.path.isabs(argv[1]) else os.path.join(str(cwd), argv[1])

@@ -56,8 +56,9 @@ def subprocess_env() -> dict:
 
 
 def run_cli(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """`cmd` from the repository with subprocess_env(); a `python script.py` command is forked from a warm
-    interpreter (tests/_forkserver.py), torchrun and `python -c` run as fresh processes."""
+    """`cmd` from the repository with subprocess_env(); a `python script.py` command and a plain
+    `torchrun --standalone --nproc_per_node=N` launch (its ranks) are forked from a warm interpreter
+    (tests/_forkserver.py), other torchrun commands and `python -c` run as fresh processes."""
     return run_python(cmd, cwd=REPO, env=subprocess_env(), timeout=timeout)
 
 

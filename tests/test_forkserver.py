@@ -1,15 +1,21 @@
 """tests/_forkserver.py: a `python script.py` or `python -m scripts.name` command forked from a warm server
 gives what `subprocess.run` gives for the same command in a fresh interpreter (exit code, stdout, stderr, argv,
-cwd, environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports."""
+cwd, environment, sys.path[0], atexit, signals, timeouts), and it does start from the server's imports; a plain
+`torchrun --standalone --nproc_per_node=2` launch forked gives what torchrun gives (exit status, the ranks' output
+and environment, its failure summary; a DDP run bitwise)."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 import _forkserver
@@ -193,5 +199,194 @@ def test_train_py_forked_trains_bitwise_as_a_fresh_process(tmp_path):
     fresh = subprocess.run(cmd("fresh"), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     for proc in (forked, fresh):
         assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path / "forked") == losses(tmp_path / "fresh") and len(losses(tmp_path / "fresh")) == 3
+    assert_same_weights(*(weights(ckpt.latest(str(tmp_path / how / "checkpoints"))) for how in ("forked", "fresh")))
+
+
+# ------------------------------------------------------------------------------------------ torchrun launches
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                  "OMP_NUM_THREADS", "FORK_TEST_MARKER")
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, re, signal, sys, time
+    rank, what, where = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+    seen = {k: os.environ.get(k) for k in %r}
+    # the values that differ between launches, as their form
+    seen["MASTER_PORT"] = seen["MASTER_PORT"].isdigit() and 0 < int(seen["MASTER_PORT"]) < 65536
+    run_id = seen["TORCHELASTIC_RUN_ID"]
+    seen["TORCHELASTIC_RUN_ID"] = bool(re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", run_id))
+    seen["TORCHELASTIC_ERROR_FILE"] = seen["TORCHELASTIC_ERROR_FILE"].split(os.sep)[-2:]
+    # one write a line: the ranks' streams are unbuffered (`python -u`), and print() writes the end apart
+    sys.stdout.write(json.dumps({"rank": rank, "argv": sys.argv[1:], "cwd": os.getcwd(), "env": seen,
+                                 "warm": "fractions" in sys.modules}) + "\\n")
+    sys.stderr.write(f"rank {rank} to stderr\\n")
+    with open(os.path.join(where, f"{run_id}-{rank}"), "w") as f:  # printed; the pid for the kill tests
+        f.write(str(os.getpid()))
+    if what == "hang" or (what != "ok" and rank == 0):
+        signal.pause()  # until the launch terminates it
+    if what != "ok":  # rank 1 fails once rank 0 has printed, so that both launches print the same
+        while not os.path.exists(os.path.join(where, f"{run_id}-0")):
+            time.sleep(0.01)
+    if what == "code":
+        sys.exit(3)
+    if what == "raise":
+        raise ValueError(f"from rank {rank}")
+""") % (RANK_VARIABLES,)
+
+
+def _launch_argv(script, *args, nproc="--nproc_per_node=2"):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc.split(), str(script), *args]
+
+
+def _summary(stderr: str) -> list[str]:
+    """torchrun's log lines and failure summary with the pids, times and log paths taken out."""
+    keep = [ln for ln in stderr.splitlines() if re.search(r"closing signal|failed \(exitcode|^\s*(rank|exitcode|"
+                                                          r"error_file|traceback)\s*:|FAILED|^\[\d\]|Root Cause", ln)]
+    keep = [re.sub(r"(pid:? |PID |process )\d+", r"\1N", ln).strip() for ln in keep]
+    return [re.sub(r"^[WE]\d{4} [\d:.]+ \d+ \S+\] ", "", ln) for ln in keep]
+
+
+@pytest.mark.parametrize("what, code", [("ok", 0), ("code", 1), ("raise", 1)])
+def test_a_forked_launch_ends_as_torchrun_does(light_server, tmp_path, what, code):
+    """Two ranks forked from the server and the same `torchrun --standalone` command: the exit status, the ranks'
+    output (in the launch's stdout and stderr, unprefixed), their environment (torchrun's variables; only the
+    store differs: a forked launch's rank 0 hosts it) and, when a rank fails, torchrun's summary naming it."""
+    script = light_server.parent / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun sets it, and says so
+    env["FORK_TEST_MARKER"] = "set for this launch"
+    runs = {}
+    for how in ("forked", "fresh"):
+        (tmp_path / how).mkdir()
+        argv = _launch_argv(script, what, str(tmp_path / how))
+        runs[how] = (_forkserver.run_python(argv, cwd=tmp_path, env=env, timeout=120) if how == "forked" else
+                     subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120))
+    forked, fresh = runs["forked"], runs["fresh"]
+    assert forked.returncode == fresh.returncode == code, (forked, fresh)
+    seen = {how: sorted((json.loads(ln) for ln in p.stdout.splitlines()), key=lambda r: r["rank"])
+            for how, p in runs.items()}
+    assert [r.pop("warm") for r in seen["forked"]] == [True, True] and [r.pop("warm") for r in seen["fresh"]] == [
+        False, False]  # the ranks did start from the server's imports
+    assert [r["env"].pop("TORCHELASTIC_USE_AGENT_STORE") for r in seen["forked"]] == ["False", "False"]
+    assert [r["env"].pop("TORCHELASTIC_USE_AGENT_STORE") for r in seen["fresh"]] == ["True", "True"]
+    assert seen["forked"] == [{"rank": r, "argv": [what, str(tmp_path / "forked")], "cwd": str(tmp_path), "env": {
+        "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(r), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost", "MASTER_PORT": True, "TORCHELASTIC_RUN_ID": True, "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_ERROR_FILE": [str(r), "error.json"],
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1", "FORK_TEST_MARKER": "set for this launch"}} for r in (0, 1)]
+    for r in seen["fresh"]:
+        r["argv"][1] = str(tmp_path / "forked")
+    assert seen["forked"] == seen["fresh"]
+    for how in ("forked", "fresh"):  # one launch id for both ranks, another for the other launch
+        assert len({name.rsplit("-", 1)[0] for name in os.listdir(tmp_path / how)}) == 1
+    for p in (forked, fresh):
+        assert p.stderr.startswith("\n" + "*" * 41 + "\nSetting OMP_NUM_THREADS environment variable"), p.stderr
+        assert "rank 0 to stderr\n" in p.stderr and "rank 1 to stderr\n" in p.stderr, p.stderr
+        assert ("ValueError: from rank 1" in p.stderr) == (what == "raise"), p.stderr
+    assert _summary(forked.stderr) == _summary(fresh.stderr), (forked.stderr, fresh.stderr)
+    lines = _summary(forked.stderr)
+    if what != "ok":
+        failed = f"failed (exitcode: {3 if what == 'code' else 1}) local_rank: 1 (pid: N) of binary: {sys.executable}"
+        assert lines[:2] == ["Sending process N closing signal SIGTERM", failed], lines
+        assert "rank      : 1 (local_rank: 1)" in forked.stderr.split("Root Cause")[1]
+        assert "exitcode  : -15 (pid: N)  (SIGTERM)" in lines
+    else:
+        assert lines == []
+
+
+def test_which_launches_are_forked(monkeypatch):
+    """The plain form only: --standalone and --nproc_per_node, then a script or a repository module."""
+    monkeypatch.delenv("FRUGAL_TESTS_FORK", raising=False)
+    py, run = sys.executable, ["-m", "torch.distributed.run"]
+    plain = [py, *run, "--standalone", "--nproc_per_node=3", "train.py", "a=1"]
+    assert _forkserver.launch_of(plain) == (3, ["train.py", "a=1"])
+    assert _forkserver.launch_of([py, *run, "--standalone", "--nproc_per_node", "2", "-m", "scripts.x", "-m"]) == (
+        2, ["-m", "scripts.x", "-m"])
+    for other in (["--nproc_per_node=2", "train.py"], ["--standalone", "--nnodes=1", "--nproc_per_node=2", "train.py"],
+                  ["--standalone", "--nproc_per_node=2", "--max-restarts=1", "train.py"],
+                  ["--standalone", "--nproc_per_node=gpu", "train.py"], ["--standalone", "--nproc_per_node=2", "-m",
+                                                                         "pytest"],
+                  ["--standalone", "--nproc_per_node=2", "--no-python", "train.py"]):
+        assert _forkserver.launch_of([py, *run, *other]) is None, other
+        assert not _forkserver.forkable([py, *run, *other])
+    monkeypatch.setenv("FRUGAL_TESTS_FORK", "0")
+    assert _forkserver.launch_of([py, *run, "--standalone", "--nproc_per_node=2", "train.py"]) is None
+
+
+LAUNCH_ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _kill_while_running(light_server, tmp_path, monkeypatch, cause):
+    """A hanging two-rank launch whose wait ends with `cause` once both ranks run: their pids."""
+    monkeypatch.delenv("FRUGAL_TESTS_FORK", raising=False)  # (fresh, a timeout would leave torchrun's ranks hanging)
+    script = light_server.parent / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    real = _forkserver._Server._read
+
+    def read(self, timeout):
+        if timeout == 123:  # the wait for the launch's end: once both ranks are there, the timeout or interrupt
+            deadline = time.monotonic() + 120  # (a guard: the ranks write their files at once)
+            while len(os.listdir(tmp_path / "pids")) < 2:
+                assert self.proc.poll() is None and time.monotonic() < deadline, os.listdir(tmp_path / "pids")
+                select.select([], [], [], 0.01)
+            if cause is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return None
+        return real(self, timeout)
+
+    (tmp_path / "pids").mkdir()
+    monkeypatch.setattr(_forkserver._Server, "_read", read)
+    with pytest.raises(cause):
+        _forkserver.run_python(_launch_argv(script, "hang", str(tmp_path / "pids")), cwd=tmp_path, env=LAUNCH_ENV,
+                                 timeout=123)
+    monkeypatch.setattr(_forkserver._Server, "_read", real)
+    return [int((tmp_path / "pids" / name).read_text()) for name in os.listdir(tmp_path / "pids")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("cause", [subprocess.TimeoutExpired, KeyboardInterrupt])
+def test_a_launch_past_its_timeout_or_interrupted_kills_every_rank(light_server, tmp_path, monkeypatch, cause):
+    """A timeout kills the launch and its ranks and the server serves on; an interrupt ends the server too."""
+    server = _forkserver._SERVERS.get(_forkserver.server_key(LAUNCH_ENV))
+    pids = _kill_while_running(light_server, tmp_path, monkeypatch, cause)
+    for pid in pids:  # SIGKILL to the launch's process group: each rank is gone (or a zombie) at once, or about to be
+        deadline = time.monotonic() + 60
+        while not _gone(pid) and time.monotonic() < deadline:
+            select.select([], [], [], 0.01)
+        assert _gone(pid), pid
+    after = _forkserver._SERVERS[_forkserver.server_key(LAUNCH_ENV)]
+    assert (after.proc.poll() is None) == (cause is subprocess.TimeoutExpired)
+    if server is not None and cause is subprocess.TimeoutExpired:
+        assert after is server
+    script = light_server.parent / "ranks.py"
+    (tmp_path / "again").mkdir()
+    again = _forkserver.run_python(_launch_argv(script, "ok", str(tmp_path / "again")), cwd=tmp_path, env=LAUNCH_ENV,
+                                   timeout=120)
+    assert again.returncode == 0 and all(json.loads(ln)["warm"] for ln in again.stdout.splitlines()), again
+
+
+@pytest.mark.slow
+def test_a_ddp_launch_forked_trains_bitwise_as_torchrun(tmp_path):
+    """The real preload: the same toy two-rank DDP run's losses and weights, forked and through torchrun."""
+    from _train_helpers import REPO, assert_same_weights, failure, losses, subprocess_env, torchrun_cmd, weights
+    from train_utils import checkpoint as ckpt
+
+    def cmd(how):
+        return torchrun_cmd(tmp_path / how, "train.micro_batch_size=2", "train.steps=3", "checkpoint.every=3")
+
+    forked = _forkserver.run_python(cmd("forked"), cwd=REPO, env=subprocess_env(), timeout=300)
+    fresh = subprocess.run(cmd("fresh"), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    for proc in (forked, fresh):
+        assert proc.returncode == 0, failure(proc)
     assert losses(tmp_path / "forked") == losses(tmp_path / "fresh") and len(losses(tmp_path / "fresh")) == 3
     assert_same_weights(*(weights(ckpt.latest(str(tmp_path / how / "checkpoints"))) for how in ("forked", "fresh")))

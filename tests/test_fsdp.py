@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from _forkserver import run_python
 from _train_helpers import failure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,7 @@ def ranks(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "tests", "_fsdp_worker.py"), str(out), str(out / "ckpt")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, cwd=REPO, env=env, timeout=300)  # forked ranks (tests/_forkserver.py)
     assert proc.returncode == 0, failure(proc)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:

@@ -13,6 +13,7 @@ import frugal
 from frugal import muon, registry
 from frugal.hparams import HyperparameterError
 from frugal.memory import estimate_state_bytes, state_bytes
+from _forkserver import run_python
 from _train_helpers import failure
 
 
@@ -355,7 +356,7 @@ def fsdp_ranks(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(repo, "tests", "_fsdp_muon_worker.py"), str(out), str(out / "ckpt")]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, cwd=repo, env=env, timeout=300)  # forked ranks (tests/_forkserver.py)
     assert proc.returncode == 0, failure(proc)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
