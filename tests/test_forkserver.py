@@ -222,8 +222,11 @@ RANK_SCRIPT = textwrap.dedent("""
     sys.stdout.write(json.dumps({"rank": rank, "argv": sys.argv[1:], "cwd": os.getcwd(), "env": seen,
                                  "warm": "fractions" in sys.modules}) + "\\n")
     sys.stderr.write(f"rank {rank} to stderr\\n")
-    with open(os.path.join(where, f"{run_id}-{rank}"), "w") as f:  # printed; the pid for the kill tests
+    # printed; the pid for the kill tests, whole when it appears (written beside `where`, then renamed)
+    part = os.path.join(os.path.dirname(where), f".{run_id}-{rank}")
+    with open(part, "w") as f:
         f.write(str(os.getpid()))
+    os.replace(part, os.path.join(where, f"{run_id}-{rank}"))
     if what == "hang" or (what != "ok" and rank == 0):
         signal.pause()  # until the launch terminates it
     if what != "ok":  # rank 1 fails once rank 0 has printed, so that both launches print the same
