@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,16 +137,19 @@ def _child(request: dict, rank: bool = False) -> None:
             code = 1
         atexit._run_exitfuncs()  # os._exit below skips them
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code & 0xFF)
+        _flush_and_exit(code & 0xFF)
+
+
+def _flush_and_exit(code: int) -> None:
+    """Flush the child's streams and end it at once (no interpreter shutdown in a forked child)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 OMP_BANNER = ("\n*****************************************\n"
@@ -205,18 +209,11 @@ def _launch(request: dict) -> None:
             ranks[pid] = rank
         code = _monitor(ranks, error_files, request["name"])
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
         if logs is not None:
             shutil.rmtree(logs, ignore_errors=True)
-        os._exit(code)
+        _flush_and_exit(code)
 
 
 def _monitor(ranks: dict[int, int], error_files: dict[int, str], name: str) -> int:
@@ -263,8 +260,6 @@ def _monitor(ranks: dict[int, int], error_files: dict[int, str], name: str) -> i
     try:
         raise ChildFailedError(name=name, failures=failures)
     except ChildFailedError:
-        import traceback
-
         traceback.print_exc()
     return 1
 
