@@ -191,6 +191,7 @@ def _layers_run(parallelism: str, sign_update: str, steps: int = 3):
     return [local(layer.weight.detach()).clone() for layer in layers], offsets
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_compiled_update_survives_ddp_buckets_and_fsdp2_shards(process_group, monkeypatch, parallelism):

@@ -133,6 +133,7 @@ def _train_py(*args):
     return run_python([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
     """A plain override of an undeclared key (no +), in any node: one line with the key, the node's
     valid keys and the closest one, exit 2, before any model is built (no metrics written)."""
@@ -152,6 +153,7 @@ def test_train_py_names_a_mistyped_key_with_the_closest_and_exits_2(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_wrong_group_value_is_one_line_with_the_choices_and_the_closest(tmp_path):
     """model=llama_70m, or one bad value of a sweep: one line, exit 2, in train.py, eval.py and the
     memory planner, before Hydra composes anything (a sweep starts no job: no sweep dir)."""
@@ -258,6 +260,7 @@ def _run_dirs(extra_env: dict, n: int = 2) -> list[str]:
     return [o[0].strip() for o in outs]
 
 
+@pytest.mark.slow
 def test_run_dirs_are_unique_per_launch_and_shared_by_its_ranks():
     alone = _run_dirs({})
     assert alone[0] != alone[1], "two launches (started together) must not share a run directory"
@@ -340,6 +343,7 @@ def test_stop_with_error_is_one_line(capsys, monkeypatch):
         stop_with_error(ConfigError("train.steps=0 is invalid"), 2)
 
 
+@pytest.mark.slow
 def test_precision_auto_is_bf16_mixed_only_where_bf16_is_native():
     """train.precision=auto: bf16-mixed on a CPU whose flags list AVX512-BF16 or AMX (read here from
     /proc/cpuinfo on its own) and whose oneDNN may use them, fp32 on other CPUs, and fp32 where

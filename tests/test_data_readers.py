@@ -184,6 +184,7 @@ SIGNAL_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_workers_survive_stop_signals_to_the_process_group():
     """As SLURM's scancel and preemption do, another process signals the whole process group: the
     DataLoader workers keep serving and the main process alone sees the signals."""

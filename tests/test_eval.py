@@ -228,6 +228,7 @@ def test_eval_mode_bad_input(c4_dir, t5_tokenizer_dir):
         data.build_data({"name": "synthetic", "seq_len": 32, "readers": 1}, micro_batch_size=2, eval_mode="authors")
 
 
+@pytest.mark.slow
 def test_train_and_eval_py_take_eval_mode(c4_dir, t5_tokenizer_dir, tmp_path):
     """eval.mode=authors reaches train.py's evaluations (their rows name the mode) and eval.py, which
     scores the checkpoint as its run did unless eval.mode= says otherwise."""

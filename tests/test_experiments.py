@@ -78,6 +78,7 @@ def test_preset_composes_with_paper_settings(preset):
     assert cfg.train.parallelism == ("fsdp" if cfg.model.name == "llama_7b" else "ddp")
 
 
+@pytest.mark.slow
 def test_presets_take_throughput_and_memory_settings_per_model():
     by_model = {m: _compose(["experiment=table2", f"model={m}"]) for m in ("llama_60m", "llama_130m", "llama_1b",
                                                                           "llama_3b", "llama_7b", "gpt2_124m")}
@@ -119,6 +120,7 @@ def test_preset_runs_each_method_at_the_papers_lr(preset, option):
     assert cfg.optimizer.lr == pytest.approx(PAPER_LR[option]), (preset, option, cfg.optimizer.lr)
 
 
+@pytest.mark.slow
 def test_galores_own_recipe_is_an_option_no_preset_uses():
     own = _compose(["optimizer=galore_original"]).optimizer
     assert own.name == "galore" and own.lr == pytest.approx(1e-2) and own.projectable_lr_scale == 0.25
@@ -172,6 +174,7 @@ FAST_SWEEPS = ("table2", "table17_concurrent")
 
 @pytest.mark.parametrize("preset", [p if p in FAST_SWEEPS else pytest.param(p, marks=pytest.mark.slow)
                                     for p in PRESETS])
+@pytest.mark.slow
 def test_preset_sweep_runs_build_and_run_the_authors_algorithm(preset):
     """Every run of the preset's sweep builds its optimizer and schedule; every FRUGAL-family row runs the
     pseudocode's restart and the authors' blocks (setup/algorithm=authors), BAdam the badam package's
@@ -200,6 +203,7 @@ TABLE16_ROWS = {"rho_0": (0.0, 0, 84), "rho_0.0625": (0.0625, 5, 84), "rho_0.125
                 "rho_0.25": (0.25, 21, 84), "rho_1_3": (1 / 3, 28, 84), "rho_0.5": (0.5, 42, 84)}
 
 
+@pytest.mark.slow
 def test_table16_every_density_is_a_distinct_run():
     runs = _sweep_runs("table16_density")
     assert [o[0].split("=")[0] for o in runs] == ["setup/table16"] * 8
@@ -230,6 +234,7 @@ def test_outside_a_preset_the_librarys_algorithm_holds():
     assert (library.reset_state, library.block_granularity) == ("reset", "layer")
 
 
+@pytest.mark.slow
 def test_table1_rows_without_state_free_update_are_galore():
     rows = {o[0].split("=")[1]: _compose(["experiment=table1_projection", *o]).optimizer
             for o in _sweep_runs("table1_projection")}
@@ -270,6 +275,7 @@ def test_preset_trains_two_steps(preset, tmp_path):
 PRESET_MEMORY = {"llama_1b": ("table2", 51.0), "llama_3b": ("table5_3b", 69.2), "llama_7b": ("table2", 68.1)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(PRESET_MEMORY))
 def test_large_presets_fit_an_80gb_a100_with_the_margin_stated(model):
     """The planner (train_utils/memory_plan.py) on each preset as composed (its micro-batch,
@@ -343,6 +349,7 @@ def _toy_params(model_cfg, vocab: int = 512) -> int:  # 512: the synthetic corpu
 # The issue's two sweeps in the fast tier; every other preset (about 1.5 s of composing each) in the full suite.
 @pytest.mark.parametrize("preset", [p if p in TOY_CELLS else pytest.param(p, marks=pytest.mark.slow)
                                     for p in PAPER_PRESETS])
+@pytest.mark.slow
 def test_debug_toy_keeps_the_sweeps_cells_apart(preset):
     """Each value of each axis of the preset's multirun, composed with debug=toy (the axes are independent:
     an update gap depends on the optimizer option and the swept gaps, not on the model)."""

@@ -220,6 +220,7 @@ def test_a_rules_own_option_is_a_keyword_everywhere(my_rules):
     assert {g["rms_beta"] for g in opt.param_groups} == {0.5}
 
 
+@pytest.mark.slow
 def test_a_plugin_rule_with_its_own_option_trains_through_train_py(tmp_path):
     """optimizer.plugins imports a researcher's module before the config is checked: its state-full rule and
     that rule's own hyperparameter are set on train.py's command line like any other (no file edited); a
@@ -349,6 +350,7 @@ def test_the_estimate_the_planner_and_the_checks_name_no_rule():
             assert all('name == "adamw"' in line for line in text.splitlines() if '"adamw"' in line), path
 
 
+@pytest.mark.slow
 def test_an_optimizer_metric_in_one_method_reaches_metrics_jsonl_and_wandb(tmp_path, monkeypatch):
     """The training row is assembled in one place (train_utils.report.training_row); an optimizer adds
     its own numbers with one method, `log_metrics()`, read through the loop's hooks adapter."""

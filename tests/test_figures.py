@@ -87,6 +87,7 @@ def test_record_from_a_run_then_plot(tmp_path, capsys):
         fig2.record_run("nope", 1, 1, batch=1, seq_len=8)
 
 
+@pytest.mark.slow
 def test_record_from_checkpoints(tmp_path):
     run = tmp_path / "run"
     run_inprocess(run, "train.steps=4", "checkpoint.every=2")

@@ -251,6 +251,7 @@ def _summary(stderr: str) -> list[str]:
     return [re.sub(r"^[WE]\d{4} [\d:.]+ \d+ \S+\] ", "", ln) for ln in keep]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, code", [("ok", 0), ("code", 1), ("raise", 1)])
 def test_a_forked_launch_ends_as_torchrun_does(light_server, tmp_path, what, code):
     """Two ranks forked from the server and the same `torchrun --standalone` command: the exit status, the ranks'

@@ -128,6 +128,7 @@ def tiny_llama(checkpointing: bool, compiled: bool, parallelism: str):
     return raw, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)])
 @pytest.mark.parametrize("parallelism", ["none", "ddp", "fsdp"])
 def test_activation_checkpointing_saves_activations_in_every_combination(process_group, compiled, parallelism):

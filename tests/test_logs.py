@@ -123,6 +123,7 @@ print(first, interval.row()["peak_memory_bytes"])
 """
 
 
+@pytest.mark.slow
 def test_peak_memory_is_the_peak_of_each_interval():
     """In a fresh interpreter: inside a test process (a pytest-xdist worker after other tests), memory
     that earlier tests' objects or threads free during the first interval can hide the 64 MiB below the
@@ -163,6 +164,7 @@ def test_activation_checkpointing_recomputes_each_block():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_in_the_loop(tmp_path):
     assert run_inprocess(tmp_path / "on", "train.steps=3", "train.activation_checkpointing=true") == 0
     assert run_inprocess(tmp_path / "off", "train.steps=3") == 0

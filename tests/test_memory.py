@@ -111,6 +111,7 @@ def llama_60m():
     {"projection": "randk", "density": 0.25},
     {"projection": "block", "density": 0.0},
 ], ids=["block", "column", "randk", "block0"])
+@pytest.mark.slow
 def test_measured_equals_estimate_on_llama_60m(llama_60m, hparams):
     optimizer = build_optimizer(llama_60m, "frugal", lr=1e-6, **hparams)
     generator = torch.Generator().manual_seed(1)

@@ -180,6 +180,7 @@ def seeded_builds() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_same_seed_builds_the_same_weights_on_every_cpu_kind(tmp_path):
     """torch's fp32 normal_ depends on ATen's CPU capability (vectorised on some kinds), so before
     build_model drew its normals in float64 a seed built other weights under ATEN_CPU_CAPABILITY=default

@@ -471,6 +471,7 @@ def test_gpt2_conv1d_weights_use_their_logical_shape():
     torch.testing.assert_close(mlp.detach(), ref.detach().t(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_make_tables_places_muon_runs_with_the_memory_column(tmp_path, capsys):
     """scripts/make_tables.py: a run of the muon_table2like preset lands in its own table, labelled
     Muon / FRUGAL-Muon, and every row's cells show the state estimate (configs/optimizer options)."""

@@ -9,12 +9,15 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import frugal
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNED = ("transformers", "hydra", "accelerate", "datasets", "omegaconf", "wandb", "models", "data", "train_utils")
 
 
+@pytest.mark.slow
 def test_frugal_imports_nothing_but_torch():
     """A fresh interpreter, so modules loaded by other tests cannot hide an import. Nor does `import
     frugal` load torch's DTensor (sympy and the DTensor op registry, ~1 s of every start-up), and
@@ -49,6 +52,7 @@ def test_metadata_and_one_torch_policy():
     assert not any(r.startswith("torchdata") for r in requirements)  # never imported
 
 
+@pytest.mark.slow
 def test_after_the_readme_set_up_frugal_imports_from_any_directory(tmp_path):
     """requirements.txt ends with `-e .`: the set-up (pip install -r requirements.txt) installs the
     library editable, so `import frugal` works outside the checkout and is the checkout's code."""
@@ -60,6 +64,7 @@ def test_after_the_readme_set_up_frugal_imports_from_any_directory(tmp_path):
     assert Path(found.stdout.strip()).resolve() == (ROOT / "frugal" / "__init__.py").resolve()
 
 
+@pytest.mark.slow
 def test_build_wheel_holds_only_frugal_and_imports_with_torch_alone(tmp_path):
     source = tmp_path / "src"  # a copy, so the build leaves no egg-info or build/ in the checkout
     source.mkdir()

@@ -20,6 +20,8 @@ from train_utils.validation import ConfigError
 from train_utils.loop import NonFiniteError
 from train_utils.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # end-to-end runs: the full suite, not the fast tier
+
 STEPS = 6
 EVERY = ["checkpoint.every=2", "checkpoint.keep=3"]
 

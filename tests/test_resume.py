@@ -55,6 +55,7 @@ def test_n_plus_n_equals_2n(tmp_path, straight_run):
     assert [r["step"] for r in rows(tmp_path) if r.get("event") == "end"] == [2 * N]  # the first half's end row is gone
 
 
+@pytest.mark.slow
 def test_resume_after_kill_drops_rows_past_the_checkpoint(tmp_path, straight_run):
     """Killed after step N was logged but before its checkpoint (simulated): the run resumes from
     step N-1, the orphan rows are dropped and re-logged, and the result is still exact. Also checks
@@ -132,6 +133,7 @@ ckpt.save(root, 2, {"model": {"w": torch.zeros(10_000)}, "trainer": {"step": 2}}
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_leaves_previous_checkpoint(tmp_path):
     root = str(tmp_path / "checkpoints")
     proc = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, root], cwd=REPO, capture_output=True,

@@ -251,6 +251,7 @@ def test_llama7b_rho025_preset_fits_a_24gb_card_with_8bit_moments():
     assert 0.5 < eight / half < 0.52  # one byte per moment element and a float32 scale per 256
 
 
+@pytest.mark.slow
 def test_train_py_with_8bit_moments_in_backward_resumes_exactly(tmp_path):
     """train.py end to end, as the 7B rho 0.25 preset runs (pure bf16, stochastic rounding, the step in
     backward, clipping, 8-bit moments): the checkpoint holds the codes, and a resume is bit for bit."""

@@ -51,6 +51,7 @@ def _single_run_error(run_dir: Path, *overrides: str) -> str:
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_a_bad_job_is_named_with_its_overrides_and_its_runs_own_line(tmp_path):
     """The first bad job, whatever its place, with its overrides as typed (without the `++` train.py
     adds) and the exact line its own run stops with: a value, a key, the model's, the schedule's."""
@@ -85,6 +86,7 @@ def test_a_presets_sweep_with_an_option_no_group_has_is_one_line(tmp_path, monke
             sorted(p.stem for p in (CONFIGS / "optimizer").glob("*.yaml"))))
 
 
+@pytest.mark.slow
 def test_each_job_is_checked_with_its_launchers_processes():
     """8 sequences per step: a micro-batch of 8 fits 1 process (basic launcher), not 2 (local, 2 tasks);
     4 does not fit SLURM's 2 nodes x 2 tasks."""
@@ -97,6 +99,7 @@ def test_each_job_is_checked_with_its_launchers_processes():
     assert "job #1 (train.batch_size=8 train.micro_batch_size=4)" in slurm and "world size (4)" in slurm, slurm
 
 
+@pytest.mark.slow
 def test_the_memory_check_runs_for_jobs_on_this_machine(monkeypatch):
     """The start-up memory check, from the planner alone (nothing built): with 1.5 GiB, llama_tiny
     fits and llama_130m + AdamW does not. A SLURM job's nodes are not this machine: checked there, at

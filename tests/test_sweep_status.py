@@ -95,6 +95,7 @@ def test_file_names_are_train_pys():
         (metrics.METRICS_FILE, metrics.LOG_FILE, run_lock.LOCK_FILE)
 
 
+@pytest.mark.slow
 def test_a_finished_toy_sweep_is_all_done(toy_sweep):
     """As a script: each job's line has its end row's numbers; the counts; exit 0."""
     proc = run_python([sys.executable, "-m", "ops.sweep_status", str(toy_sweep)], cwd=REPO, env=subprocess_env(),
@@ -111,6 +112,7 @@ def test_a_finished_toy_sweep_is_all_done(toy_sweep):
     assert lines[-1] == f"{toy_sweep}: 2 jobs: 2 done"
 
 
+@pytest.mark.slow
 def test_json_gives_each_runs_own_numbers(toy_sweep, capsys):
     code, lines = status(capsys, toy_sweep, "--json")
     report = json.loads("\n".join(lines))
@@ -123,6 +125,7 @@ def test_json_gives_each_runs_own_numbers(toy_sweep, capsys):
     assert [job["values"] for job in report["jobs"]] == [{"optimizer.density": "0.125"}, {"optimizer.density": "0.25"}]
 
 
+@pytest.mark.slow
 def test_every_state_has_its_line_and_exit_code(toy_sweep, tmp_path, capsys):
     from train_utils.metrics import Console
     from train_utils.report import stopped_message
@@ -196,6 +199,7 @@ def test_every_state_has_its_line_and_exit_code(toy_sweep, tmp_path, capsys):
         lock.release()
 
 
+@pytest.mark.slow
 def test_a_basic_sweeps_queued_jobs_without_its_process(toy_sweep, tmp_path, capsys):
     """Hydra's basic launcher runs the jobs in the sweep's own process: with that process gone (the
     pid in the last job's lock), the jobs still queued never start, and the report says how to go on."""
@@ -208,6 +212,7 @@ def test_a_basic_sweeps_queued_jobs_without_its_process(toy_sweep, tmp_path, cap
         f"{sweep.resolve()} (finished jobs end at once)")
 
 
+@pytest.mark.slow
 def test_not_a_sweep_is_one_line_and_exit_2(toy_sweep, tmp_path, capsys):
     for path, says in ((tmp_path / "missing", "no such directory"),
                        (toy_sweep / "0", "is a single run's directory, not a sweep (no multirun.yaml)"),

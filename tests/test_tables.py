@@ -108,6 +108,7 @@ def test_plot_runs(table2_runs, tmp_path):
     assert out.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_memory_estimate_is_the_papers_column():
     from scripts import memory_table
 
@@ -115,6 +116,7 @@ def test_memory_estimate_is_the_papers_column():
     assert ok == 0
 
 
+@pytest.mark.slow
 def test_real_tiny_runs(tmp_path, capsys):
     """Two real 3-step runs of train.py land in the Table 2 cells of llama_tiny, state measured."""
     import train
@@ -219,6 +221,7 @@ def real_sweep(tmp_path_factory):
     return sweep
 
 
+@pytest.mark.slow
 def test_real_sweep_table_and_names(real_sweep, capsys):
     from train_utils import naming
 
@@ -237,6 +240,7 @@ def test_real_sweep_table_and_names(real_sweep, capsys):
     assert groups == {"table2-t2"}
 
 
+@pytest.mark.slow
 def test_real_sweep_plot_labels(real_sweep):
     runs = [make_tables.load_run(d) for d in make_tables.find_runs([str(real_sweep)])]
     swept = make_tables.swept_keys(runs)
@@ -244,6 +248,7 @@ def test_real_sweep_plot_labels(real_sweep):
     assert labels == {f"density={d} update_gap={t}" for d in ("0.125", "0.25") for t in (100, 200)}
 
 
+@pytest.mark.slow
 def test_real_sweep_pivot(real_sweep, capsys):
     """The sweep view of real runs: each cell is its one run's end-row perplexity, each row the density
     the run's start row says the optimizer realised."""
@@ -321,6 +326,7 @@ ROW_PRESETS = ["table1_projection", "table3_precision", "table10_pure_bf16", "ta
                "table5_3b", "table8_beta2", "table9_adamem", "table17_concurrent", "tables6_7_schedules"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ROW_PRESETS)
 def test_every_paper_row_is_in_the_presets_multirun(preset, tmp_path, capsys):
     from scripts.paper_tables import SPECS

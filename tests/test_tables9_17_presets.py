@@ -49,6 +49,7 @@ def test_table17_rows_clip_or_limit_and_decay_as_the_paper_says():
     assert list(ldadam.betas) == [0.908, 0.99] and ldadam.subspace_momentum == 0.908
 
 
+@pytest.mark.slow
 def test_table9_runs_every_row_on_table2_sizes():
     sweep = _sweep("table9_adamem")
     assert sweep == {"optimizer": ["adamw", "adamem", "frugal", "frugal_rho0"],
@@ -67,6 +68,7 @@ def test_table9_runs_every_row_on_table2_sizes():
 
 @pytest.mark.parametrize("preset,option", [("table17_concurrent", "fira"), ("table17_concurrent", "ldadam"),
                                            ("table9_adamem", "adamem")])
+@pytest.mark.slow
 def test_new_rows_train_two_steps(preset, option, tmp_path):
     import train
 
@@ -93,6 +95,7 @@ def fake_run(root: Path, name: str, preset: str, option: str, model: str, ppl: f
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.slow
 def test_make_tables_prints_tables_9_and_17_with_every_row_and_the_estimate(tmp_path, capsys):
     fake_run(tmp_path, "a", "table9_adamem", "adamem", "llama_60m", 23.90, int(0.28 * GIB))
     fake_run(tmp_path, "b", "table17_concurrent", "ldadam", "llama_130m", 17.60, int(0.85 * GIB))
@@ -115,6 +118,7 @@ def test_make_tables_prints_tables_9_and_17_with_every_row_and_the_estimate(tmp_
     assert SPECS["table17_concurrent"]["estimate"]["Fira, rho=0.25"] == "fira"
 
 
+@pytest.mark.slow
 def test_estimates_of_the_new_rows_match_the_design_table():
     """docs/concurrent_methods.md's whole-model numbers (fp32, density 0.25, Appendix D's layout; LDAdam
     at 350M is 2.2249 GiB)."""
@@ -180,6 +184,7 @@ def mini_tokenizer(tmp_path_factory):
     return mini_repro.train_tokenizer(mini_repro.read_text(ASSET), work, 300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["fira", "ldadam", "adamem"])
 def test_mini_repro_new_rows_train_at_toy_size(key, mini_tokenizer, tmp_path):
     """The optional rows' own command line (local text, the corpus' tokenizer, packed rows) trains

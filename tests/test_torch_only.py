@@ -3,10 +3,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = ("factored", "subspace", "fira", "adaptive")
 
 
+@pytest.mark.slow
 def test_concurrent_modules_import_nothing_but_torch():
     code = (
         "import sys\n"

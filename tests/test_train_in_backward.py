@@ -74,6 +74,7 @@ def test_equals_the_ordinary_step(ordinary, in_backward):
     assert "inside backward" not in (ordinary / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_resume_is_exact(in_backward, tmp_path):
     assert run_inprocess(tmp_path, *RUN, IN_BACKWARD, "train.steps=4") == 0
     assert run_inprocess(tmp_path, *RUN, IN_BACKWARD, "train.resume_changes=[train.steps]") == 0
@@ -81,6 +82,7 @@ def test_resume_is_exact(in_backward, tmp_path):
     assert_same_weights(final_weights(tmp_path), final_weights(in_backward))
 
 
+@pytest.mark.slow
 def test_a_late_non_finite_gradient_stops_the_run_says_what_moved_and_the_remedy_works(tmp_path, monkeypatch):
     """Step 3's last backward gives layer 0 (the last tensors of backward) a NaN gradient: the
     tensors before it in backward have taken step 3. The run stops, says so, writes nothing from
