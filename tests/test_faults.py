@@ -2,7 +2,6 @@
 to a process group with DataLoader workers), a file-size limit while writing a checkpoint, a frozen
 rank, and a torchrun multirun. Each ends with one clear line and the documented exit code."""
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from _forkserver import run_python
 from _train_helpers import (REPO, TINY, assert_same_weights, failure, losses, rows, run_cli,  # noqa: F401
                             run_inprocess, subprocess_env, torchrun_cmd, train_cmd, weights)
 from test_slurm import slurm_cluster  # noqa: F401 (the fixture local_slurm asks for)
@@ -18,6 +18,16 @@ from ops.fault_inject import catches_signal
 from train_utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
+
+# `python tests/_fsize_limit.py BYTES train.py ...`: train.py under a file-size limit, as
+# subprocess.run(preexec_fn=<setrlimit>) runs it, but forked from the warm interpreter (run_cli).
+FSIZE_LIMIT = os.path.join(REPO, "tests", "_fsize_limit.py")
+
+
+def limited(limit_bytes: int, cmd: list[str]) -> list[str]:
+    """`cmd` (`python script.py args`) under RLIMIT_FSIZE=limit_bytes (Python ignores SIGXFSZ: writes fail)."""
+    return [cmd[0], FSIZE_LIMIT, str(limit_bytes), *cmd[1:]]
+
 
 def _wait_for(predicate, proc, timeout=180.0, what="condition"):
     deadline = time.time() + timeout
@@ -77,11 +87,7 @@ def test_file_size_limit_while_writing_a_checkpoint(tmp_path):
     """A write that fails mid-checkpoint (here the process's file-size limit, 1 MB, below the size of
     model.pt): one line naming the file, exit 1, no traceback, no half-written checkpoint."""
 
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # Python ignores SIGXFSZ: writes fail
-
-    proc = subprocess.run(train_cmd(tmp_path, "train.steps=2"), cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=240, preexec_fn=limit_file_size)
+    proc = run_cli(limited(1 << 20, train_cmd(tmp_path, "train.steps=2")))
     assert proc.returncode == 1, proc.stderr[-3000:]
     failed = tmp_path / "checkpoints" / ckpt.step_dir_name(2) / "model.pt"
     assert proc.stderr.strip().splitlines()[-1] == (f"error: file too large (the file-size limit was reached) while "
@@ -254,12 +260,9 @@ def test_full_disk_outside_a_checkpoint_write_is_one_line(tmp_path):
     checkpoint is written, then a restart under the same limit: each ends with one line naming
     metrics.jsonl, exit 1, no traceback (it was a raw OSError traceback)."""
 
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))  # above .hydra's files, below 30 steps of rows
-
     for attempt in ("first run", "restart"):
-        proc = subprocess.run(train_cmd(tmp_path, "train.steps=30"), cwd=REPO, env=subprocess_env(),
-                              capture_output=True, text=True, timeout=240, preexec_fn=limit_file_size)
+        # 6000 bytes: above .hydra's files, below 30 steps of rows
+        proc = run_cli(limited(6000, train_cmd(tmp_path, "train.steps=30")))
         assert proc.returncode == 1, (attempt, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-3000:])
         assert proc.stderr.strip().splitlines()[-1] == (
@@ -288,19 +291,31 @@ def test_a_refused_pt_file_and_a_bad_metrics_line_are_one_line_each(tmp_path):
     assert not (tmp_path / "PAYLOAD_RAN").exists()
 
 
+def forked_fault_run(run_dir: str, *extra: str, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
+    """ops/fault_inject.py's `run` (the same command, environment, file-size limit and timeout), forked from
+    the warm interpreter instead of a fresh one. Its `start` (a run it signals by pid) stays a fresh process."""
+    from ops import fault_inject
+
+    cmd = fault_inject.command(run_dir, *extra)
+    return run_python(limited(limit_bytes, cmd) if limit_bytes else cmd, cwd=fault_inject.REPO,
+                      env=fault_inject.environment(), timeout=600)
+
+
 @pytest.fixture(scope="module")
 def fault_reference(tmp_path_factory):
     """ops/fault_inject.py's uninterrupted reference run."""
     from ops import fault_inject
 
     reference = str(tmp_path_factory.mktemp("fault_inject") / "reference")
-    done = fault_inject.run(reference)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fault_inject, "run", forked_fault_run)
+        done = fault_inject.run(reference)
     assert done.returncode == 0, failure(done)
     return reference
 
 
 @pytest.mark.parametrize("kind", ["dcp", "diverge", "late", "garbage", "badline", "stale", "fullmeta"])
-def test_fault_inject_category(fault_reference, tmp_path, kind):
+def test_fault_inject_category(fault_reference, tmp_path, kind, monkeypatch):
     """One trial of each of ops/fault_inject.py's categories that have no end-to-end test of their
     own here: a forged sharded `.metadata`, a divergence whose printed remedy is followed, SIGTERM after
     the end row, binary bytes in a text data file, a bad metrics.jsonl line, a stale `latest`, and a
@@ -309,6 +324,7 @@ def test_fault_inject_category(fault_reference, tmp_path, kind):
 
     from ops import fault_inject
 
+    monkeypatch.setattr(fault_inject, "run", forked_fault_run)
     trial = fault_inject.TRIALS[kind](fault_reference, str(tmp_path / "run"), random.Random(0), None)
     assert trial["ok"], trial
 
