@@ -4,7 +4,7 @@
   (saved-tensor hooks, unique storages), for every precision regime: exact equality.
 - Whole training steps: the allocator's peak of real steps on CPU (models.build_model, bf16 autocast,
   train.py's token_loss_sum, backward, optimizer step, accumulation, DDP buckets, FSDP2), measured in
-  a fresh interpreter with the profiler's allocation events (bench/memory_plan.py `measure_case`):
+  a process of its own with the profiler's allocation events (bench/memory_plan.py `measure_case`):
   within 10% (most cases agree to 1%), the step inside backward included.
 - Table 2's optimizer-state column and the per-rank figures stated in issue 11.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import torch
 
 import frugal
 import models
+from _forkserver import run_python
+from _train_helpers import subprocess_env
 from bench.memory_plan import VALIDATION_CASES, Case, measure_case, plan_case
 from train_utils import memory_plan as mp
 from train_utils.memory_plan import GIB, largest_micro_batch, plan_memory
@@ -132,26 +133,21 @@ def test_a_family_is_planned_from_its_entry_in_models(monkeypatch):
 # ---- whole steps: the plan against the allocator's peak of a real step on CPU -----------------------
 @pytest.fixture(scope="module")
 def measured():
-    """bench/memory_plan.py --validate in fresh interpreters: (peak, optimizer-step peak) per case.
-    Two processes of one thread each take every other case (allocations are counted per process)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    n = 2
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.memory_plan", "--validate", "--json",
-                               "--cases", f"{k}/{n}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT) for k in range(n)]
-    parts = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
-        parts.append(json.loads(out.strip().splitlines()[-1]))
-    measured = [None] * len(VALIDATION_CASES)
-    for k, part in enumerate(parts):
-        measured[k::n] = part
+    """bench/memory_plan.py --validate: (peak, optimizer-step peak) per case, every case in one process of
+    one thread, forked from the tests' warm interpreter (tests/_forkserver.py; allocations are counted from
+    the start of each case's profile, so what the interpreter held before does not count). One process,
+    not two: each process pays ~15 CPU-s of its own before its first case (imports, inductor's start-up
+    and the compiled sign update's graphs), more than splitting the cases saves on two loaded cores."""
+    proc = run_python([sys.executable, "-m", "bench.memory_plan", "--validate", "--json"], cwd=ROOT,
+                      env=subprocess_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(measured) == len(VALIDATION_CASES)
     return measured
 
 
-@pytest.mark.slow  # the measured fixture: 23 cases of two real steps in two fresh interpreters: 46 CPU-s
-# (case 18, compiled, alone 24 s with an empty inductor cache, 6 s warm), 210 CPU-s with torch held to AVX2
+@pytest.mark.slow  # the measured fixture: 23 cases of two real steps in one forked process: ~30 CPU-s
+# (case 18, compiled, alone 24 s with an empty inductor cache, 6 s warm), more with torch held to AVX2
 @pytest.mark.parametrize("index", range(len(VALIDATION_CASES)))
 def test_plan_matches_measured_peak(measured, index):
     case = VALIDATION_CASES[index]
