@@ -342,9 +342,10 @@ class _Server:
         self.proc.stdin.flush()
 
     def run(self, argv: list[str], cwd, env: dict, timeout: float, launch: dict | None = None,
-            shown: list[str] | None = None) -> subprocess.CompletedProcess:
+            shown: list[str] | None = None, started=None) -> subprocess.CompletedProcess:
         """`argv` forked (`launch`: {"nproc", "name", "omp_banner"} for N ranks of it); `shown`: the command
-        the result and a TimeoutExpired name."""
+        the result and a TimeoutExpired name; `started`: called with the child's pid (a launch's: its process
+        group) once it is forked."""
         argv_shown = shown or argv
         with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -357,6 +358,8 @@ class _Server:
                 if forked is None:
                     raise RuntimeError(f"the fork server (pid {self.proc.pid}) did not start {argv_shown}: it exited "
                                        f"with {self.proc.poll()}")
+                if started is not None:
+                    started(forked["pid"])
                 done = self._read(timeout=timeout)
                 if done is None:  # as subprocess.run: kill the child, then raise
                     kill(forked["pid"], signal.SIGKILL)
@@ -445,10 +448,12 @@ def server_key(env: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k not in PER_CHILD))
 
 
-def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300,
+               started=None) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
     `python script.py ...` or `python -m scripts.name ...` command, or the ranks of a plain torchrun launch,
-    forked from a warm server (see the module docstring)."""
+    forked from a warm server (see the module docstring). `started` (optional): called with the forked
+    child's pid, a launch's process group; not called where the command runs through subprocess.run."""
     env = dict(os.environ if env is None else env)
     launch = launch_of(argv)
     if not forkable(argv) and launch is None:
@@ -472,11 +477,11 @@ def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 3
         if command[0] != "-m":
             command = [os.path.join(str(cwd), command[0]), *command[1:]]
         return server.run([argv[0], *command], cwd, env, timeout, shown=argv,
-                          launch={"nproc": nproc, "name": name, "omp_banner": banner})
+                          launch={"nproc": nproc, "name": name, "omp_banner": banner}, started=started)
     if argv[1] == "-m":
-        return server.run(argv, cwd, env, timeout)
+        return server.run(argv, cwd, env, timeout, started=started)
     script = argv[1] if os.path.isabs(argv[1]) else os.path.join(str(cwd), argv[1])
-    return server.run([argv[0], script, *argv[2:]], cwd, env, timeout)
+    return server.run([argv[0], script, *argv[2:]], cwd, env, timeout, started=started)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:

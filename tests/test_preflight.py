@@ -3,21 +3,66 @@
 alone, under DDP and under FSDP2), the
 GPU-only ones skipped with their reason, and the exit code gating on failures."""
 import os
-import sys
+import subprocess
+import threading
+import types
 
 import pytest
 
 from _forkserver import run_python
-from _train_helpers import REPO, subprocess_env
+
+
+class ForkedPopen:
+    """subprocess.Popen as ops/preflight.py's run_train uses it (poll, wait with a timeout, the pid its
+    os.killpg stops a hung run by, returncode; stderr into its file), the command run by the fork server
+    (tests/_forkserver.py): the ranks of each torchrun launch forked from the warm interpreter instead of
+    a fresh torchrun and two fresh ranks (~10 CPU-s of imports per launch, four launches)."""
+
+    def __init__(self, args, cwd=None, env=None, stdout=None, stderr=None, start_new_session=False):
+        self.args, self.pid, self.returncode, self._code = args, None, None, None
+        self._forked, self._done = threading.Event(), threading.Event()
+
+        def started(pid):
+            self.pid = pid
+            self._forked.set()
+
+        def run():
+            try:
+                proc = run_python(args, cwd=cwd, env=env, timeout=3600, started=started)
+                self._code, text = proc.returncode, proc.stderr
+            except BaseException as err:  # noqa: BLE001 (the run's failure, as its stderr)
+                self._code, text = 1, f"{type(err).__name__}: {err}"
+            if stderr is not None and stderr is not subprocess.DEVNULL:
+                stderr.write(text)
+                stderr.flush()
+            self._forked.set()
+            self._done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        self._forked.wait(120)
+
+    def poll(self):
+        if self._done.is_set():
+            self.returncode = self._code
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
 
 
 @pytest.mark.slow
-def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path):
-    proc = run_python([sys.executable, "-m", "ops.preflight", "--fast", "--workdir", str(tmp_path)], cwd=REPO,
-                      env=subprocess_env(), timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+def test_preflight_runs_on_cpu_and_skips_gpu_checks_with_the_reason(tmp_path, monkeypatch, capsys):
+    """`python -m ops.preflight --fast` (its main, in this process), its train.py launches forked (ForkedPopen)."""
+    from ops import preflight
+
+    monkeypatch.setattr(preflight, "subprocess", types.SimpleNamespace(**{**vars(subprocess), "Popen": ForkedPopen}))
+    code = preflight.main(["--fast", "--workdir", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err[-3000:]
     table = {line.split("|")[0].strip(): (line.split("|")[1].strip(), line.split("|")[2].strip())
-             for line in proc.stdout.splitlines() if line.count("|") == 2}
+             for line in out.out.splitlines() if line.count("|") == 2}
     for check in ("train llama_tiny ddp eager x2", "train llama_tiny fsdp eager x2", "checkpoint + resume (ddp)",
                   "checkpoint + resume (fsdp)", "checkpointing llama_tiny, eager, none",
                   "checkpointing llama_tiny, eager, ddp", "checkpointing llama_tiny, eager, fsdp"):
