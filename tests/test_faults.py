@@ -65,7 +65,8 @@ def test_signal_during_startup_exits_cleanly(tmp_path):
 def test_sigterm_to_the_process_group_with_workers(tmp_path):
     """scancel/preemption signal every process of the job, DataLoader workers included: the workers
     keep serving, the main process checkpoints and exits 75, and the resumed run is exact."""
-    steps, workers = 30, ["data.num_workers=2"]
+    # the stop lands after step 3, the resume crosses a restart (8); fp32: the precision is not what this is about
+    steps, workers = 12, ["data.num_workers=2", "train.precision=fp32"]
     reference = tmp_path / "reference"
     assert run_inprocess(reference, f"train.steps={steps}", *workers) == 0
     run_dir = tmp_path / "interrupted"
@@ -99,7 +100,7 @@ def test_file_size_limit_while_writing_a_checkpoint(tmp_path):
 def test_frozen_rank_is_named(tmp_path):
     """Rank 1 stops answering (SIGSTOP: alive, frozen) after a few steps: rank 0 gives up after
     train.collective_timeout_s instead of torch's 30 minutes, and says which rank it was."""
-    cmd = torchrun_cmd(tmp_path, "train.micro_batch_size=2", "train.steps=500", "train.collective_timeout_s=10")
+    cmd = torchrun_cmd(tmp_path, "train.micro_batch_size=2", "train.steps=500", "train.collective_timeout_s=5")
     proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     frozen = None
@@ -116,7 +117,7 @@ def test_frozen_rank_is_named(tmp_path):
             frozen.kill()  # a stopped process only goes away with SIGKILL
     out, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
-    assert "[rank 0] a collective operation waited longer than train.collective_timeout_s=10 s" in err, err[-3000:]
+    assert "[rank 0] a collective operation waited longer than train.collective_timeout_s=5 s" in err, err[-3000:]
     assert "rank 1 did not answer a check" in err, err[-3000:]
 
 
