@@ -27,6 +27,14 @@ torchrun's log lines and its ChildFailedError summary (torch's own class: each r
 signal, and its error file's message, which train.py writes for its one-line errors), exit status 1. A
 timeout kills the launch's process group (launcher and ranks); an interrupt kills them and the server.
 
+Nested runs (opt-in, `run_python(..., nested=True)`): a forked program that itself runs `python script.py`
+or `python -m scripts.name` with `subprocess.run` (scripts.mini_repro's and bench.train_step's train.py runs)
+gets those forked too, from a copy of itself taken before it started (a "zygote", as the server's own
+children are, imports done and nothing else): the same exit code, captured output and files as the fresh
+process. Only `subprocess.run(argv, cwd=, env=, capture_output=True, text=, timeout=, check=)` of such an
+argv is forked, and only when its environment differs from the program's own in variables read at run time
+(RUNTIME_ENV), not at import; any other call (Popen, preexec_fn, a torchrun, another program) is the real one.
+
 What it is not for: the process boundary itself. Signals, crashes, kills and Slurm's jobs stay real
 processes (`subprocess`), as do `python -c`, `python -m` of any other module (pytest), and any torchrun
 command with another option (--nnodes, --max-restarts, ...): `run_python` runs those through
@@ -73,6 +81,9 @@ REPO_PACKAGES = ("scripts", "ops", "bench")
 # Variables a child applies itself (pytest sets the first per test): requests that differ only in them share
 # a server.
 PER_CHILD = {"PYTEST_CURRENT_TEST", "PYTHONFAULTHANDLER"}
+# Variables read when a program runs, not when the server imports: a nested run (see the module docstring) that
+# sets them otherwise than its parent is still forked.
+RUNTIME_ENV = PER_CHILD | {"WANDB_MODE", "TOKENIZERS_PARALLELISM"}
 
 
 # ------------------------------------------------------------------------------------------ the server
@@ -92,6 +103,8 @@ def _child(request: dict, rank: bool = False) -> None:
     streams, as torchrun starts it) and never return."""
     code = 1
     try:
+        if request.get("nested") and not rank:  # a copy of this process before it starts: see _nested_runs
+            _nested_runs(request)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -150,6 +163,135 @@ def _flush_and_exit(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
+
+
+def _nested_runs(request: dict) -> None:
+    """In a forked child, before it starts: fork a zygote (a copy of the child as the server forked it) that forks
+    the child's nested runs, and route the child's `subprocess.run` of a forkable argv to it (the module
+    docstring's "Nested runs"). The zygote ends with the child."""
+    import atexit
+    import socket
+    import threading
+
+    base_env, parent = dict(request["env"]), os.getpid()
+    ours, theirs = socket.socketpair()
+    zygote = os.fork()
+    if zygote == 0:
+        ours.close()
+        _zygote(theirs, parent)
+    theirs.close()
+    original, lines, ended, busy = subprocess.run, [b""], [False], threading.Lock()
+
+    def reply(timeout: float | None = None) -> dict | None:
+        while b"\n" not in lines[0]:
+            ready, _, _ = select.select([ours], [], [], timeout)
+            chunk = ours.recv(65536) if ready else b""
+            if not chunk:
+                return None
+            lines[0] += chunk
+        line, lines[0] = lines[0].split(b"\n", 1)
+        return json.loads(line)
+
+    def run(args, *popenargs, **kwargs):
+        argv = list(args) if isinstance(args, (list, tuple)) and all(isinstance(a, str) for a in args) else None
+        env = kwargs.get("env")
+        env = dict(os.environ if env is None else env)
+        changed = {k for k in set(env) | set(base_env) if env.get(k) != base_env.get(k)}
+        if (popenargs or argv is None or not forkable(argv) or not kwargs.get("capture_output")
+                or set(kwargs) - {"cwd", "env", "capture_output", "text", "timeout", "check"}
+                or changed - RUNTIME_ENV or ended[0] or not busy.acquire(blocking=False)):
+            return original(args, *popenargs, **kwargs)  # (one nested run at a time: another thread's is real)
+        try:
+            proc = nested(args, argv, env, kwargs)
+        except subprocess.TimeoutExpired:
+            raise
+        except BaseException:  # an interrupt or a dead zygote: the next replies would answer the wrong run
+            ended[0] = True
+            raise
+        finally:
+            busy.release()
+        if kwargs.get("check"):
+            proc.check_returncode()
+        return proc
+
+    def nested(args, argv: list[str], env: dict, kwargs: dict) -> subprocess.CompletedProcess:
+        cwd = os.fspath(kwargs.get("cwd") or os.getcwd())
+        if argv[1] != "-m" and not os.path.isabs(argv[1]):
+            argv[1] = os.path.join(cwd, argv[1])
+        timeout = kwargs.get("timeout")
+        with tempfile.TemporaryDirectory(prefix="nested-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            ours.sendall((json.dumps({"argv": argv[1:], "cwd": cwd, "env": env, "stdout": out, "stderr": err,
+                                      "nested": True}) + "\n").encode())
+            forked = reply()
+            if forked is None:
+                raise RuntimeError(f"the zygote (pid {zygote}) did not start {argv}")
+            done = None
+            try:
+                done = reply(timeout)
+            finally:
+                if done is None:  # a timeout (as subprocess.run: kill the child, then raise) or an interrupt
+                    os.kill(forked["pid"], signal.SIGKILL)
+            if done is None:
+                if reply() is None:
+                    raise RuntimeError(f"the zygote (pid {zygote}) did not reap {forked['pid']}")
+                raise subprocess.TimeoutExpired(args, timeout, _read(out, {}), _read(err, {}))  # bytes, as its own
+            return subprocess.CompletedProcess(args, done["returncode"], _read(out, kwargs), _read(err, kwargs))
+
+    def end_zygote() -> None:
+        ended[0] = True
+        ours.close()
+        try:
+            os.waitpid(zygote, 0)
+        except ChildProcessError:
+            pass
+
+    subprocess.run = run
+    atexit.register(end_zygote)
+
+
+def _read(path: str, kwargs: dict):
+    """A nested run's captured stream, as subprocess.run returns it (text or bytes)."""
+    if kwargs.get("text") or kwargs.get("universal_newlines"):
+        return _text(path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _zygote(sock, parent: int) -> None:
+    """The zygote: for each request on `sock`, fork a child that runs it (`_child`), answer {"pid"}, then
+    {"returncode"} once it has ended; end when the program that uses it (`parent`) closes its end or dies."""
+    try:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):  # not the server's protocol pipes
+            os.dup2(null, fd)
+        os.close(null)
+        pending = b""
+        while True:
+            while b"\n" not in pending:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    os._exit(0)
+                pending += chunk
+            line, pending = pending.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _child(json.loads(line))
+            sock.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            _, status = os.waitpid(pid, 0)
+            sock.sendall((json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+    except BaseException:
+        traceback.print_exc()
+    os._exit(1)
 
 
 OMP_BANNER = ("\n*****************************************\n"
@@ -342,14 +484,15 @@ class _Server:
         self.proc.stdin.flush()
 
     def run(self, argv: list[str], cwd, env: dict, timeout: float, launch: dict | None = None,
-            shown: list[str] | None = None, started=None) -> subprocess.CompletedProcess:
+            shown: list[str] | None = None, started=None, nested: bool = False) -> subprocess.CompletedProcess:
         """`argv` forked (`launch`: {"nproc", "name", "omp_banner"} for N ranks of it); `shown`: the command
         the result and a TimeoutExpired name; `started`: called with the child's pid (a launch's: its process
-        group) once it is forked."""
+        group) once it is forked; `nested`: its own runs of python programs forked too (the module docstring)."""
         argv_shown = shown or argv
         with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err, **(launch or {})}
+            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err, **(launch or {}),
+                       **({"nested": True} if nested else {})}
             kill = os.killpg if launch else os.kill  # a launch: its ranks too
             forked = None
             try:
@@ -449,11 +592,13 @@ def server_key(env: dict) -> tuple:
 
 
 def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 300,
-               started=None) -> subprocess.CompletedProcess:
+               started=None, nested: bool = False) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, with a
     `python script.py ...` or `python -m scripts.name ...` command, or the ranks of a plain torchrun launch,
     forked from a warm server (see the module docstring). `started` (optional): called with the forked
-    child's pid, a launch's process group; not called where the command runs through subprocess.run."""
+    child's pid, a launch's process group; not called where the command runs through subprocess.run. `nested`:
+    the program's own `subprocess.run` of python programs forked too ("Nested runs" in the module docstring;
+    not a launch's ranks)."""
     env = dict(os.environ if env is None else env)
     launch = launch_of(argv)
     if not forkable(argv) and launch is None:
@@ -479,9 +624,9 @@ def run_python(argv: list[str], cwd, env: dict | None = None, timeout: float = 3
         return server.run([argv[0], *command], cwd, env, timeout, shown=argv,
                           launch={"nproc": nproc, "name": name, "omp_banner": banner}, started=started)
     if argv[1] == "-m":
-        return server.run(argv, cwd, env, timeout, started=started)
+        return server.run(argv, cwd, env, timeout, started=started, nested=nested)
     script = argv[1] if os.path.isabs(argv[1]) else os.path.join(str(cwd), argv[1])
-    return server.run([argv[0], script, *argv[2:]], cwd, env, timeout, started=started)
+    return server.run([argv[0], script, *argv[2:]], cwd, env, timeout, started=started, nested=nested)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:

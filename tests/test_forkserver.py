@@ -185,6 +185,47 @@ def test_other_commands_and_the_switch_run_fresh_processes(light_server, tmp_pat
     assert json.loads(proc.stdout.splitlines()[0])["warm"] is False
 
 
+NESTED_PARENT = textwrap.dedent("""
+    import json, os, subprocess, sys
+    script = sys.argv[1]
+
+    def run(what, **kw):
+        try:
+            p = subprocess.run([sys.executable, script, what, "second arg"], capture_output=True, **kw)
+        except subprocess.TimeoutExpired as e:
+            return ["timeout", type(e.stdout).__name__]
+        except subprocess.CalledProcessError as e:
+            return ["check", e.returncode]
+        out, err = (s if isinstance(s, str) else "bytes: " + s.decode() for s in (p.stdout, p.stderr))
+        first, rest = out.split("\\n", 1)
+        return [p.returncode, json.loads(first.removeprefix("bytes: ")), rest, err]
+
+    print(json.dumps({"ok": run("ok", text=True, cwd=os.path.dirname(script)), "code": run("code", text=True),
+                      "bytes": run("text"), "runtime env": run("ok", text=True, env=dict(os.environ, WANDB_MODE="x")),
+                      "other env": run("ok", text=True, env=dict(os.environ, FORK_TEST_MARKER="changed")),
+                      "check": run("code", text=True, check=True), "timeout": run("hang", text=True, timeout=0.5)}))
+""")
+
+
+def test_nested_runs_of_a_forked_command_end_as_fresh_processes_do(light_server, tmp_path):
+    """run_python(nested=True): the program's own subprocess.run of a python script is forked too (from the
+    server's imports) and gives what the fresh process gives (exit code, output as text or bytes, check,
+    timeout); one whose environment changes a variable read at import runs fresh."""
+    parent = tmp_path / "parent.py"
+    parent.write_text(NESTED_PARENT)
+    argv = [sys.executable, str(parent), str(light_server)]
+    forked = _forkserver.run_python(argv, cwd=tmp_path, nested=True)
+    fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert forked.returncode == fresh.returncode == 0, (forked, fresh)
+    seen_forked, seen_fresh = json.loads(forked.stdout), json.loads(fresh.stdout)
+    warm = {case: r[1].pop("warm") for case, r in seen_forked.items() if isinstance(r[1], dict)}
+    assert warm == {"ok": True, "code": True, "bytes": True, "runtime env": True, "other env": False}
+    assert not any(r[1].pop("warm") for r in seen_fresh.values() if isinstance(r[1], dict))
+    assert seen_forked == seen_fresh
+    assert seen_fresh["bytes"][3] == "bytes: to stderr\na message\natexit ran\n" and seen_fresh["check"] == ["check", 3]
+    assert seen_fresh["timeout"] == ["timeout", "bytes"] and seen_fresh["ok"][1]["cwd"] == str(light_server.parent)
+
+
 @pytest.mark.slow
 def test_train_py_forked_trains_bitwise_as_a_fresh_process(tmp_path):
     """The real preload (torch, transformers, Hydra, train): the same toy run's losses and weights, forked

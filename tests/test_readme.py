@@ -16,7 +16,9 @@ The convention (README and docs authors: this is all there is to it):
   `scripts/`, `ops/` and `bench/` (`python -m scripts.make_tables`) taken from the repository and the Hub,
   wandb and the network off. Each `python script.py` or `python -m scripts.NAME` command is its own
   process, forked from an interpreter that has already imported torch, transformers and train.py
-  (tests/_forkserver.py: the same exit code, output and files as a fresh process, ~4.5 s sooner).
+  (tests/_forkserver.py: the same exit code, output and files as a fresh process, ~4.5 s sooner), and so
+  are the `python train.py` runs such a program starts with subprocess.run (the mini reproduction's and
+  bench.train_step's: the fork server's nested runs).
 - A block that cannot run here says why on the line before it: `<!-- readme-test: skip hub -->`
   (needs the Hugging Face Hub), `gpu` (needs GPUs) or `slurm` (needs a SLURM cluster). Nothing else may
   be skipped. `pip install` (the tests run in the installed environment) and `python -m pytest` (this
@@ -67,7 +69,7 @@ SCRIPT_ARGS = {  # keyed by script (train.py, eval.py) or module (python -m scri
     "bench.optimizer": ["--models", "llama_60m", "--rounds", "1", "--steps", "1", "--only",
                         "frugal block 0.25"],
     "bench.train_step": ["--model", "llama_tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                         "--methods", "FRUGAL 0.25"],
+                         "--methods", "FRUGAL 0.25", "--batch-size", "2", "--micro-batch-size", "2", "--seq-len", "32"],
     "bench.data": ["--docs", "300"],
     # the vote's byte and time tables: one case (the vote, 2 ranks, unshaped, 1 step of llama_tiny); its simulator,
     # compute and payload tables: one small case each
@@ -237,7 +239,7 @@ def test_readme_command_block_runs(block, example_paths, tmp_path):
         if _never_run(command):
             continue
         argv = toy_command(command, example_paths)
-        proc = run_python(argv, cwd=workdir, env=env, timeout=900)  # forked from a warm interpreter
+        proc = run_python(argv, cwd=workdir, env=env, timeout=900, nested=True)  # forked from a warm interpreter
         assert proc.returncode == 0, (f"{block['where']}: {command}\nran as: {' '.join(argv)}\n"
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
