@@ -51,12 +51,12 @@ def environment() -> dict:
 
 
 def run(run_dir: str, *extra: str, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
-    def limit():
-        if limit_bytes:  # Python ignores SIGXFSZ, so writes past the limit fail with EFBIG
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    def limit():  # Python ignores SIGXFSZ, so writes past the limit fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
+    # a preexec_fn only where there is a limit: without one, subprocess can start the child the faster way
     return subprocess.run(command(run_dir, *extra), cwd=REPO, env=environment(), capture_output=True, text=True,
-                          timeout=600, preexec_fn=limit)
+                          timeout=600, preexec_fn=limit if limit_bytes else None)
 
 
 def start(run_dir: str, *extra: str) -> subprocess.Popen:

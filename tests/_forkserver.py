@@ -32,8 +32,9 @@ or `python -m scripts.name` with `subprocess.run` (scripts.mini_repro's and benc
 gets those forked too, from a copy of itself taken before it started (a "zygote", as the server's own
 children are, imports done and nothing else): the same exit code, captured output and files as the fresh
 process. Only `subprocess.run(argv, cwd=, env=, capture_output=True, text=, timeout=, check=)` of such an
-argv is forked, and only when its environment differs from the program's own in variables read at run time
-(RUNTIME_ENV), not at import; any other call (Popen, preexec_fn, a torchrun, another program) is the real one.
+argv (any other option None) is forked, and only when its environment differs from the program's own in
+variables read at run time (RUNTIME_ENV), not at import; any other call (Popen, a preexec_fn, a torchrun,
+another program) is the real one.
 
 What it is not for: the process boundary itself. Signals, crashes, kills and Slurm's jobs stay real
 processes (`subprocess`), as do `python -c`, `python -m` of any other module (pytest), and any torchrun
@@ -197,8 +198,9 @@ def _nested_runs(request: dict) -> None:
         env = kwargs.get("env")
         env = dict(os.environ if env is None else env)
         changed = {k for k in set(env) | set(base_env) if env.get(k) != base_env.get(k)}
+        given = {k for k, v in kwargs.items() if v is not None}
         if (popenargs or argv is None or not forkable(argv) or not kwargs.get("capture_output")
-                or set(kwargs) - {"cwd", "env", "capture_output", "text", "timeout", "check"}
+                or given - {"cwd", "env", "capture_output", "text", "timeout", "check"}
                 or changed - RUNTIME_ENV or ended[0] or not busy.acquire(blocking=False)):
             return original(args, *popenargs, **kwargs)  # (one nested run at a time: another thread's is real)
         try:

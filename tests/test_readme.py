@@ -17,8 +17,8 @@ The convention (README and docs authors: this is all there is to it):
   wandb and the network off. Each `python script.py` or `python -m scripts.NAME` command is its own
   process, forked from an interpreter that has already imported torch, transformers and train.py
   (tests/_forkserver.py: the same exit code, output and files as a fresh process, ~4.5 s sooner), and so
-  are the `python train.py` runs such a program starts with subprocess.run (the mini reproduction's and
-  bench.train_step's: the fork server's nested runs).
+  are the `python train.py` runs such a program starts with subprocess.run (the mini reproduction's,
+  bench.train_step's, ops.fault_inject's plain runs: the fork server's nested runs).
 - A block that cannot run here says why on the line before it: `<!-- readme-test: skip hub -->`
   (needs the Hugging Face Hub), `gpu` (needs GPUs) or `slurm` (needs a SLURM cluster). Nothing else may
   be skipped. `pip install` (the tests run in the installed environment) and `python -m pytest` (this
