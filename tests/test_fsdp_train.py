@@ -291,11 +291,14 @@ def test_damaged_shard_falls_back_to_the_newest_intact_checkpoint(tmp_path):
 def test_pure_bf16_and_compiled_blocks_under_fsdp(tmp_path):
     """Pure bf16 shards (no mixed-precision policy: computed and reduced in bf16, as DDP does), and
     compiled blocks with activation checkpointing under fully_shard, agree with the eager run."""
-    assert run_inprocess(tmp_path / "eager", *FSDP, "train.steps=3") == 0
-    assert run_inprocess(tmp_path / "compiled", *FSDP, "train.steps=3", "train.compile=true",
+    # 16 validation rows of 63 scored tokens: 8 whole micro-batches of 2. TINY's 1024 tokens take a 17th row,
+    # a micro-batch of 1 that recompiles the blocks and the loss for a dynamic batch size (8 graphs, not 5).
+    steps = ["train.steps=3", "train.eval_tokens=1008"]
+    assert run_inprocess(tmp_path / "eager", *FSDP, *steps) == 0
+    assert run_inprocess(tmp_path / "compiled", *FSDP, *steps, "train.compile=true",
                          "train.activation_checkpointing=true") == 0
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), abs=2e-3)
-    assert run_inprocess(tmp_path / "bf16", *FSDP, "train.steps=3", "train.precision=bf16") == 0
+    assert run_inprocess(tmp_path / "bf16", *FSDP, *steps, "train.precision=bf16") == 0
     assert losses(tmp_path / "bf16") == pytest.approx(losses(tmp_path / "eager"), abs=2e-2)
     from torch.distributed.checkpoint import FileSystemReader
 
