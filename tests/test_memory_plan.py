@@ -184,6 +184,7 @@ def test_bucket_view_saves_a_gradient_copy_only_with_in_place_zeroing(measured):
     assert abs((to_none - in_place) / grads - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_switch_of_two_blocks_stays_within_one_block_of_the_steady_state():
     """The plan counts a switch as the optimizer does it (leaving blocks freed before entering ones
     are allocated); density 0.5 of 4 layers switches 2 blocks at once. In fp32: the step's tensors
@@ -355,6 +356,7 @@ def test_device_memory():
         mp.device_memory("meta")
 
 
+@pytest.mark.slow
 def test_cli(capsys):
     from bench.memory_plan import main
 
@@ -429,6 +431,7 @@ def _listed_changes(out: str) -> list[list[str]]:
     (["model=llama_1b", "optimizer=adamw", "train.batch_size=512", "train.micro_batch_size=128"], "a100-80gb",
      ["train.activation_checkpointing=true", "train.micro_batch_size=64"]),
 ])
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_gets_the_changes_that_would(run, device, expected, capsys):
     """Each change listed, applied to the same command, plans a run that fits (exit 0)."""
     from bench.memory_plan import main

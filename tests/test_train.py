@@ -88,6 +88,7 @@ def test_grad_clip_is_logged(tmp_path):
     assert all(r["grad_norm"] > 0 for r in rows(tmp_path) if "loss" in r)
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_readable_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert run_inprocess(tmp_path, "train.steps=3", "wandb.mode=offline", "train.eval_every=3") == 0
@@ -218,6 +219,7 @@ def test_memory_check_refuses_llama_7b_on_this_host_with_the_figures(tmp_path, m
     assert not os.path.exists(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 def test_memory_check_logs_its_figures_and_can_be_skipped(tmp_path, monkeypatch):
     import train_utils.memory_check as memory_check
     from train_utils.memory_check import MemoryCheckError
@@ -373,6 +375,7 @@ def test_a_short_validation_set_stops_a_strict_run_before_training(tmp_path, t5_
         assert run_inprocess(run_dir, *local) == 0  # not strict (the default): a warning, and the run goes on
 
 
+@pytest.mark.slow
 def test_density_schedule_and_growing_gap_events_reach_the_log(tmp_path):
     """The opt-in schedules of frugal.adaptive report through pop_events(); the loop logs them."""
     assert run_inprocess(tmp_path, "train.steps=9", "optimizer.update_gap=3", "optimizer.density=0.5",
@@ -486,6 +489,7 @@ def test_memory_plan_script_plans_the_default_auto_micro_batch():
 
 
 # ------------------------------------------------------------------------ data.num_workers `auto`
+@pytest.mark.slow
 def test_auto_workers_follow_the_device_demand_within_the_spare_cores(tmp_path, monkeypatch, c4_dir,
                                                                        t5_tokenizer_dir):
     """C4's default data.num_workers=auto: a device whose peak (train.peak_flops, as an H100's) needs
