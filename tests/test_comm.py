@@ -236,6 +236,7 @@ def test_two_processes_vote_trains_labelled_with_its_bytes(vote_run):
         assert 0 < r["grad_norm"] < 100  # the votes (+-1 on ~600k entries) would read ~776
 
 
+@pytest.mark.slow
 def test_bench_script_simulator_and_compute_tables():
     """bench/comm.py's one-process parts (its byte and time tables need root and a network
     namespace: docs/communication.md has their commands and figures)."""

@@ -26,6 +26,7 @@ def tensors(dtype, shapes, seed=0, special=False):
     return params, grads
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lr,decay", [(3e-3, 1.0), (0.37, 1.0 - 0.37 * 0.013)])
@@ -43,6 +44,7 @@ def test_compiled_equals_eager_bitwise(dtype, lr, decay):
         torch.testing.assert_close(g, b, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_packs_of_tensors_any_sizes_one_graph_each():
     """PACK tensors per call, the rest one by one; new sizes do not recompile."""
@@ -59,6 +61,7 @@ def test_packs_of_tensors_any_sizes_one_graph_each():
     assert counters["stats"]["unique_graphs"] == graphs  # other sizes, LR and decay: no recompile
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_auto_compiles_large_tensors_only(monkeypatch):
     calls = []
@@ -96,6 +99,7 @@ def test_auto_falls_back_once_with_a_warning(monkeypatch):
         kernels.sign_update_(params, grads, lr=1e-2, mode="compiled")
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
     """FRUGAL's default (sign_update="auto") on tensors above the size threshold: bitwise the
@@ -125,6 +129,7 @@ def test_frugal_default_path_is_compiled_and_equals_eager(monkeypatch):
 
 
 # ---- gradients that are views into a shared buffer: DDP buckets, FSDP2 reduce-scatter outputs
+@pytest.mark.slow
 @needs_compiler
 def test_views_at_any_storage_offset_reuse_one_graph():
     """Dynamo specialises on whether an input's storage offset is 0. Packs of gradient views whose

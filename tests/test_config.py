@@ -203,6 +203,7 @@ def test_only_overrides_that_may_name_an_undeclared_key_are_forced():
                                                          "++optimzer=adamw"]
 
 
+@pytest.mark.slow
 def test_train_py_help_lists_no_internal_groups():
     out = _train_py("--help")
     assert out.returncode == 0, out.stderr

@@ -103,6 +103,7 @@ def test_presets_take_throughput_and_memory_settings_per_model():
 PAPER_LR = {"adamw": 1e-3, "frugal": 1e-3, "frugal_rho0": 1e-3, "badam": 1e-3, "galore": 1e-3, "signsgd": 1e-3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [p for p in PAPER_PRESETS if p != "table5_3b"])  # 3B: one lr (5e-4) for all
 @pytest.mark.parametrize("option", sorted(PAPER_LR))
 def test_preset_runs_each_method_at_the_papers_lr(preset, option):
@@ -258,6 +259,7 @@ def test_protocol_sweeps():
     assert str(galore.hydra.sweeper.params["model"]) == "llama_60m,llama_130m,llama_350m,llama_1b"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_trains_two_steps(preset, tmp_path):
     import train
