@@ -25,16 +25,21 @@ from pathlib import Path
 
 import pytest
 
+from _forkserver import run_python
+from _train_helpers import subprocess_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ops" / "slurm_localhost.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 LOCAL_LAUNCHER = ROOT / "configs" / "hydra" / "launcher" / "local.yaml"
 TOY = ["model=llama_tiny", "data=synthetic", "train.steps=2", "train.eval_every=0", "train.eval_tokens=256",
-       "data.seq_len=32", "checkpoint.every=0", "train.plot=false", "train.progress_bar=false", "wandb.mode=disabled"]
+       "data.seq_len=32", "checkpoint.every=0", "train.plot=false", "train.progress_bar=false", "wandb.mode=disabled",
+       "train.precision=fp32"]  # fp32: what these tests check is not the precision
 
 
 def _env() -> dict:
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(subprocess_env(), WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -58,7 +63,9 @@ def _local_example() -> list[str]:
 def test_local_launchers_own_example_runs(tmp_path):
     sweep = tmp_path / "multirun"
     cmd = [sys.executable, "train.py", *_local_example(), *TOY, f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    # the sweep's own process forked from a warm interpreter (tests/_forkserver.py); its job's 2 processes are
+    # submitit's own fresh interpreters
+    proc = run_python(cmd, cwd=ROOT, env=_env(), timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world_size"] == 2 and rows[-1]["event"] == "end"
@@ -79,7 +86,7 @@ def test_a_failing_jobs_own_error_is_the_last_line(tmp_path):
     nowhere = tmp_path / "nowhere"
     cmd = [sys.executable, "train.py", *_local_example(), *[o for o in TOY if o != "data=synthetic"], "data=local",
            f"data.path={nowhere}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, cwd=ROOT, env=_env(), timeout=300)  # forked, as above
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     error = f"error: data.path={str(nowhere)!r} does not exist"
@@ -225,7 +232,7 @@ def test_two_task_job_through_submitit_launcher(slurm_cluster, tmp_path):
            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5",
            # the time-limit warning (default 300 s before the end) must not fall inside a 5-minute limit
            "hydra.launcher.signal_delay_s=60",
-           "model=llama_tiny", "data=synthetic", "optimizer=frugal", "train.steps=3", "train.batch_size=4",
+           "model=llama_tiny", "data=synthetic", "optimizer=frugal", "train.precision=fp32", "train.steps=3", "train.batch_size=4",
            "train.micro_batch_size=2", "train.eval_every=0", "train.eval_tokens=256", "data.seq_len=32",
            "checkpoint.every=0", "train.plot=false", "train.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
