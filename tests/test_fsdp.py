@@ -7,7 +7,6 @@ so it matches too; row and randk selection draw within each shard (half the stat
 included). svd is refused with a clear message."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -110,12 +109,17 @@ print(json.dumps(out))
 """
 
 
-def test_a_sharded_checkpoint_does_not_advance_a_stateless_optimizer():
+def test_a_sharded_checkpoint_does_not_advance_a_stateless_optimizer(tmp_path):
     """torch's get_optimizer_state_dict steps an optimizer without state or gradients once at lr 0
     (signSGD, SGD): the step counter must stay, or checkpointing more often would change the run."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", SAVE_KEEPS_THE_STEP, "signsgd", "sgd", "frugal"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    from _train_helpers import subprocess_env
+
+    # A script, not `python -c`: forked from the warm interpreter (tests/_forkserver.py), without a fresh
+    # interpreter's imports.
+    script = tmp_path / "save_keeps_the_step.py"
+    script.write_text(SAVE_KEEPS_THE_STEP)
+    proc = run_python([sys.executable, str(script), "signsgd", "sgd", "frugal"], cwd=REPO, env=subprocess_env(),
+                      timeout=300)
     assert proc.returncode == 0, failure(proc)
     steps = json.loads(proc.stdout.strip().splitlines()[-1])
     assert steps == {"signsgd": [1, 1], "sgd": [1, 1], "frugal": [1, 1]}, steps
