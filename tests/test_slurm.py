@@ -232,9 +232,9 @@ def test_two_task_job_through_submitit_launcher(slurm_cluster, tmp_path):
            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5",
            # the time-limit warning (default 300 s before the end) must not fall inside a 5-minute limit
            "hydra.launcher.signal_delay_s=60",
-           "model=llama_tiny", "data=synthetic", "optimizer=frugal", "train.precision=fp32", "train.steps=3", "train.batch_size=4",
-           "train.micro_batch_size=2", "train.eval_every=0", "train.eval_tokens=256", "data.seq_len=32",
-           "checkpoint.every=0", "train.plot=false", "train.progress_bar=false"]
+           "model=llama_tiny", "data=synthetic", "optimizer=frugal", "train.precision=fp32", "train.steps=3",
+           "train.batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.eval_tokens=256",
+           "data.seq_len=32", "checkpoint.every=0", "train.plot=false", "train.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     logs = "".join(Path(p).read_text(errors="replace")[-3000:] + f"\n[{p}]\n"
                    for p in sorted(glob.glob(str(sweep / ".submitit" / "*" / "*_log.*"))))
