@@ -125,35 +125,41 @@ def _child(request: dict, rank: bool = False) -> None:
         else:
             faulthandler.disable()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        import runpy
-
         script, *args = request["argv"]
         module = args.pop(0) if script == "-m" else None
         sys.argv = [module or script, *args]
         # as `python -m module` (the working directory) and `python script` (the script's directory) set it
         sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
-        try:
-            if module:  # sets argv[0] to the module's file, as `python -m` does
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # what the interpreter prints for an uncaught exception
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        atexit._run_exitfuncs()  # os._exit below skips them
+        code = run_as_main(script, module)
     except BaseException:
         traceback.print_exc()
     finally:
         _flush_and_exit(code & 0xFF)
+
+
+def run_as_main(script: str, module: str | None = None) -> int:
+    """Run `script` (or `module`, as `python -m` does) as `__main__` in this process and return the exit
+    code a fresh interpreter would end with; the atexit functions run (os._exit, which ends a forked
+    child, would skip them)."""
+    import runpy
+
+    try:
+        if module:  # sets argv[0] to the module's file, as `python -m` does
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()
+    return code
 
 
 def _flush_and_exit(code: int) -> None:

@@ -10,10 +10,11 @@ or its signal). Python ignores SIGXFSZ, so a write past the limit fails with EFB
 """
 import os
 import resource
-import runpy
 import select
 import signal
 import sys
+
+from _forkserver import run_as_main  # this file's directory is sys.path[0]
 
 
 def main() -> None:
@@ -39,21 +40,7 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(script)  # as `python script.py` sets it
-        code = 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # what the interpreter prints for an uncaught exception
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        import atexit
-
-        atexit._run_exitfuncs()
+        code = run_as_main(script)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
