@@ -2,6 +2,8 @@
 subprocess, read metrics.jsonl, checkpoints and wandb's offline run file."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import json
 import os
@@ -12,6 +14,7 @@ import sys
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 from _forkserver import run_python
 
@@ -33,6 +36,53 @@ TINY = [
 def compose_cfg(*overrides: str):
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
         return compose(config_name="config", overrides=list(overrides))
+
+
+_PARSED: dict[tuple, object] = {}  # (config file, its mtime and size) -> what Hydra's file source loaded from it
+
+
+@contextlib.contextmanager
+def _yaml_files_parsed_once():
+    """While composing, each configs/ file is read and parsed once per session (about half of a compose's time is
+    parsing the same ~50 files again): Hydra gets a deep copy of what it loaded the first time, as it would
+    parse it again (a file changed since is parsed again)."""
+    from hydra._internal.core_plugins.file_config_source import FileConfigSource
+
+    load = FileConfigSource.load_config
+
+    def cached(source, config_path):
+        path = os.path.realpath(os.path.join(source.path, source._normalize_file_name(config_path)))
+        stat = os.stat(path) if os.path.exists(path) else None
+        if stat is None:
+            return load(source, config_path)  # raises as Hydra does
+        key = (source.path, config_path, stat.st_mtime_ns, stat.st_size)
+        if key not in _PARSED:
+            _PARSED[key] = load(source, config_path)
+        return copy.deepcopy(_PARSED[key])
+
+    FileConfigSource.load_config = cached
+    try:
+        yield
+    finally:
+        FileConfigSource.load_config = load
+
+
+_COMPOSED: dict[tuple, object] = {}  # overrides -> the composed config (hydra node included), once per session
+
+
+def compose_once(*overrides: str, hydra_cfg: bool = False):
+    """compose(config) of these exact overrides, composed once per session (several tests compose the same
+    sweep job): a deep copy each call, so a test that changes its config changes no other test's; without
+    hydra_cfg, the hydra node removed as compose(return_hydra_config=False) does."""
+    key = tuple(overrides)
+    if key not in _COMPOSED:
+        with initialize_config_dir(config_dir=CONFIGS, version_base=None), _yaml_files_parsed_once():
+            _COMPOSED[key] = compose(config_name="config", overrides=list(key), return_hydra_config=True)
+    cfg = copy.deepcopy(_COMPOSED[key])
+    if not hydra_cfg:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def run_inprocess(run_dir, *overrides: str, base=TINY) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
+from _train_helpers import compose_once
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
@@ -41,8 +41,8 @@ TINY = ["model=llama_tiny", "data=synthetic", "data.num_workers=0", "train.steps
 
 
 def _compose(overrides, hydra_cfg=False):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+    # Once per session for each override list (a sweep's job recurs here and in tests/test_tables.py); a copy.
+    return compose_once(*overrides, hydra_cfg=hydra_cfg)
 
 
 def test_every_table_has_a_preset():
@@ -179,11 +179,12 @@ FAST_SWEEPS = ("table2", "table17_concurrent")
 def test_preset_sweep_runs_build_and_run_the_authors_algorithm(preset):
     """Every run of the preset's sweep builds its optimizer and schedule; every FRUGAL-family row runs the
     pseudocode's restart and the authors' blocks (setup/algorithm=authors), BAdam the badam package's
-    options; GaLore keeps its state. (The model, swapped for llama_tiny here, sets no optimizer key.)"""
+    options; GaLore keeps its state. Each run as the sweep composes it (its model's steps and schedule; the
+    job tests/test_tables.py composes too), its optimizer built on llama_tiny (a model sets no optimizer key)."""
     runs = _sweep_runs(preset)
     model = models.build_model(OmegaConf.load(CONFIGS / "model" / "llama_tiny.yaml"))
     for overrides in runs:
-        cfg = _compose([f"experiment={preset}", *overrides, "model=llama_tiny"])
+        cfg = _compose([f"experiment={preset}", *overrides])
         opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
         if opt["name"] in ("frugal", "frugal_muon"):
             assert (opt["reset_state"], opt["block_granularity"]) == ("reset_all", "tensor"), (preset, overrides)

@@ -277,12 +277,10 @@ def test_real_sweep_pivot(real_sweep, capsys):
 # ---- every row the paper prints is in its preset's multirun, and lands in that row ---------------
 def _preset_sweep(preset):
     """One override list per value of each axis of the preset's multirun (as tests/test_experiments.py)."""
-    from hydra import compose, initialize_config_dir
+    from _train_helpers import compose_once
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        params = OmegaConf.to_container(compose("config", overrides=[f"experiment={preset}"],
-                                                return_hydra_config=True).hydra.sweeper.params) or {}
+    params = OmegaConf.to_container(compose_once(f"experiment={preset}", hydra_cfg=True).hydra.sweeper.params) or {}
     parser = OverridesParser.create()
     return [[f"{k}={v}"] for k, values in params.items()
             for v in parser.parse_override(f"{k}={values}").sweep_string_iterator()]
@@ -292,13 +290,12 @@ def preset_run(root: Path, name: str, preset: str, overrides: list[str], ppl: fl
     """A finished run of one cell of a preset: the config Hydra would save, a start row with the
     density report the optimizer gives on the preset's model (built on the meta device), an end row."""
     import torch
-    from hydra import compose, initialize_config_dir
+    from _train_helpers import compose_once
 
     import frugal
     import models
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("config", overrides=[f"experiment={preset}", *overrides])
+    cfg = compose_once(f"experiment={preset}", *overrides)  # once per session: tests/test_experiments.py's too
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
