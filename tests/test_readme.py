@@ -328,20 +328,6 @@ def _train_commands(block: dict) -> list[tuple[str, str]]:
 
 
 TRAIN_COMMANDS = [pair for b in COMMAND_BLOCKS for pair in _train_commands(b)]
-_JOB_CONFIGS: dict[tuple, object] = {}  # a job's composed config, for every command that runs the same job
-
-
-def _job_config(overrides: list[str]):
-    """compose(config) of one job's overrides (within initialize_config_dir), composed once per session: the
-    checks below only read it, and the same job recurs (a sweep's job, and the command that runs it alone)."""
-    from hydra import compose
-
-    key = tuple(overrides)
-    if key not in _JOB_CONFIGS:
-        _JOB_CONFIGS[key] = compose(config_name="config", overrides=list(overrides))
-    return _JOB_CONFIGS[key]
-
-
 @pytest.mark.parametrize("where, command", TRAIN_COMMANDS, ids=[where for where, _ in TRAIN_COMMANDS])
 def test_readme_train_command_is_valid_as_written(where, command):
     """Every train.py command of the README and docs/, skipped blocks included (GPU, SLURM), composes as written
@@ -352,6 +338,7 @@ def test_readme_train_command_is_valid_as_written(where, command):
 
     from hydra import compose, initialize_config_dir
 
+    from _train_helpers import compose_once
     from train_utils.validation import check_loop_settings, validate_config
 
     tokens = shlex.split(command)
@@ -370,11 +357,10 @@ def test_readme_train_command_is_valid_as_written(where, command):
             if key not in given:  # the command line wins over the preset's sweep, as in Hydra
                 swept[key] = _sweep_values(values)
         jobs = [dict(zip(swept, combo)) for combo in itertools.product(*swept.values())] or [{}]
-        for job in jobs:
-            job_overrides = [o for o in plain if not o.startswith("hydra")] + [f"{k}={v}" for k, v in job.items()]
-            cfg = _job_config(job_overrides)
-            check_loop_settings(cfg.train)
-            validate_config(cfg, world)
+    for job in jobs:  # a job recurs (a sweep's job, and the command that runs it alone): composed once a session
+        cfg = compose_once(*[o for o in plain if not o.startswith("hydra")], *[f"{k}={v}" for k, v in job.items()])
+        check_loop_settings(cfg.train)
+        validate_config(cfg, world)
 
 
 def test_ci_runs_the_readmes_setup_and_test_commands():
