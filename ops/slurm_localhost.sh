@@ -20,7 +20,7 @@
 #   stand-in that answers submitit's query (`sacct -o JobID,State,NodeList --parsable2 -j ID ...`) from
 #   `scontrol show job -o`. Put DIR/bin first on PATH (the `env` command prints how).
 # - A requeued job waits cred_expire seconds before it may start again (Slurm's default 120 s; the
-#   requeue test spent ~150 s of its 170 waiting for it): 10 s here, a credential lifetime still far
+#   requeue test spent ~150 s of its 170 waiting for it): 5 s here, a credential lifetime still far
 #   longer than a step launch on one node takes.
 # - The scheduler looks at pending jobs every 2 s (Slurm's defaults: 60 s, backfill 30 s), so a job
 #   that became eligible (a requeued one, after cred_expire) starts within seconds.
@@ -49,7 +49,7 @@ SlurmctldPort=${CTLD_PORT}
 SlurmdPort=${SLURMD_PORT}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 StateSaveLocation=${DIR}/state
 SlurmdSpoolDir=${DIR}/spool
 SlurmctldPidFile=${DIR}/slurmctld.pid
