@@ -100,7 +100,9 @@ def test_file_size_limit_while_writing_a_checkpoint(tmp_path):
 def test_frozen_rank_is_named(tmp_path):
     """Rank 1 stops answering (SIGSTOP: alive, frozen) after a few steps: rank 0 gives up after
     train.collective_timeout_s instead of torch's 30 minutes, and says which rank it was."""
-    cmd = torchrun_cmd(tmp_path, "train.micro_batch_size=2", "train.steps=500", "train.collective_timeout_s=5")
+    # fp32: not about precision (auto is bf16-mixed where the CPU has it, slower per step here)
+    cmd = torchrun_cmd(tmp_path, "train.micro_batch_size=2", "train.steps=500", "train.collective_timeout_s=5",
+                       "train.precision=fp32")
     proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     frozen = None
