@@ -262,15 +262,16 @@ class Case:
 _SWITCHING = {"name": "frugal", "density": 0.25, "update_gap": 1}  # a block switch at the second step
 # bf16 autocast (the loop's default) where precision is the point: the logits, the autocast cache, FSDP2's
 # policy, the compiled loss. A case about an optimizer's or a DDP wrapper's own tensors runs in fp32: its
-# step holds the same tensors, and bf16 matmuls cost ~10x fp32 on a CPU without native bf16 (AVX2 only).
+# step holds the same tensors, and bf16 matmuls cost ~10x fp32 on a CPU without native bf16 (AVX2 only); for
+# that reason too, bf16 cases take as few tokens as keep the plan as close (docs/memory_plan.md, Validation).
 VALIDATION_CASES = [
     Case("llama_20m", None, {"name": "adamw"}, 1, 128),
     Case("llama_20m", None, _SWITCHING, 1, 128, checkpointing=True),
-    Case("llama_20m", 1000, {"name": "adamw"}, 4, 256),
-    Case("llama_20m", 1000, _SWITCHING, 4, 256, checkpointing=True),
+    Case("llama_20m", 1000, {"name": "adamw"}, 2, 256),
+    Case("llama_20m", 1000, _SWITCHING, 2, 256, checkpointing=True),
     Case("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64),
     # The autocast cache: every bf16 weight copy alive at the end of a checkpointed forward (~20% here).
-    Case("llama_60m", 1000, {"name": "frugal", "density": 0.0}, 1, 64, checkpointing=True),
+    Case("llama_60m", 1000, {"name": "frugal", "density": 0.0}, 1, 32, checkpointing=True),
     Case("llama_20m", 256, {"name": "frugal", "density": 0.25, "projection": "column"}, 2, 256, checkpointing=True,
          precision="fp32"),
     Case("llama_20m", 1000, {"name": "galore", "density": 0.25, "update_gap": 1}, 2, 256, precision="fp32"),
@@ -278,7 +279,7 @@ VALIDATION_CASES = [
          precision="fp32"),
     Case("llama_20m", 1000, {"name": "frugal", "density": 0.25, "state_full": "lion", "betas": [0.9, 0.99],
                              "update_gap": 1}, 4, 128, precision="fp32"),
-    Case("llama_20m", 1000, {"name": "adamw"}, 2, 256, precision="bf16"),
+    Case("llama_20m", 1000, {"name": "adamw"}, 2, 128, precision="bf16"),
     Case("llama_20m", 1000, _SWITCHING, 4, 128, precision="fp32"),
     Case("llama_20m", 1000, {"name": "adamw"}, 2, 128, precision="fp32", wrapper="ddp"),
     Case("llama_20m", 1000, {"name": "adamw"}, 2, 128, precision="fp32", wrapper="ddp-no-view"),
@@ -291,7 +292,7 @@ VALIDATION_CASES = [
     Case("llama_tiny", None, {"name": "frugal", "density": 0.0}, 4, 64, compiled=True),
     # 8-bit moments (frugal.state_precision): fp32 weights, and pure bf16 with stochastic rounding
     Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit"}, 4, 128, precision="fp32"),
-    Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit", "stochastic_rounding": True}, 4, 128,
+    Case("llama_20m", 1000, {**_SWITCHING, "state_precision": "8bit", "stochastic_rounding": True}, 2, 128,
          precision="bf16"),
     # The step inside backward with clipping: the 7B recipe (rho 0, pure bf16, checkpointing) and rho 0.25
     # with a block switch (the state-full blocks' gradients wait for the norm)
