@@ -6,8 +6,6 @@ side by side) test the whole path. The SLURM launcher's (nothing submitted) is i
 and the good sweeps that still run are tests/test_tables.py's real_sweep and test_slurm.py's launches."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -128,17 +126,17 @@ def test_train_py_stops_a_bad_sweep_before_any_job(tmp_path):
     """`python train.py -m optimizer.density=0.25,1.5 debug=toy`, with the basic launcher and with
     hydra/launcher=local (2 processes): exit 2, the last line names job #1 and its overrides, and
     nothing was started or written: no sweep dir, so no run dir, metrics, checkpoint or submitit job."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    from _forkserver import run_python
+    from _train_helpers import subprocess_env
+
+    env = {**subprocess_env(), "WANDB_MODE": "disabled"}
     sweep = ["-m", "optimizer.density=0.25,1.5", "debug=toy"]
-    cases = {"basic": [], "local": LOCAL}
-    procs = {name: subprocess.Popen([sys.executable, "train.py", *sweep, *extra,
-                                     f"hydra.sweep.dir={tmp_path / name}"],
-                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, extra in cases.items()}  # side by side: each is mostly train.py's imports
     line = ("error: sweep not started: job #1 (optimizer.density=1.5 debug=toy): Invalid density: 1.5 "
             "(expected a number in [0, 1])")
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+    for name, extra in {"basic": [], "local": LOCAL}.items():  # forked from the warm interpreter
+        proc = run_python([sys.executable, "train.py", *sweep, *extra, f"hydra.sweep.dir={tmp_path / name}"],
+                          cwd=ROOT, env=env, timeout=300)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 2, (name, err[-3000:])
         assert err.strip().splitlines()[-1] == line, (name, err[-3000:])
         assert "Traceback" not in err and "Launching" not in out and "runs in" not in out, (name, out, err)
