@@ -147,7 +147,7 @@ def measured():
 
 
 @pytest.mark.slow  # the measured fixture: 23 cases of two real steps in one forked process: ~30 CPU-s
-# (case 18, compiled, alone 24 s with an empty inductor cache, 6 s warm), more with torch held to AVX2
+# (case 18, compiled, alone 24 s with an empty inductor cache, 6 s warm); ~90 CPU-s with torch held to AVX2
 @pytest.mark.parametrize("index", range(len(VALIDATION_CASES)))
 def test_plan_matches_measured_peak(measured, index):
     case = VALIDATION_CASES[index]
