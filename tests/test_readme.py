@@ -328,6 +328,8 @@ def _train_commands(block: dict) -> list[tuple[str, str]]:
 
 
 TRAIN_COMMANDS = [pair for b in COMMAND_BLOCKS for pair in _train_commands(b)]
+
+
 @pytest.mark.parametrize("where, command", TRAIN_COMMANDS, ids=[where for where, _ in TRAIN_COMMANDS])
 def test_readme_train_command_is_valid_as_written(where, command):
     """Every train.py command of the README and docs/, skipped blocks included (GPU, SLURM), composes as written
@@ -336,8 +338,6 @@ def test_readme_train_command_is_valid_as_written(where, command):
     settings, so a batch that does not divide over 8 GPUs would pass there and fail here."""
     import itertools
 
-    from hydra import compose, initialize_config_dir
-
     from _train_helpers import compose_once
     from train_utils.validation import check_loop_settings, validate_config
 
@@ -345,18 +345,15 @@ def test_readme_train_command_is_valid_as_written(where, command):
     at = tokens.index("train.py")
     program, launcher_args = tokens[0], tokens[1:at]
     overrides = [t for t in tokens[at + 1:] if t != "-m" and not t.startswith("hydra.run.dir=")]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        plain = [o for o in overrides if "," not in o.split("=", 1)[-1]]
-        first = [o.split(",")[0] for o in overrides]
-        hydra_cfg = compose(config_name="config", overrides=first, return_hydra_config=True).hydra
-        world = _world_size(program, launcher_args, hydra_cfg.launcher)
-        swept = {o.split("=", 1)[0]: _sweep_values(o.split("=", 1)[1])
-                 for o in overrides if "," in o.split("=", 1)[-1]}
-        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-        for key, values in (hydra_cfg.sweeper.params or {}).items():
-            if key not in given:  # the command line wins over the preset's sweep, as in Hydra
-                swept[key] = _sweep_values(values)
-        jobs = [dict(zip(swept, combo)) for combo in itertools.product(*swept.values())] or [{}]
+    plain = [o for o in overrides if "," not in o.split("=", 1)[-1]]
+    hydra_cfg = compose_once(*[o.split(",")[0] for o in overrides], hydra_cfg=True).hydra
+    world = _world_size(program, launcher_args, hydra_cfg.launcher)
+    swept = {o.split("=", 1)[0]: _sweep_values(o.split("=", 1)[1]) for o in overrides if "," in o.split("=", 1)[-1]}
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for key, values in (hydra_cfg.sweeper.params or {}).items():
+        if key not in given:  # the command line wins over the preset's sweep, as in Hydra
+            swept[key] = _sweep_values(values)
+    jobs = [dict(zip(swept, combo)) for combo in itertools.product(*swept.values())] or [{}]
     for job in jobs:  # a job recurs (a sweep's job, and the command that runs it alone): composed once a session
         cfg = compose_once(*[o for o in plain if not o.startswith("hydra")], *[f"{k}={v}" for k, v in job.items()])
         check_loop_settings(cfg.train)

@@ -1,8 +1,8 @@
 """A multirun checks every job's config before its first job (train_utils/sweep_check.py): a bad value in
 any job stops the sweep with exit code 2 and the line that job's own run would print, after the job's
 number and overrides, with nothing started, written or queued. The checks of one job as its launcher
-runs it (processes, device) are tested in-process; two train.py sweeps (basic and local launcher, run
-side by side) test the whole path. The SLURM launcher's (nothing submitted) is in tests/test_slurm.py,
+runs it (processes, device) are tested in-process; two train.py sweeps (basic and local launcher, forked
+from the warm interpreter) test the whole path. The SLURM launcher's (nothing submitted) is in tests/test_slurm.py,
 and the good sweeps that still run are tests/test_tables.py's real_sweep and test_slurm.py's launches."""
 from __future__ import annotations
 
